@@ -1,0 +1,3 @@
+from edgeserve.cli import main
+
+raise SystemExit(main())

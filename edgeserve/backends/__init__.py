@@ -1,0 +1,1 @@
+"""Backends: a small protocol (base.py); each heavy runtime is imported inside its own module only."""

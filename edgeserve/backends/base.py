@@ -1,0 +1,118 @@
+"""The backend contract (DESIGN.md): load(model_path, config, options) -> Instance; Instance.infer.
+
+A backend module exposes a module-level `BACKEND` object satisfying `Backend`. Modules are imported
+lazily through `get_backend`, so a box without a runtime never pays for (or fails on) its import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.protocol.errors import InferenceError, Status
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str  # protocol datatype, e.g. "FP32"
+    shape: tuple[int, ...]  # full runtime shape including any batch axis; -1 = dynamic
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIO:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """How to run one model on this box; filled from the runtime plan (hardware/) and the model config."""
+
+    device: str = "CPU"  # CPU | GPU[:n] | NPU | AUTO | DLA:n
+    precision: str = "fp32"  # fp32 | fp16 | bf16 | int8 | auto
+    threads: int = 0  # intra-op threads; 0 = runtime default
+    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in preference order
+    performance_hint: str = "LATENCY"  # OpenVINO: LATENCY | THROUGHPUT
+    cache_dir: Path | None = None  # compiled-model / engine cache
+    parameters: Mapping[str, str] = field(default_factory=dict)  # config.parameters passthrough
+
+
+@runtime_checkable
+class Instance(Protocol):
+    """One loaded copy of a model. `infer` is called from one worker thread at a time."""
+
+    io: ModelIO
+
+    def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # the config `backend` value, e.g. "onnxruntime"
+    platforms: tuple[str, ...]  # config `platform` values it serves, e.g. ("onnxruntime_onnx",)
+    artifacts: tuple[str, ...]  # default model file names it reads, e.g. ("model.onnx",)
+
+    def unavailable_reason(self) -> str | None:
+        """None when the runtime imports and works here; otherwise why not (for plans and errors)."""
+
+    def inspect(self, model_path: Path) -> ModelIO:
+        """Inputs/outputs of a model file without keeping it loaded (config auto-complete)."""
+
+    def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> Instance: ...
+
+
+# name -> module holding BACKEND; the order is the default preference when nothing else decides.
+BACKEND_MODULES: dict[str, str] = {
+    "tensorrt": "edgeserve.backends.tensorrt",
+    "openvino": "edgeserve.backends.openvino",
+    "onnxruntime": "edgeserve.backends.onnxruntime",
+    "neuron": "edgeserve.backends.neuron",
+    "python": "edgeserve.backends.python",
+}
+
+# Triton `platform` strings -> our backend names
+PLATFORM_BACKEND: dict[str, str] = {
+    "onnxruntime_onnx": "onnxruntime",
+    "tensorrt_plan": "tensorrt",
+    "openvino": "openvino",
+    "pytorch_libtorch": "neuron",
+}
+
+_loaded: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`, importing its module on first use."""
+    if name in _loaded:
+        return _loaded[name]
+    module_name = BACKEND_MODULES.get(name)
+    if module_name is None:
+        raise InferenceError(
+            Status.INVALID_ARG,
+            f"unknown backend '{name}'; edgeserve has: {', '.join(sorted(BACKEND_MODULES))}",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InferenceError(Status.UNAVAILABLE, f"backend '{name}' is not installed here: {exc}") from exc
+    backend: Backend = module.BACKEND
+    _loaded[name] = backend
+    return backend
+
+
+def ensure_contiguous(array: Array) -> Array:
+    """Runtimes want C-contiguous input; copying here is the one copy on the way in, if any."""
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)

@@ -1,0 +1,241 @@
+"""Appliance settings: a TOML file, then EDGESERVE_<SECTION>_<KEY> environment overrides, then CLI flags.
+
+Validated once, at load; every error names the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A settings error; the message names the source, the field and what to do."""
+
+
+@dataclass
+class ServerSection:
+    model_repository: Path = Path("models")
+    # "explicit": load `load_models` at start (["*"] = everything) and allow load/unload at run time.
+    # "none": load everything at start, refuse the load/unload API (Triton's default mode).
+    model_control_mode: str = "explicit"
+    load_models: list[str] = field(default_factory=lambda: ["*"])
+    strict_readiness: bool = True
+    exit_timeout_s: float = 30.0  # drain budget on SIGTERM
+    state_dir: Path = Path("/var/lib/edgeserve")
+
+
+@dataclass
+class HttpSection:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_input_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass
+class GrpcSection:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8001
+    max_message_bytes: int = 2**31 - 1
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Bearer token required from non-loopback peers ("" = none). Env: EDGESERVE_GRPC_TOKEN.
+    token: str = ""
+    admin_loopback_only: bool = True
+
+
+@dataclass
+class ZmqSection:
+    enabled: bool = True
+    endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])
+    max_inflight_per_client: int = 256
+
+
+@dataclass
+class ShmSection:
+    allow_client_shm: bool = True
+    # Only keys starting with one of these may be registered ([] = any key).
+    key_prefixes: list[str] = field(default_factory=list)
+    max_regions: int = 1024
+
+
+@dataclass
+class RuntimeSection:
+    cpu_threads: int = 0  # 0 = from the CPU budget (cgroup-aware)
+    default_max_batch_size: int = 4  # Triton's auto-complete default
+    ort_memory_arena: bool = False  # the arena trades RSS for a little speed; off on small boxes
+    ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
+    openvino_performance_hint: str = "LATENCY"
+    allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
+    accuracy_tolerance: float = 1e-2  # max relative error a lower precision may add at warm-up
+    cache_dir: Path | None = None
+    device_profiles: Path | None = None  # extra folder of device profile TOMLs
+    hardware_root: Path = Path("/")
+
+
+@dataclass
+class LoggingSection:
+    level: str = "INFO"
+    format: str = "text"  # text | json
+
+
+@dataclass
+class Settings:
+    server: ServerSection = field(default_factory=ServerSection)
+    http: HttpSection = field(default_factory=HttpSection)
+    grpc: GrpcSection = field(default_factory=GrpcSection)
+    zmq: ZmqSection = field(default_factory=ZmqSection)
+    shm: ShmSection = field(default_factory=ShmSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def validate(self, source: str) -> None:
+        """Cross-field checks, after types are known good."""
+
+        def fail(path: str, message: str) -> None:
+            raise ConfigError(f"{source}: {path}: {message}")
+
+        if self.server.model_control_mode not in ("explicit", "none"):
+            fail("server.model_control_mode", f"'{self.server.model_control_mode}' is not one of explicit, none")
+        for section, port in (("http", self.http.port), ("grpc", self.grpc.port)):
+            if not 0 <= port <= 65535:
+                fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
+        if self.http.max_input_bytes <= 0:
+            fail("http.max_input_bytes", "must be positive")
+        if bool(self.grpc.tls_cert) != bool(self.grpc.tls_key):
+            fail("grpc.tls_cert", "tls_cert and tls_key must be set together")
+        if self.runtime.cpu_threads < 0:
+            fail("runtime.cpu_threads", "must be 0 (auto) or a positive thread count")
+        if self.runtime.openvino_performance_hint not in ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"):
+            fail("runtime.openvino_performance_hint", "use LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT")
+        unknown = set(self.runtime.allowed_precisions) - {"fp32", "fp16", "bf16", "int8"}
+        if unknown:
+            fail("runtime.allowed_precisions", f"unknown precision(s) {sorted(unknown)}; use fp32, fp16, bf16, int8")
+        if self.logging.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            fail("logging.level", f"'{self.logging.level}' is not DEBUG, INFO, WARNING or ERROR")
+        if self.logging.format not in ("text", "json"):
+            fail("logging.format", "use text or json")
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check/convert a TOML or env value to the field's annotated type."""
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin is not None and type(None) in args:  # Optional[X]
+        if value is None or value == "":
+            return None
+        inner = next(a for a in args if a is not type(None))
+        return _coerce(value, inner, where)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if annotation is Path:
+        if not isinstance(value, (str, Path)):
+            raise ConfigError(f"{where}: expected a path string, got {value!r}")
+        return Path(value)
+    if origin is list:
+        if isinstance(value, str):  # env form: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{where}: unsupported setting type {annotation}")  # pragma: no cover
+
+
+def _apply(settings: Settings, data: Mapping[str, Any], source: str) -> None:
+    section_types = get_type_hints(Settings)
+    for section_name, section_values in data.items():
+        if section_name not in section_types:
+            known = ", ".join(f.name for f in fields(Settings))
+            raise ConfigError(f"{source}: [{section_name}]: unknown section; known sections: {known}")
+        if not isinstance(section_values, Mapping):
+            raise ConfigError(f"{source}: [{section_name}] must be a table")
+        section = getattr(settings, section_name)
+        hints = get_type_hints(type(section))
+        for key, value in section_values.items():
+            if key not in hints:
+                known = ", ".join(hints)
+                raise ConfigError(f"{source}: {section_name}.{key}: unknown setting; known: {known}")
+            setattr(section, key, _coerce(value, hints[key], f"{source}: {section_name}.{key}"))
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    overrides: dict[str, dict[str, str]] = {}
+    sections = {f.name for f in fields(Settings)}
+    for name, value in environ.items():
+        if not name.startswith("EDGESERVE_"):
+            continue
+        rest = name[len("EDGESERVE_") :].lower()
+        section, _, key = rest.partition("_")
+        if section in sections and key:
+            overrides.setdefault(section, {})[key] = value
+    return overrides
+
+
+def load_settings(
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """File, then environment, then explicit overrides (CLI flags); validated once."""
+    settings = Settings()
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: settings file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        _apply(settings, data, str(path))
+    env = os.environ if environ is None else environ
+    env_values = _env_overrides(env)
+    if env_values:
+        _apply(settings, env_values, "environment (EDGESERVE_*)")
+    if overrides:
+        _apply(settings, {k: dict(v) for k, v in overrides.items() if v}, "command line")
+    settings.validate(str(path) if path else "settings")
+    return settings
+
+
+def to_dict(settings: Settings) -> dict[str, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return {k: {kk: plain(vv) for kk, vv in v.items()} for k, v in dataclasses.asdict(settings).items()}

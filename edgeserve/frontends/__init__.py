@@ -1,0 +1,1 @@
+"""Frontends translate one wire format each into `InferRequest` and call the one `DataPlane`."""

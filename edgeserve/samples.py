@@ -1,0 +1,103 @@
+"""Prepares the sample model repository (`models/`): a generated tiny MLP and the PP-OCR models
+taken out of the `rapidocr-onnxruntime` 1.4.4 wheel (Apache-2.0) without installing that package.
+
+    edgeserve samples [--model-repository models]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("edgeserve.samples")
+
+RAPIDOCR_WHEEL = "rapidocr-onnxruntime==1.4.4"
+# wheel member -> model folder in the repository
+PPOCR_MODELS = {
+    "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx": "ppocr_det",
+    "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx": "ppocr_cls",
+    "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx": "ppocr_rec",
+}
+
+
+def build_mlp(path: Path, in_features: int = 16, hidden: int = 32, out_features: int = 4, seed: int = 0) -> Path:
+    """A two-layer MLP with a dynamic batch axis: INPUT0 [N,16] FP32 -> OUTPUT0 [N,4] FP32 (softmax)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((in_features, hidden)).astype(np.float32) * 0.5
+    b1 = rng.standard_normal(hidden).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((hidden, out_features)).astype(np.float32) * 0.5
+    b2 = rng.standard_normal(out_features).astype(np.float32) * 0.1
+    nodes = [
+        helper.make_node("MatMul", ["INPUT0", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+        helper.make_node("Add", ["h3", "b2"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["OUTPUT0"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["N", in_features])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["N", out_features])],
+        [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def _download_wheel(dest: Path) -> Path:
+    print(f"samples: downloading {RAPIDOCR_WHEEL} (no dependencies) ...", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
+         RAPIDOCR_WHEEL],
+        check=True,
+    )  # fmt: skip
+    wheels = sorted(dest.glob("rapidocr_onnxruntime-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download of {RAPIDOCR_WHEEL} produced no wheel in {dest}")
+    return wheels[0]
+
+
+def extract_ppocr(repository: Path, wheel: Path | None = None) -> list[Path]:
+    """Take the PP-OCR .onnx files out of the rapidocr wheel into `<repo>/<model>/1/model.onnx`."""
+    written: list[Path] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel_path = wheel or _download_wheel(Path(tmp))
+        with zipfile.ZipFile(wheel_path) as archive:
+            for member, model in PPOCR_MODELS.items():
+                target = repository / model / "1" / "model.onnx"
+                data = archive.read(member)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                digest = hashlib.sha256(data).hexdigest()[:12]
+                print(f"samples: {model}: {len(data) / 1e6:.1f} MB sha256:{digest}", flush=True)
+                written.append(target)
+    return written
+
+
+def prepare(repository: Path, with_ppocr: bool = True) -> None:
+    mlp = repository / "mlp" / "1" / "model.onnx"
+    if not mlp.exists():
+        build_mlp(mlp)
+        print(f"samples: built {mlp}", flush=True)
+    if with_ppocr:
+        missing = [m for m in PPOCR_MODELS.values() if not (repository / m / "1" / "model.onnx").exists()]
+        if missing:
+            extract_ppocr(repository)
+        else:
+            print("samples: PP-OCR models already present", flush=True)

@@ -1,0 +1,1 @@
+"""Per-model scheduling: dynamic batcher, queue policy, instance pool, statistics."""

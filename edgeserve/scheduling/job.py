@@ -1,0 +1,30 @@
+"""The unit a scheduler queues: one validated request's inputs and where its result goes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy.typing as npt
+
+Arrays = dict[str, npt.NDArray[Any]]
+# Called exactly once, on a worker thread (or the submitting thread for immediate rejections),
+# with this job's outputs (already split out of the batch) or the error that ended it.
+JobCallback = Callable[["Arrays | BaseException"], None]
+
+
+@dataclass(slots=True)
+class Job:
+    inputs: Arrays  # validated views; leading axis is the batch axis when the model batches
+    batch_size: int  # rows this job contributes to a batch (1 for non-batching models)
+    done: JobCallback
+    priority: int = 0  # request value: 0 = model default level, 1 = highest
+    timeout_us: int = 0  # request value: 0 = queue policy default
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    request_id: str = ""
+    # Filled by the scheduler:
+    shape_key: tuple[Any, ...] = ()
+    deadline_ns: int = 0  # 0 = none
+    enqueue_ns: int = 0

@@ -1,0 +1,308 @@
+"""The one data plane every frontend calls (MLServer's lesson): frontends only translate wire formats.
+
+Lookup -> shm resolution -> validation -> scheduler; the scheduler calls back on a worker thread,
+where the response is assembled (classification, writes into output shm) so the event loop only
+encodes bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from edgeserve import TRITON_COMPAT_VERSION, __version__
+from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
+from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
+from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
+from edgeserve.scheduling.job import Arrays, Job
+from edgeserve.server import validation
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+    from edgeserve.backends.base import ModelIO
+    from edgeserve.scheduling.stats import ModelStats
+
+log = logging.getLogger("edgeserve.dataplane")
+
+EXTENSIONS: tuple[str, ...] = (
+    "classification",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "logging",
+)
+
+ResponseCallback = Callable[["InferResponse | InferenceError"], None]
+
+
+class SchedulerLike(Protocol):
+    def submit(self, job: Job) -> None: ...
+
+
+class ServedModelLike(Protocol):
+    """One ready version of a model, as the repository hands it out."""
+
+    name: str
+    version: int
+    config: ModelConfig
+    io: ModelIO
+    model_dir: Path
+    platform: str
+    backend_name: str
+    scheduler: SchedulerLike
+    stats: ModelStats
+
+
+class RepositoryLike(Protocol):
+    def get(self, name: str, version: str = "") -> ServedModelLike: ...
+    def ready_versions(self, name: str) -> list[ServedModelLike]: ...
+    def is_ready(self, name: str, version: str = "") -> bool: ...
+    def all_ready(self) -> bool: ...
+    def config(self, name: str, version: str = "") -> ModelConfig: ...
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]: ...
+    def served(self) -> list[ServedModelLike]: ...
+    async def load(self, name: str, config_json: str | None = None,
+                   files: dict[str, bytes] | None = None) -> None: ...  # fmt: skip
+    async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
+
+
+class DataPlane:
+    def __init__(self, repository: RepositoryLike, shm: SharedMemoryRegistry, *, strict_readiness: bool = True,
+                 model_control_mode: str = "explicit") -> None:  # fmt: skip
+        self.repository = repository
+        self.shm = shm
+        self.strict_readiness = strict_readiness
+        self.model_control_mode = model_control_mode
+        self.live_flag = True
+        self.shutting_down = False
+        self._labels: dict[tuple[str, str], list[str] | None] = {}
+
+    # -- health and metadata ------------------------------------------------------------------
+    def live(self) -> bool:
+        return self.live_flag
+
+    def ready(self) -> bool:
+        if self.shutting_down or not self.live_flag:
+            return False
+        return self.repository.all_ready() if self.strict_readiness else True
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "edgeserve", "version": __version__, "extensions": list(EXTENSIONS),
+                "triton_compatible_version": TRITON_COMPAT_VERSION}  # fmt: skip
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self.repository.is_ready(name, version)
+
+    def model_config(self, name: str, version: str = "") -> ModelConfig:
+        return self.repository.config(name, version)
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        served = self.repository.get(name, version)
+        config = served.config
+        batch_prefix = [-1] if config.max_batch_size > 0 else []
+        if version:
+            versions = [str(served.version)]
+        else:
+            versions = [str(s.version) for s in self.repository.ready_versions(name)]
+
+        def tensors(entries: Any) -> list[dict[str, Any]]:
+            return [
+                {"name": t.name, "datatype": validation.config_datatype(t.data_type),
+                 "shape": batch_prefix + [int(d) for d in t.dims]}  # fmt: skip
+                for t in entries
+            ]
+
+        return {
+            "name": served.name,
+            "versions": versions,
+            "platform": config.platform or config.backend,
+            "inputs": tensors(config.input),
+            "outputs": tensors(config.output),
+        }
+
+    # -- inference --------------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResponse:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[InferResponse] = loop.create_future()
+
+        def resolve(result: InferResponse | InferenceError) -> None:
+            if not future.done():
+                if isinstance(result, InferenceError):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+        def on_done(result: InferResponse | InferenceError) -> None:
+            loop.call_soon_threadsafe(resolve, result)
+
+        self.submit(request, on_done)
+        return await future
+
+    def submit(self, request: InferRequest, on_done: ResponseCallback) -> None:
+        """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
+        before queueing) right here, with the response or an InferenceError."""
+        if self.shutting_down:
+            on_done(unavailable("server is shutting down"))
+            return
+        leases: list[ShmLease] = []
+        served: ServedModelLike | None = None
+        try:
+            served = self.repository.get(request.model_name, request.model_version)
+            label = served.name
+            for tensor in request.inputs:
+                if tensor.shm is not None:
+                    if tensor.data is not None:
+                        raise invalid_arg(f"input '{tensor.name}' has both shared memory and inline data")
+                    lease = self.shm.acquire(tensor.shm)
+                    leases.append(lease)
+                    tensor.data = datatypes.from_buffer(
+                        lease.view, tensor.datatype, tuple(tensor.shape), f"input '{tensor.name}'"
+                    )
+            inputs, batch_size = validation.validated_inputs(request, served.config, label)
+            output_names = validation.requested_output_names(request, served.config, label)
+        except InferenceError as exc:
+            for lease in leases:
+                lease.release()
+            if served is not None:
+                served.stats.record_fail(time.monotonic_ns() - request.arrival_ns)
+            on_done(exc)
+            return
+        except Exception as exc:  # never let a decoding bug take the frontend down
+            for lease in leases:
+                lease.release()
+            log.exception("request %s rejected by an internal error", request.id)
+            on_done(internal(f"internal error preparing request: {exc}"))
+            return
+
+        model = served
+
+        def job_done(result: Arrays | BaseException) -> None:
+            try:
+                if isinstance(result, BaseException):
+                    error = result if isinstance(result, InferenceError) else internal(str(result))
+                    on_done(error)
+                else:
+                    on_done(self._response(request, model, result, output_names, batch_size))
+            except InferenceError as exc:
+                on_done(exc)
+            except Exception as exc:
+                log.exception("building the response for request %s failed", request.id)
+                on_done(internal(f"internal error building the response: {exc}"))
+            finally:
+                for lease in leases:
+                    lease.release()
+
+        job = Job(
+            inputs=inputs,
+            batch_size=batch_size,
+            done=job_done,
+            priority=int(request.priority),
+            timeout_us=int(request.timeout_us),
+            arrival_ns=request.arrival_ns,
+            request_id=request.id,
+        )
+        try:
+            model.scheduler.submit(job)
+        except InferenceError as exc:
+            for lease in leases:
+                lease.release()
+            on_done(exc)
+
+    def _response(self, request: InferRequest, served: ServedModelLike, outputs: Arrays,
+                  names: list[str], batch_size: int) -> InferResponse:  # fmt: skip
+        config = served.config
+        requested = {o.name: o for o in (request.outputs or [])}
+        specs = {o.name: o for o in config.output}
+        response = InferResponse(
+            model_name=served.name, model_version=str(served.version), id=request.id,
+        )  # fmt: skip
+        for name in names:
+            if name not in outputs:
+                raise internal(f"model '{served.name}' did not produce output '{name}'")
+            array = outputs[name]
+            datatype = validation.config_datatype(specs[name].data_type)
+            if datatype != "BYTES":
+                want = datatypes.numpy_dtype(datatype)
+                if array.dtype != want:
+                    array = array.astype(want)
+            wanted = requested.get(name)
+            if wanted is not None and wanted.classification > 0:
+                labels = self._labels_for(served, specs[name].label_filename)
+                array = validation.classify(array, wanted.classification, labels, config.max_batch_size > 0)
+                datatype = "BYTES"
+            if wanted is not None and wanted.shm is not None:
+                self._write_shm(name, array, datatype, wanted.shm)
+                response.outputs.append(
+                    OutputTensor(name, datatype, tuple(array.shape), None, shm=wanted.shm)
+                )
+            else:
+                response.outputs.append(OutputTensor(name, datatype, tuple(array.shape), array))
+        return response
+
+    def _write_shm(self, name: str, array: Any, datatype: str, ref: Any) -> None:
+        payload = datatypes.to_wire_bytes(array, datatype)
+        size = memoryview(payload).nbytes
+        with self.shm.acquire(ref) as lease:
+            if size > ref.byte_size:
+                raise internal(
+                    f"shared memory size specified with the request for output '{name}' ({ref.byte_size} "
+                    f"bytes) should be at least {size} bytes to hold the results"
+                )
+            lease.view[:size] = payload
+
+    def _labels_for(self, served: ServedModelLike, filename: str) -> list[str] | None:
+        if not filename:
+            return None
+        key = (served.name, filename)
+        if key not in self._labels:
+            path = served.model_dir / filename
+            try:
+                self._labels[key] = path.read_text(encoding="utf-8").splitlines()
+            except OSError:
+                log.warning("label file %s of model %s is unreadable", path, served.name)
+                self._labels[key] = None
+        return self._labels[key]
+
+    # -- statistics and repository --------------------------------------------------------------
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            if version:
+                models = [self.repository.get(name, version)]
+            else:
+                models = self.repository.ready_versions(name)
+                if not models:
+                    self.repository.get(name)  # raises the right NOT_FOUND/UNAVAILABLE
+        else:
+            models = self.repository.served()
+        return {"model_stats": [m.stats.to_dict() for m in models]}
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return self.repository.index(ready_only)
+
+    def _check_control(self) -> None:
+        if self.model_control_mode == "none":
+            raise InferenceError(
+                Status.UNSUPPORTED,
+                "explicit model load / unload is not allowed if polling is enabled or model control mode "
+                "is none; set [server] model_control_mode = \"explicit\"",
+            )
+
+    async def load_model(self, name: str, config_json: str | None = None,
+                         files: dict[str, bytes] | None = None) -> None:  # fmt: skip
+        self._check_control()
+        await self.repository.load(name, config_json, files)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_control()
+        await self.repository.unload(name, unload_dependents)
