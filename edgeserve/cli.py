@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import urllib.error
@@ -53,19 +54,21 @@ def _run(args: argparse.Namespace) -> int:
 
 def _api(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
-        try:
+        with contextlib.suppress(ValueError, KeyError):
             detail = json.loads(detail)["error"]
-        except (ValueError, KeyError):
-            pass
         raise SystemExit(f"edgeserve: {method} {url}: {exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
-        raise SystemExit(f"edgeserve: cannot reach {url}: {exc.reason} (is `edgeserve run` running?)") from None
+        raise SystemExit(
+            f"edgeserve: cannot reach {url}: {exc.reason} (is `edgeserve run` running?)"
+        ) from None
     return json.loads(raw) if raw else None
 
 
@@ -78,8 +81,10 @@ def _models(args: argparse.Namespace) -> int:
         else:
             print(f"{'MODEL':24} {'VERSION':8} {'STATE':12} REASON")
             for entry in index:
-                print(f"{entry['name']:24} {entry.get('version', ''):8} {entry.get('state', ''):12} "
-                      f"{entry.get('reason', '')}")  # fmt: skip
+                print(
+                    f"{entry['name']:24} {entry.get('version', ''):8} {entry.get('state', ''):12} "
+                    f"{entry.get('reason', '')}"
+                )
         return 0
     if not args.name:
         raise SystemExit(f"edgeserve: models {args.action} needs a model name")
@@ -106,7 +111,9 @@ def _detect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgeserve", description="Inference appliance runtime for edge devices")
+    parser = argparse.ArgumentParser(
+        prog="edgeserve", description="Inference appliance runtime for edge devices"
+    )
     parser.add_argument("--version", action="version", version=f"edgeserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -139,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     samples.set_defaults(func=_samples)
 
     detect = sub.add_parser("detect", help="probe the hardware and print the runtime plan")
-    detect.add_argument("--root", type=Path, default=Path("/"), help="filesystem root to probe (tests, fixtures)")
+    detect.add_argument(
+        "--root", type=Path, default=Path("/"), help="filesystem root to probe (tests, fixtures)"
+    )
     detect.add_argument("--model-repository", type=Path, default=Path("models"))
     detect.add_argument("--json", action="store_true")
     detect.set_defaults(func=_detect)
@@ -148,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
-    return result
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -109,7 +109,10 @@ class Settings:
             raise ConfigError(f"{source}: {path}: {message}")
 
         if self.server.model_control_mode not in ("explicit", "none"):
-            fail("server.model_control_mode", f"'{self.server.model_control_mode}' is not one of explicit, none")
+            fail(
+                "server.model_control_mode",
+                f"'{self.server.model_control_mode}' is not one of explicit, none",
+            )
         for section, port in (("http", self.http.port), ("grpc", self.grpc.port)):
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
@@ -123,7 +126,10 @@ class Settings:
             fail("runtime.openvino_performance_hint", "use LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT")
         unknown = set(self.runtime.allowed_precisions) - {"fp32", "fp16", "bf16", "int8"}
         if unknown:
-            fail("runtime.allowed_precisions", f"unknown precision(s) {sorted(unknown)}; use fp32, fp16, bf16, int8")
+            fail(
+                "runtime.allowed_precisions",
+                f"unknown precision(s) {sorted(unknown)}; use fp32, fp16, bf16, int8",
+            )
         if self.logging.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             fail("logging.level", f"'{self.logging.level}' is not DEBUG, INFO, WARNING or ERROR")
         if self.logging.format not in ("text", "json"):

@@ -27,7 +27,9 @@ PPOCR_MODELS = {
 }
 
 
-def build_mlp(path: Path, in_features: int = 16, hidden: int = 32, out_features: int = 4, seed: int = 0) -> Path:
+def build_mlp(
+    path: Path, in_features: int = 16, hidden: int = 32, out_features: int = 4, seed: int = 0
+) -> Path:
     """A two-layer MLP with a dynamic batch axis: INPUT0 [N,16] FP32 -> OUTPUT0 [N,4] FP32 (softmax)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -63,10 +65,19 @@ def build_mlp(path: Path, in_features: int = 16, hidden: int = 32, out_features:
 def _download_wheel(dest: Path) -> Path:
     print(f"samples: downloading {RAPIDOCR_WHEEL} (no dependencies) ...", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
-         RAPIDOCR_WHEEL],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dest),
+            RAPIDOCR_WHEEL,
+        ],
         check=True,
-    )  # fmt: skip
+    )
     wheels = sorted(dest.glob("rapidocr_onnxruntime-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip download of {RAPIDOCR_WHEEL} produced no wheel in {dest}")

@@ -13,15 +13,26 @@ from edgeserve.samples import build_mlp
 __all__ = ["build_add_sub", "build_conv_dynamic_hw", "build_identity", "build_mlp", "write_model"]
 
 ONNX_TYPES = {
-    "FP32": TensorProto.FLOAT, "FP16": TensorProto.FLOAT16, "FP64": TensorProto.DOUBLE,
-    "INT8": TensorProto.INT8, "INT16": TensorProto.INT16, "INT32": TensorProto.INT32, "INT64": TensorProto.INT64,
-    "UINT8": TensorProto.UINT8, "UINT16": TensorProto.UINT16, "UINT32": TensorProto.UINT32,
-    "UINT64": TensorProto.UINT64, "BOOL": TensorProto.BOOL, "BYTES": TensorProto.STRING,
-}  # fmt: skip
+    "FP32": TensorProto.FLOAT,
+    "FP16": TensorProto.FLOAT16,
+    "FP64": TensorProto.DOUBLE,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "UINT8": TensorProto.UINT8,
+    "UINT16": TensorProto.UINT16,
+    "UINT32": TensorProto.UINT32,
+    "UINT64": TensorProto.UINT64,
+    "BOOL": TensorProto.BOOL,
+    "BYTES": TensorProto.STRING,
+}
 
 
 def _save(graph: onnx.GraphProto, path: Path, opset: int = 17) -> Path:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgeserve-tests")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgeserve-tests"
+    )
     model.ir_version = 8
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,12 +45,20 @@ def build_add_sub(path: Path, datatype: str = "FP32", dims: int = 16, batch: boo
     shape: list[int | str] = (["N"] if batch else []) + [dims]
     t = ONNX_TYPES[datatype]
     graph = helper.make_graph(
-        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])],
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
         "add_sub",
-        [helper.make_tensor_value_info("INPUT0", t, shape), helper.make_tensor_value_info("INPUT1", t, shape)],
-        [helper.make_tensor_value_info("OUTPUT0", t, shape), helper.make_tensor_value_info("OUTPUT1", t, shape)],
-    )  # fmt: skip
+        [
+            helper.make_tensor_value_info("INPUT0", t, shape),
+            helper.make_tensor_value_info("INPUT1", t, shape),
+        ],
+        [
+            helper.make_tensor_value_info("OUTPUT0", t, shape),
+            helper.make_tensor_value_info("OUTPUT1", t, shape),
+        ],
+    )
     return _save(graph, path)
 
 
@@ -62,21 +81,28 @@ def build_conv_dynamic_hw(path: Path, channels: int = 3, out_channels: int = 4, 
     weight = rng.standard_normal((out_channels, channels, 3, 3)).astype(np.float32) * 0.2
     bias = rng.standard_normal(out_channels).astype(np.float32) * 0.1
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["images", "W", "B"], ["conv"], pads=[1, 1, 1, 1]),
-         helper.make_node("Relu", ["conv"], ["features"])],
+        [
+            helper.make_node("Conv", ["images", "W", "B"], ["conv"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["conv"], ["features"]),
+        ],
         "conv_dyn",
         [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", channels, "H", "W"])],
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", out_channels, "H", "W"])],
         [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(bias, "B")],
-    )  # fmt: skip
+    )
     return _save(graph, path)
 
 
-def write_model(repo: Path, name: str, builder: str = "mlp", version: int = 1, config: str | None = None,
-                **kwargs: object) -> Path:  # fmt: skip
+def write_model(
+    repo: Path, name: str, builder: str = "mlp", version: int = 1, config: str | None = None, **kwargs: object
+) -> Path:
     """Create `<repo>/<name>/<version>/model.onnx` (and config.pbtxt when given); returns the model dir."""
-    builders = {"mlp": build_mlp, "add_sub": build_add_sub, "identity": build_identity,
-                "conv": build_conv_dynamic_hw}  # fmt: skip
+    builders = {
+        "mlp": build_mlp,
+        "add_sub": build_add_sub,
+        "identity": build_identity,
+        "conv": build_conv_dynamic_hw,
+    }
     model_dir = repo / name
     builders[builder](model_dir / str(version) / "model.onnx", **kwargs)  # type: ignore[operator]
     if config is not None:

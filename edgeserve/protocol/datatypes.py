@@ -57,10 +57,20 @@ _CONFIG_TO_PROTOCOL: dict[str, str] = {
 _PROTOCOL_TO_CONFIG = {v: k for k, v in _CONFIG_TO_PROTOCOL.items()}
 
 _ELEMENT_SIZE: dict[str, int] = {
-    "BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8,
-    "INT8": 1, "INT16": 2, "INT32": 4, "INT64": 8,
-    "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2,
-}  # fmt: skip
+    "BOOL": 1,
+    "UINT8": 1,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "INT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "FP16": 2,
+    "FP32": 4,
+    "FP64": 8,
+    "BF16": 2,
+}
 
 
 def is_known(datatype: str) -> bool:
@@ -185,5 +195,6 @@ def to_wire_bytes(array: npt.NDArray[Any], datatype: str) -> bytes | memoryview:
     """Raw wire bytes of an output tensor; a zero-copy memoryview when the array is contiguous."""
     if datatype == "BYTES":
         return serialize_bytes(array)
-    contiguous = np.ascontiguousarray(array)
-    return memoryview(contiguous).cast("B")
+    # Viewing as uint8 first also covers dtypes the buffer protocol cannot export (bfloat16).
+    flat: Any = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return memoryview(flat)

@@ -72,14 +72,21 @@ class RepositoryLike(Protocol):
     def config(self, name: str, version: str = "") -> ModelConfig: ...
     def index(self, ready_only: bool = False) -> list[dict[str, str]]: ...
     def served(self) -> list[ServedModelLike]: ...
-    async def load(self, name: str, config_json: str | None = None,
-                   files: dict[str, bytes] | None = None) -> None: ...  # fmt: skip
+    async def load(
+        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None: ...
     async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
 
 
 class DataPlane:
-    def __init__(self, repository: RepositoryLike, shm: SharedMemoryRegistry, *, strict_readiness: bool = True,
-                 model_control_mode: str = "explicit") -> None:  # fmt: skip
+    def __init__(
+        self,
+        repository: RepositoryLike,
+        shm: SharedMemoryRegistry,
+        *,
+        strict_readiness: bool = True,
+        model_control_mode: str = "explicit",
+    ) -> None:
         self.repository = repository
         self.shm = shm
         self.strict_readiness = strict_readiness
@@ -98,8 +105,12 @@ class DataPlane:
         return self.repository.all_ready() if self.strict_readiness else True
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "edgeserve", "version": __version__, "extensions": list(EXTENSIONS),
-                "triton_compatible_version": TRITON_COMPAT_VERSION}  # fmt: skip
+        return {
+            "name": "edgeserve",
+            "version": __version__,
+            "extensions": list(EXTENSIONS),
+            "triton_compatible_version": TRITON_COMPAT_VERSION,
+        }
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.repository.is_ready(name, version)
@@ -118,8 +129,11 @@ class DataPlane:
 
         def tensors(entries: Any) -> list[dict[str, Any]]:
             return [
-                {"name": t.name, "datatype": validation.config_datatype(t.data_type),
-                 "shape": batch_prefix + [int(d) for d in t.dims]}  # fmt: skip
+                {
+                    "name": t.name,
+                    "datatype": validation.config_datatype(t.data_type),
+                    "shape": batch_prefix + [int(d) for d in t.dims],
+                }
                 for t in entries
             ]
 
@@ -219,14 +233,22 @@ class DataPlane:
                 lease.release()
             on_done(exc)
 
-    def _response(self, request: InferRequest, served: ServedModelLike, outputs: Arrays,
-                  names: list[str], batch_size: int) -> InferResponse:  # fmt: skip
+    def _response(
+        self,
+        request: InferRequest,
+        served: ServedModelLike,
+        outputs: Arrays,
+        names: list[str],
+        batch_size: int,
+    ) -> InferResponse:
         config = served.config
         requested = {o.name: o for o in (request.outputs or [])}
         specs = {o.name: o for o in config.output}
         response = InferResponse(
-            model_name=served.name, model_version=str(served.version), id=request.id,
-        )  # fmt: skip
+            model_name=served.name,
+            model_version=str(served.version),
+            id=request.id,
+        )
         for name in names:
             if name not in outputs:
                 raise internal(f"model '{served.name}' did not produce output '{name}'")
@@ -295,11 +317,12 @@ class DataPlane:
             raise InferenceError(
                 Status.UNSUPPORTED,
                 "explicit model load / unload is not allowed if polling is enabled or model control mode "
-                "is none; set [server] model_control_mode = \"explicit\"",
+                'is none; set [server] model_control_mode = "explicit"',
             )
 
-    async def load_model(self, name: str, config_json: str | None = None,
-                         files: dict[str, bytes] | None = None) -> None:  # fmt: skip
+    async def load_model(
+        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
         self._check_control()
         await self.repository.load(name, config_json, files)
 
