@@ -55,7 +55,9 @@ class Instance(Protocol):
 
     io: ModelIO
 
-    def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]: ...
+    def infer(
+        self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None
+    ) -> dict[str, Array]: ...
 
     def close(self) -> None: ...
 

@@ -90,8 +90,9 @@ def _key_path(key: str) -> str:
 
 
 class SharedMemoryRegistry:
-    def __init__(self, allow_client_shm: bool = True, key_prefixes: list[str] | None = None,
-                 max_regions: int = 1024) -> None:  # fmt: skip
+    def __init__(
+        self, allow_client_shm: bool = True, key_prefixes: list[str] | None = None, max_regions: int = 1024
+    ) -> None:
         self.allow_client_shm = allow_client_shm
         self.key_prefixes = [p.lstrip("/") for p in (key_prefixes or [])]
         self.max_regions = max_regions
@@ -119,7 +120,9 @@ class SharedMemoryRegistry:
             )
         with self._lock:
             if name in self._regions:
-                raise InferenceError(Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+                raise InferenceError(
+                    Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager"
+                )
             if len(self._regions) >= self.max_regions:
                 raise InferenceError(
                     Status.RESOURCE_EXHAUSTED, f"too many shared memory regions (max {self.max_regions})"
@@ -144,7 +147,9 @@ class SharedMemoryRegistry:
         with self._lock:
             if name in self._regions:  # lost a race with another register of the same name
                 mapping.close()
-                raise InferenceError(Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+                raise InferenceError(
+                    Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager"
+                )
             self._regions[name] = region
         log.info("shm region registered name=%s key=%s offset=%d size=%d", name, key, offset, byte_size)
 
