@@ -154,10 +154,20 @@ class SharedMemoryRegistry:
         log.info("shm region registered name=%s key=%s offset=%d size=%d", name, key, offset, byte_size)
 
     def unregister(self, name: str = "", owner: str | None = None) -> None:
-        """Unknown names are silently fine (Triton); "" removes every region (of `owner`, if given)."""
+        """Unknown names are silently fine (Triton); "" removes every region (of `owner`, if given).
+
+        With both a name and an `owner`, only that owner's region may go: PERMISSION_DENIED otherwise.
+        """
         with self._lock:
             if name:
-                names = [name] if name in self._regions else []
+                found = self._regions.get(name)
+                if found is not None and owner is not None and found.owner != owner:
+                    raise InferenceError(
+                        Status.PERMISSION_DENIED,
+                        f"shared memory region '{name}' was registered by another client; only its owner "
+                        "(or the gRPC/HTTP system shared memory API) can unregister it",
+                    )
+                names = [name] if found is not None else []
             else:
                 names = [n for n, r in self._regions.items() if owner is None or r.owner == owner]
             retired = [self._regions.pop(n) for n in names]

@@ -1,0 +1,193 @@
+"""Side by side, in one run: the same ONNX model called in-process (onnxruntime) vs through edgeserve's
+HTTP frontend (KServe V2, binary tensors), with 1 and 8 concurrent clients.
+
+    python benchmarks/bench_http.py                      # mlp and ppocr_det 1x3x320x320
+    python benchmarks/bench_http.py --models mlp --seconds 5 --clients 1,4,8
+
+In-process = one `onnxruntime.InferenceSession` with the session options edgeserve's backend uses
+(no spinning threads), called back to back from N threads. edgeserve = `edgeserve run` serving the
+sample repository (models/, its config.pbtxt: dynamic batching etc.) on a free loopback port, driven
+by N concurrent aiohttp requests from one event loop in this process. Phases alternate A B per row.
+Loopback only; every loop is bounded by a request count and a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, CpuMeter, Result, progress, run_async, run_threads, start_server  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    input_name: str
+    output_name: str
+    shape: tuple[int, ...]
+    max_requests: int  # per phase; the time limit usually ends it first
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", "INPUT0", "OUTPUT0", (1, 16), 100_000),
+    "ppocr_det": Workload("ppocr_det", "x", "sigmoid_0.tmp_0", (1, 3, 320, 320), 5_000),
+    "ppocr_cls": Workload("ppocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 50_000),
+    "ppocr_rec": Workload("ppocr_rec", "x", "softmax_11.tmp_0", (1, 3, 48, 320), 10_000),
+}
+
+
+def ort_session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    from edgeserve.backends.base import BackendOptions
+    from edgeserve.backends.onnxruntime import session_options
+
+    return ort.InferenceSession(str(path), session_options(BackendOptions()), providers=["CPUExecutionProvider"])
+
+
+def http_body(work: Workload, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    header = json.dumps({
+        "inputs": [{"name": work.input_name, "datatype": "FP32", "shape": list(x.shape),
+                    "parameters": {"binary_data_size": x.nbytes}}],
+        "parameters": {"binary_data_output": True},
+    }).encode()  # fmt: skip
+    headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    return header + x.tobytes(), headers
+
+
+def decode_http(payload: bytes, length: int) -> np.ndarray:
+    header = json.loads(payload[:length])
+    out = header["outputs"][0]
+    return np.frombuffer(payload, dtype=np.float32, offset=length).reshape(out["shape"])
+
+
+class HttpCaller:
+    """One aiohttp session per phase (created inside that phase's event loop)."""
+
+    def __init__(self, base: str, work: Workload, x: np.ndarray) -> None:
+        self.url = f"{base}/v2/models/{work.model}/infer"
+        self.body, self.headers = http_body(work, x)
+        self.session: Any = None
+
+    async def __call__(self) -> None:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            )  # fmt: skip
+        async with self.session.post(self.url, data=self.body, headers=self.headers) as response:
+            payload = await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {payload[:200]!r}")
+            decode_http(payload, int(response.headers["Inference-Header-Content-Length"]))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+def http_phase(label: str, base: str, work: Workload, x: np.ndarray, clients: int, requests: int,
+               seconds: float, meter: CpuMeter | None) -> Result:  # fmt: skip
+    caller = HttpCaller(base, work, x)
+    closing: list[Any] = []
+
+    async def call() -> None:
+        await caller()
+        if not closing:
+            closing.append(caller.session)
+
+    result = run_async(label, call, clients, requests, seconds, meter)
+    # the session belongs to the finished loop; closing it there is not possible any more
+    if caller.session is not None and not caller.session.closed:
+        caller.session._connector._close()  # type: ignore[union-attr]
+    return result
+
+
+def check_outputs(base: str, work: Workload, session: Any, x: np.ndarray) -> None:
+    import urllib.request
+
+    body, headers = http_body(work, x)
+    request = urllib.request.Request(f"{base}/v2/models/{work.model}/infer", data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        got = decode_http(response.read(), int(response.headers["Inference-Header-Content-Length"]))
+    (want,) = session.run([work.output_name], {work.input_name: x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    progress(f"{work.model}: edgeserve output equals in-process onnxruntime (shape {list(got.shape)})")
+
+
+def fmt_row(r: Result, ratio: str = "") -> str:
+    cpu = " / ".join(f"{r.cpu.get(k, 0):.0f}%" for k in ("bench", "server"))
+    errors = f"{r.errors}" if not r.first_error else f"{r.errors} ({r.first_error[:60]})"
+    return (f"| {r.label:<22} | {r.clients:>7} | {r.throughput:>9.1f} | {r.p50_ms:>8.2f} | {r.p99_ms:>8.2f} | "
+            f"{cpu:>15} | {ratio:>9} | {errors} |")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser.add_argument("--seconds", type=float, default=8.0, help="time limit per phase")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    args = parser.parse_args()
+    works = [WORKLOADS[m] for m in args.models.split(",")]
+    client_counts = [int(c) for c in args.clients.split(",")]
+
+    from edgeserve.samples import prepare
+
+    prepare(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+    progress(f"starting edgeserve on {args.model_repository} with {', '.join(w.model for w in works)}")
+    server = start_server(args.model_repository, [w.model for w in works])
+    rows: list[str] = []
+    try:
+        meter = CpuMeter({"bench": os.getpid(), "server": server.process.pid})
+        for work in works:
+            session = ort_session(args.model_repository / work.model / "1" / "model.onnx")
+            x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
+            check_outputs(server.base, work, session, x)
+
+            def in_process(session: Any = session, work: Workload = work, x: np.ndarray = x) -> None:
+                session.run([work.output_name], {work.input_name: x})
+
+            for clients in client_counts:
+                label = f"{work.model} {'x'.join(map(str, work.shape))}"
+                progress(f"{label}: {clients} client(s): in-process ...")
+                run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
+                a = run_threads(f"{work.model} in-process", in_process, clients, work.max_requests, args.seconds, meter)
+                progress(f"{label}: {clients} client(s): edgeserve HTTP ...")
+                http_phase("warmup", server.base, work, x, clients, work.max_requests, args.warmup, None)
+                b = http_phase(f"{work.model} edgeserve", server.base, work, x, clients, work.max_requests,
+                               args.seconds, meter)  # fmt: skip
+                ratio = b.throughput / a.throughput if a.throughput else float("nan")
+                rows += [fmt_row(a), fmt_row(b, f"{ratio:.2f}")]
+                progress(f"{label}: {clients} client(s): in-process {a.throughput:.0f}/s, edgeserve "
+                         f"{b.throughput:.0f}/s, ratio {ratio:.2f}")  # fmt: skip
+    finally:
+        server.stop()
+    import platform
+
+    import onnxruntime
+
+    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime "
+          f"{onnxruntime.__version__}, {args.seconds:.0f}s per phase; CPU = share of all cores used by "
+          "this load-generator process / by the server process; ratio = edgeserve / in-process throughput\n")  # fmt: skip
+    print("| run                    | clients |     req/s |  p50 ms  |  p99 ms  |  CPU bench/srv  |     ratio | errors |")
+    print("|------------------------|--------:|----------:|---------:|---------:|----------------:|----------:|--------|")
+    for row in rows:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""ONNX Runtime backend: `model.onnx` on CPU, or on TensorRT / CUDA / OpenVINO execution providers.
+
+Session options are tuned for small devices: one inter-op thread, sequential execution, no CPU
+memory arena (it keeps peak RSS forever) and no spinning worker threads (they burn an idle box's
+CPU), unless the model's parameters ask otherwise. `onnxruntime` is imported only in here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.protocol.errors import InferenceError, Status
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+log = logging.getLogger("edgeserve.backends.onnxruntime")
+
+CPU = "CPUExecutionProvider"
+
+# ORT type strings -> protocol datatypes. BF16 is left out on purpose: the ORT Python API cannot
+# hand bfloat16 tensors to or from numpy.
+ORT_TYPES: dict[str, str] = {
+    "tensor(float)": "FP32", "tensor(float16)": "FP16", "tensor(double)": "FP64",
+    "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32", "tensor(int64)": "INT64",
+    "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64", "tensor(bool)": "BOOL", "tensor(string)": "BYTES",
+}  # fmt: skip
+
+# Short names accepted in options.providers / device profiles.
+PROVIDER_ALIASES: dict[str, str] = {
+    "tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExecutionProvider",
+    "cuda": "CUDAExecutionProvider", "openvino": "OpenVINOExecutionProvider",
+    "cpu": CPU, "coreml": "CoreMLExecutionProvider", "rocm": "ROCMExecutionProvider",
+    "migraphx": "MIGraphXExecutionProvider", "dnnl": "DnnlExecutionProvider", "acl": "ACLExecutionProvider",
+    "armnn": "ArmNNExecutionProvider", "xnnpack": "XnnpackExecutionProvider", "qnn": "QNNExecutionProvider",
+}  # fmt: skip
+
+# ORT exception class names that mean "the model file is at fault" rather than the runtime.
+_BAD_MODEL_ERRORS = {
+    "InvalidProtobuf",
+    "NoSuchFile",
+    "InvalidGraph",
+    "InvalidArgument",
+    "NoModel",
+    "NotFound",
+}
+
+
+def _status_of(exc: BaseException) -> Status:
+    return Status.INVALID_ARG if type(exc).__name__ in _BAD_MODEL_ERRORS else Status.INTERNAL
+
+
+def provider_name(name: str) -> str:
+    return PROVIDER_ALIASES.get(name.lower(), name)
+
+
+def _dims(shape: Any) -> tuple[int, ...]:
+    """ORT shapes hold ints, symbolic names (str) or None; anything not a fixed size becomes -1."""
+    if shape is None:
+        return ()
+    return tuple(int(d) if isinstance(d, int) and d >= 0 else -1 for d in shape)
+
+
+def _spec(arg: Any, what: str, path: Path) -> TensorSpec:
+    datatype = ORT_TYPES.get(arg.type)
+    if datatype is None:
+        raise InferenceError(
+            Status.INVALID_ARG,
+            f"{path}: {what} '{arg.name}' has type {arg.type}, which edgeserve's onnxruntime backend "
+            f"does not serve (supported: {', '.join(sorted(set(ORT_TYPES.values())))})",
+        )
+    return TensorSpec(arg.name, datatype, _dims(arg.shape))
+
+
+def _model_io(session: Any, path: Path) -> ModelIO:
+    return ModelIO(
+        inputs=tuple(_spec(a, "input", path) for a in session.get_inputs()),
+        outputs=tuple(_spec(a, "output", path) for a in session.get_outputs()),
+    )
+
+
+def _model_file(path: Path) -> Path:
+    # Triton allows `model.onnx` to be a directory holding model.onnx plus its external data files.
+    return path / "model.onnx" if path.is_dir() else path
+
+
+def session_options(options: BackendOptions) -> Any:
+    import onnxruntime as ort
+
+    params = options.parameters
+    so = ort.SessionOptions()
+    threads = options.threads
+    if params.get("intra_op_thread_count", "").isdigit():  # Triton's ORT backend parameter
+        threads = int(params["intra_op_thread_count"])
+    so.intra_op_num_threads = max(0, threads)  # 0 = ORT default (one per physical core)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.enable_cpu_mem_arena = _truthy(params.get("ort_memory_arena", params.get("enable_mem_arena", "false")))
+    so.enable_mem_pattern = True
+    spinning = "1" if _truthy(params.get("ort_allow_spinning", "false")) else "0"
+    so.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    so.add_session_config_entry("session.inter_op.allow_spinning", spinning)
+    for key, value in params.items():  # raw ORT session config entries pass straight through
+        if key.startswith("session."):
+            so.add_session_config_entry(key, value)
+    so.log_severity_level = 3  # ORT's own warnings are noisy; we report fallbacks ourselves
+    return so
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _provider_options(provider: str, options: BackendOptions) -> dict[str, str]:
+    device_id = options.device.partition(":")[2] or "0"
+    if provider == "CUDAExecutionProvider":
+        return {"device_id": device_id}
+    if provider == "TensorrtExecutionProvider":
+        opts = {"device_id": device_id}
+        if options.precision in ("fp16", "auto"):
+            opts["trt_fp16_enable"] = "True"
+        if options.precision == "int8":
+            opts["trt_int8_enable"] = "True"
+        if options.cache_dir is not None:
+            opts["trt_engine_cache_enable"] = "True"
+            opts["trt_engine_cache_path"] = str(options.cache_dir)
+        return opts
+    if provider == "OpenVINOExecutionProvider":
+        device = options.device.split(":")[0].upper()
+        opts = {"device_type": device if device in ("CPU", "GPU", "NPU", "AUTO") else "CPU"}
+        if options.precision in ("fp32", "fp16"):
+            opts["precision"] = options.precision.upper()
+        if options.cache_dir is not None:
+            opts["cache_dir"] = str(options.cache_dir)
+        return opts
+    return {}
+
+
+def plan_providers(requested: Sequence[str], available: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(providers to use, CPU last) and the requested ones this onnxruntime build lacks."""
+    chosen: list[str] = []
+    missing: list[str] = []
+    for raw in requested:
+        name = provider_name(raw)
+        if name == CPU or name in chosen:
+            continue
+        if name in available:
+            chosen.append(name)
+        else:
+            missing.append(name)
+    chosen.append(CPU)
+    return chosen, missing
+
+
+class OnnxRuntimeInstance:
+    """One InferenceSession. `fallback_reason` says why it runs on CPU although more was asked for."""
+
+    def __init__(self, session: Any, io: ModelIO, path: Path, fallback_reason: str | None) -> None:
+        self._session: Any = session
+        self.io = io
+        self.path = path
+        self.fallback_reason = fallback_reason
+        self.providers: tuple[str, ...] = tuple(session.get_providers())
+        self._string_inputs = {t.name for t in io.inputs if t.datatype == "BYTES"}
+        self._string_outputs = {t.name for t in io.outputs if t.datatype == "BYTES"}
+        self._output_names = [t.name for t in io.outputs]
+
+    def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        session = self._session
+        if session is None:
+            raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the onnxruntime session is closed")
+        feed: dict[str, Array] = {}
+        for name, array in inputs.items():
+            feed[name] = (
+                _to_ort_strings(name, array) if name in self._string_inputs else ensure_contiguous(array)
+            )
+        names = list(outputs) if outputs else self._output_names
+        try:
+            results = session.run(names, feed)
+        except Exception as exc:
+            raise InferenceError(
+                _status_of(exc), f"onnxruntime failed to run {self.path.name}: {exc}"
+            ) from exc
+        out: dict[str, Array] = {}
+        for name, value in zip(names, results, strict=True):
+            array = np.asarray(value)
+            out[name] = _from_ort_strings(array) if name in self._string_outputs else array
+        return out
+
+    def close(self) -> None:
+        self._session = None  # a run in flight keeps its own reference and finishes
+
+
+def _to_ort_strings(name: str, array: Array) -> Array:
+    """Our BYTES tensors are object arrays of `bytes`; ORT string tensors want `str` (UTF-8)."""
+    flat = array.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.object_)
+    for i, item in enumerate(flat):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            try:
+                out[i] = bytes(item).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InferenceError(
+                    Status.INVALID_ARG,
+                    f"input '{name}': element {i} is not UTF-8 text, which onnxruntime string tensors "
+                    f"need ({exc})",
+                ) from None
+        else:
+            out[i] = str(item)
+    return out.reshape(array.shape)
+
+
+def _from_ort_strings(array: Array) -> Array:
+    flat = array.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.object_)
+    for i, item in enumerate(flat):
+        out[i] = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+    return out.reshape(array.shape)
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+    platforms: tuple[str, ...] = ("onnxruntime_onnx",)
+    artifacts: tuple[str, ...] = ("model.onnx",)
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as exc:
+            return f"onnxruntime is not installed: {exc}"
+        return None
+
+    def available_providers(self) -> list[str]:
+        import onnxruntime as ort
+
+        return list(ort.get_available_providers())
+
+    def _session(self, path: Path, so: Any, providers: list[Any]) -> Any:
+        import onnxruntime as ort
+
+        file = _model_file(path)
+        try:
+            return ort.InferenceSession(str(file), sess_options=so, providers=providers)
+        except Exception as exc:
+            raise InferenceError(
+                _status_of(exc), f"{file}: onnxruntime cannot load the model: {exc}"
+            ) from exc
+
+    def inspect(self, model_path: Path) -> ModelIO:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # only the signature
+        so.enable_cpu_mem_arena = False
+        so.log_severity_level = 3
+        session = self._session(model_path, so, [CPU])
+        return _model_io(session, _model_file(model_path))
+
+    def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> OnnxRuntimeInstance:
+        available = self.available_providers()
+        chosen, missing = plan_providers(options.providers, available)
+        reasons: list[str] = []
+        if missing:
+            reasons.append(
+                f"requested execution provider(s) {', '.join(missing)} not in this onnxruntime build "
+                f"(available: {', '.join(available)})"
+            )
+        providers: list[Any] = [(p, _provider_options(p, options)) if p != CPU else p for p in chosen]
+        session = self._session(model_path, session_options(options), providers)
+        active = list(session.get_providers())
+        dropped = [p for p in chosen if p != CPU and p not in active]
+        if dropped:
+            reasons.append(f"execution provider(s) {', '.join(dropped)} failed to initialise")
+        fallback = None
+        if reasons:
+            fallback = "; ".join(reasons) + f"; running on {', '.join(active)}"
+            log.warning("%s: CPU fallback: %s", _model_file(model_path), fallback)
+        io = _model_io(session, _model_file(model_path))
+        return OnnxRuntimeInstance(session, io, _model_file(model_path), fallback)
+
+
+BACKEND = OnnxRuntimeBackend()

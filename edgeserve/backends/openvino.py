@@ -1,0 +1,231 @@
+"""OpenVINO backend: an IR (`model.xml` + `model.bin`) or an ONNX file, compiled for CPU / GPU / NPU / AUTO.
+
+The precision is always stated: on CPUs with AMX (and some with AVX512-BF16) OpenVINO's default
+inference precision is bf16, which silently changes results; `fp32` asks for "f32" explicitly.
+`openvino` is imported only in here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.protocol.datatypes import BF16_DTYPE
+from edgeserve.protocol.errors import InferenceError, Status
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+log = logging.getLogger("edgeserve.backends.openvino")
+
+# OpenVINO element type names -> protocol datatypes
+OV_TYPES: dict[str, str] = {
+    "f32": "FP32", "f16": "FP16", "bf16": "BF16", "f64": "FP64",
+    "i8": "INT8", "i16": "INT16", "i32": "INT32", "i64": "INT64",
+    "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
+    "boolean": "BOOL", "string": "BYTES",
+}  # fmt: skip
+
+PRECISION_HINTS: dict[str, str] = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # "auto": runtime default
+
+_core: Any = None
+_core_lock = threading.Lock()
+
+
+def core() -> Any:
+    """One process-wide ov.Core (it is thread safe and caches plugins)."""
+    global _core
+    with _core_lock:
+        if _core is None:
+            import openvino as ov
+
+            _core = ov.Core()
+        return _core
+
+
+def ov_device(device: str) -> str:
+    """Our device names ("GPU:1") -> OpenVINO's ("GPU.1")."""
+    base, _, index = device.partition(":")
+    return f"{base.upper()}.{index}" if index else base.upper()
+
+
+def _tensor_name(port: Any, fallback: str) -> str:
+    try:
+        return str(port.get_any_name())
+    except RuntimeError:  # a port without names (possible in hand-made IR)
+        return fallback
+
+
+def _spec(port: Any, name: str, path: Path) -> TensorSpec:
+    type_name = port.get_element_type().get_type_name()
+    datatype = OV_TYPES.get(type_name)
+    if datatype is None:
+        raise InferenceError(Status.INVALID_ARG, f"{path}: tensor '{name}' has element type {type_name}, "
+                             "which edgeserve's openvino backend does not serve")  # fmt: skip
+    shape = port.get_partial_shape()
+    if shape.rank.is_dynamic:
+        raise InferenceError(
+            Status.INVALID_ARG,
+            f"{path}: tensor '{name}' has a dynamic rank; give it a fixed rank (e.g. reshape the model) "
+            "or declare its dims in config.pbtxt",
+        )
+    dims = tuple(-1 if d.is_dynamic else int(d.get_length()) for d in shape)
+    return TensorSpec(name, datatype, dims)
+
+
+def _model_io(model: Any, path: Path) -> ModelIO:
+    inputs = tuple(_spec(p, _tensor_name(p, f"input{i}"), path) for i, p in enumerate(model.inputs))
+    outputs = tuple(_spec(p, _tensor_name(p, f"output{i}"), path) for i, p in enumerate(model.outputs))
+    return ModelIO(inputs, outputs)
+
+
+def _read(path: Path) -> Any:
+    try:
+        return core().read_model(str(path))
+    except Exception as exc:
+        raise InferenceError(Status.INVALID_ARG, f"{path}: openvino cannot read the model: {exc}") from exc
+
+
+def compile_properties(options: BackendOptions, supported: set[str] | None) -> dict[str, Any]:
+    """The compile_model config for `options`; `supported` = the device's property names (None = all)."""
+    props: dict[str, Any] = {"PERFORMANCE_HINT": options.performance_hint}
+    hint = PRECISION_HINTS.get(options.precision)
+    if hint is not None:
+        props["INFERENCE_PRECISION_HINT"] = hint
+    if options.threads > 0:
+        props["INFERENCE_NUM_THREADS"] = options.threads
+    # Upper-case model parameters are OpenVINO properties (as in Triton's openvino backend),
+    # e.g. parameters { key: "NUM_STREAMS" value: { string_value: "1" } }.
+    for key, value in options.parameters.items():
+        if key.isupper() and key != "CACHE_DIR":
+            props[key] = value
+    if supported is not None:
+        props = {k: v for k, v in props.items() if k in supported}
+    if options.cache_dir is not None:
+        props["CACHE_DIR"] = str(options.cache_dir)
+    return props
+
+
+class OpenVinoInstance:
+    """One compiled model with one infer request (infer is called from one thread at a time)."""
+
+    def __init__(
+        self, compiled: Any, io: ModelIO, path: Path, device: str, fallback_reason: str | None
+    ) -> None:
+        self._compiled: Any = compiled
+        self._request: Any = compiled.create_infer_request()
+        self.io = io
+        self.path = path
+        self.device = device
+        self.fallback_reason = fallback_reason
+        self._input_types = {t.name: t.datatype for t in io.inputs}
+        self._output_names = [t.name for t in io.outputs]
+        self._bf16_outputs = {t.name for t in io.outputs if t.datatype == "BF16"}
+
+    def compiled_property(self, name: str) -> Any:
+        """A property of the compiled model, e.g. INFERENCE_PRECISION_HINT (for checks and logs)."""
+        if self._compiled is None:
+            raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
+        return self._compiled.get_property(name)
+
+    def _feed(self, name: str, array: Array) -> Any:
+        if self._input_types.get(name) == "BF16":
+            import openvino as ov
+
+            tensor = ov.Tensor(ov.Type.bf16, ov.Shape(list(array.shape)))
+            tensor.data.view(np.uint16)[...] = ensure_contiguous(array).view(np.uint16)
+            return tensor
+        return ensure_contiguous(array)
+
+    def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        request = self._request
+        if request is None:
+            raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
+        feed = {name: self._feed(name, array) for name, array in inputs.items()}
+        try:
+            # share_inputs: no copy in; outputs are copied out, since the request reuses its buffers.
+            result = request.infer(feed, share_inputs=True, share_outputs=False)
+        except Exception as exc:
+            raise InferenceError(Status.INVALID_ARG if "shape" in str(exc).lower() else Status.INTERNAL,
+                                 f"openvino failed to run {self.path.name}: {exc}") from exc  # fmt: skip
+        values = list(result.values())
+        wanted = set(outputs) if outputs else None
+        out: dict[str, Array] = {}
+        for name, value in zip(self._output_names, values, strict=True):
+            if wanted is not None and name not in wanted:
+                continue
+            array = np.asarray(value)
+            if name in self._bf16_outputs and BF16_DTYPE is not None:
+                array = array.view(np.uint16).view(BF16_DTYPE)
+            out[name] = array
+        return out
+
+    def close(self) -> None:
+        self._request = None
+        self._compiled = None
+
+
+class OpenVinoBackend:
+    name = "openvino"
+    platforms: tuple[str, ...] = ("openvino",)
+    artifacts: tuple[str, ...] = ("model.xml", "model.onnx")
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import openvino  # noqa: F401
+        except ImportError as exc:
+            return f"openvino is not installed: {exc}"
+        return None
+
+    def inspect(self, model_path: Path) -> ModelIO:
+        return _model_io(_read(model_path), model_path)
+
+    def _device(self, requested: str) -> tuple[str, str | None]:
+        """The OpenVINO device to compile for, and why it is not the requested one (None if it is)."""
+        device = ov_device(requested or "CPU")
+        base = device.split(".")[0]
+        if base in ("AUTO", "MULTI", "HETERO", "BATCH"):
+            return device, None
+        available = list(core().available_devices)
+        if device in available or (device == base and any(d.split(".")[0] == base for d in available)):
+            return device, None
+        return "CPU", f"device {device} is not available to openvino here (available: {', '.join(available)})"
+
+    def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> OpenVinoInstance:
+        model = _read(model_path)
+        io = _model_io(model, model_path)
+        strings = [t.name for t in (*io.inputs, *io.outputs) if t.datatype == "BYTES"]
+        if strings:
+            # OpenVINO 2024-2026 corrupts the heap on string tensors (seen: free(): invalid pointer).
+            raise InferenceError(
+                Status.INVALID_ARG,
+                f"{model_path}: string (BYTES) tensors {', '.join(strings)} are not served by the openvino "
+                'backend; use backend: "onnxruntime"',
+            )
+        device, fallback = self._device(options.device)
+        if fallback:
+            fallback += "; running on CPU"
+            log.warning("%s: CPU fallback: %s", model_path, fallback)
+        supported: set[str] | None = None
+        if device.split(".")[0] in ("CPU", "GPU", "NPU"):
+            try:
+                supported = set(core().get_property(device, "SUPPORTED_PROPERTIES"))
+            except Exception:  # older plugins: pass everything and let compile_model judge
+                supported = None
+        props = compile_properties(options, supported)
+        try:
+            compiled = core().compile_model(model, device, props)
+        except Exception as exc:
+            raise InferenceError(
+                Status.INTERNAL, f"{model_path}: openvino cannot compile the model for {device}: {exc}"
+            ) from exc
+        return OpenVinoInstance(compiled, io, model_path, device, fallback)
+
+
+BACKEND = OpenVinoBackend()

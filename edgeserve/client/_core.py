@@ -1,0 +1,241 @@
+"""Message building and reply parsing shared by the sync and asyncio ZeroMQ clients."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.client.errors import ClientError
+from edgeserve.client.ring import FrameRing, ShmTensor, Slot
+from edgeserve.frontends.zmq import wire
+from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import InferenceError
+
+InputValue: TypeAlias = "npt.NDArray[Any] | ShmTensor"
+OutputTarget: TypeAlias = "FrameRing | Slot | ShmTensor | None"
+Outputs: TypeAlias = "Sequence[str] | Mapping[str, OutputTarget] | None"
+
+# Inline inputs smaller than this are always sent from a copy (zmq copies small frames anyway).
+_ZERO_COPY_MIN = 65536
+
+
+@dataclass
+class InferResult:
+    """A finished inference: outputs as numpy arrays (views of the reply frames, or copies of ring slots)."""
+
+    model_name: str
+    model_version: str
+    id: Any
+    outputs: dict[str, npt.NDArray[Any]] = field(default_factory=dict)
+    # Outputs the server wrote into a caller-managed region: name -> {"datatype","shape","shm"}
+    shm_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    latency_s: float = 0.0  # send to reply, measured by the client
+
+    def as_numpy(self, name: str) -> npt.NDArray[Any]:
+        if name in self.outputs:
+            return self.outputs[name]
+        if name in self.shm_outputs:
+            ref = self.shm_outputs[name]["shm"]
+            raise KeyError(
+                f"output '{name}' was written to shared memory region '{ref['region']}' "
+                f"(offset {ref.get('offset', 0)}, {ref['byte_size']} bytes); read it there"
+            )
+        raise KeyError(f"no output '{name}' in the result; outputs: {', '.join(self.outputs) or '(none)'}")
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        return self.as_numpy(name)
+
+
+class Pending:
+    """A request in flight: the slots it holds and where its outputs go."""
+
+    __slots__ = ("deadline", "id", "out_slots", "sent_at", "slots")
+
+    def __init__(self, req_id: int) -> None:
+        self.id = req_id
+        self.slots: list[Slot] = []
+        self.out_slots: dict[str, Slot] = {}
+        self.sent_at = 0.0
+        self.deadline = 0.0
+
+    def release_slots(self, timed_out: bool = False) -> None:
+        for slot in self.slots:
+            if timed_out:
+                slot.ring.quarantine(slot)
+            else:
+                slot.ring.release(slot)
+        self.slots = []
+
+
+def _ref(tensor: ShmTensor) -> dict[str, Any]:
+    if tensor.slot is not None:
+        return wire.shm_ref(
+            tensor.region, tensor.byte_size, tensor.offset, tensor.slot.index, tensor.slot.gen
+        )
+    return wire.shm_ref(tensor.region, tensor.byte_size, tensor.offset)
+
+
+def build_infer(
+    pending: Pending,
+    model: str,
+    inputs: Mapping[str, InputValue],
+    outputs: Outputs = None,
+    *,
+    version: str = "",
+    ring: FrameRing | None = None,
+    priority: int = 0,
+    timeout_us: int = 0,
+    parameters: Mapping[str, Any] | None = None,
+    copy_inputs: bool = True,
+) -> list[Any]:
+    """The frames of one infer request. Slots taken here are recorded on `pending`; on error they
+    are given back before raising."""
+    try:
+        return _build_infer(
+            pending, model, inputs, outputs, version, ring, priority, timeout_us, parameters, copy_inputs
+        )
+    except BaseException:
+        pending.release_slots()
+        raise
+
+
+def _build_infer(
+    pending: Pending,
+    model: str,
+    inputs: Mapping[str, InputValue],
+    outputs: Outputs,
+    version: str,
+    ring: FrameRing | None,
+    priority: int,
+    timeout_us: int,
+    parameters: Mapping[str, Any] | None,
+    copy_inputs: bool,
+) -> list[Any]:
+    header: dict[str, Any] = {"v": wire.VERSION, "op": wire.OP_INFER, "id": pending.id, "model": model}
+    if version:
+        header["version"] = str(version)
+    if priority:
+        header["priority"] = int(priority)
+    if timeout_us:
+        header["timeout_us"] = int(timeout_us)
+    if parameters:
+        header["parameters"] = dict(parameters)
+    frames: list[Any] = [b""]
+    descs: list[dict[str, Any]] = []
+    for name, value in inputs.items():
+        if isinstance(value, ShmTensor):
+            if value.datatype is None or value.shape is None:
+                raise ClientError(
+                    "INVALID_ARG", f"input '{name}': a shared-memory input needs datatype and shape"
+                )
+            descs.append(
+                {"name": name, "datatype": value.datatype, "shape": list(value.shape), "shm": _ref(value)}
+            )
+            if value.slot is not None:
+                pending.slots.append(value.slot)
+            continue
+        array = np.asarray(value)
+        try:
+            datatype = datatypes.from_numpy(array.dtype)
+        except InferenceError as exc:
+            raise ClientError("INVALID_ARG", f"input '{name}': {exc.message}") from None
+        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": [int(d) for d in array.shape]}
+        if ring is not None:
+            slot = ring.acquire()
+            pending.slots.append(slot)
+            desc["shm"] = _ref(slot.write(array))
+        else:
+            payload = datatypes.to_wire_bytes(array, datatype)
+            if copy_inputs or memoryview(payload).nbytes < _ZERO_COPY_MIN:
+                payload = bytes(payload)
+            frames.append(payload)
+        descs.append(desc)
+    header["inputs"] = descs
+    if outputs is not None:
+        header["outputs"] = _outputs(pending, outputs)
+    frames[0] = wire.dumps(header)
+    return frames
+
+
+def _outputs(pending: Pending, outputs: Outputs) -> list[dict[str, Any]]:
+    if isinstance(outputs, str):
+        raise ClientError("INVALID_ARG", "outputs must be a list of names or a mapping, not a string")
+    if not isinstance(outputs, Mapping):
+        return [{"name": str(name)} for name in outputs]  # type: ignore[union-attr]
+    descs: list[dict[str, Any]] = []
+    for name, target in outputs.items():
+        desc: dict[str, Any] = {"name": name}
+        if isinstance(target, FrameRing):
+            target = target.acquire()
+            pending.slots.append(target)
+        if isinstance(target, Slot):
+            desc["shm"] = _ref(target.output())
+            pending.out_slots[name] = target
+            if target not in pending.slots:
+                pending.slots.append(target)
+        elif isinstance(target, ShmTensor):
+            desc["shm"] = _ref(target)
+            if target.slot is not None:
+                pending.out_slots[name] = target.slot
+                if target.slot not in pending.slots:
+                    pending.slots.append(target.slot)
+        elif target is not None:
+            raise ClientError(
+                "INVALID_ARG",
+                f"output '{name}': target must be None, a FrameRing, a Slot or a "
+                f"ShmTensor, not {type(target).__name__}",
+            )
+        descs.append(desc)
+    return descs
+
+
+def build_control(req_id: int, op: str, **fields: Any) -> list[Any]:
+    return [wire.dumps({"v": wire.VERSION, "op": op, "id": req_id, **fields})]
+
+
+def check_status(header: Any) -> None:
+    if not isinstance(header, dict):
+        raise ClientError("INTERNAL", "reply header is not a JSON object")
+    status = header.get("status")
+    if status != wire.STATUS_OK:
+        raise ClientError(str(status), str(header.get("message", "")))
+
+
+def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending) -> InferResult:
+    """The result of a reply (outputs copied out of ring slots); raises ClientError for an error reply."""
+    check_status(header)
+    result = InferResult(
+        str(header.get("model", "")),
+        str(header.get("version", "")),
+        header.get("id"),
+        parameters=header.get("parameters") or {},
+        latency_s=time.perf_counter() - pending.sent_at,
+    )
+    index = 0
+    try:
+        for desc in header.get("outputs", []):
+            name, datatype, shape = desc["name"], desc["datatype"], tuple(desc["shape"])
+            if "shm" in desc:
+                slot = pending.out_slots.get(name)
+                if slot is None:
+                    result.shm_outputs[name] = desc
+                else:
+                    result.outputs[name] = slot.ring.read(
+                        slot, datatype, shape, int(desc["shm"]["byte_size"])
+                    )
+                continue
+            frame = frames[index]
+            index += 1
+            buffer = frame.buffer if hasattr(frame, "buffer") else frame
+            result.outputs[name] = datatypes.from_buffer(buffer, datatype, shape, f"output '{name}'")
+    except InferenceError as exc:
+        raise ClientError("INTERNAL", f"malformed reply: {exc.message}") from None
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ClientError("INTERNAL", f"malformed reply: {exc!r}") from None
+    return result

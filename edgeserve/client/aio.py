@@ -1,0 +1,255 @@
+# mypy: disable-error-code="attr-defined"
+"""asyncio ZeroMQ client: `await client.infer(...)`, or `await client.submit(...)` for pipelining."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from edgeserve.client import _core
+from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
+from edgeserve.client.errors import ClientError
+from edgeserve.client.ring import FrameRing
+from edgeserve.client.zmq_client import _LATE_MAX, DEFAULT_ENDPOINT
+from edgeserve.frontends.zmq import wire
+
+
+class AsyncZmqClient:
+    """The asyncio twin of `ZmqClient`; use it from one event loop."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        copy_inputs: bool = True,
+        context: zmq.asyncio.Context | None = None,
+        identity: bytes | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.copy_inputs = copy_inputs
+        self.identity = identity or uuid.uuid4().bytes
+        self._ctx = context or zmq.asyncio.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        sock.connect(endpoint)
+        self._sock: zmq.asyncio.Socket | None = sock
+        self._next_id = 1
+        self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}
+        self._late: dict[int, Pending] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._rings: list[FrameRing] = []
+
+    # -- inference ------------------------------------------------------------------------------
+    async def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Outputs = None,
+        *,
+        version: str = "",
+        ring: FrameRing | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> asyncio.Future[InferResult]:
+        """Send one request; returns a future of its result (same arguments as `ZmqClient.submit`)."""
+        pending = Pending(self._take_id())
+        frames = _core.build_infer(
+            pending,
+            model,
+            inputs,
+            outputs,
+            version=version,
+            ring=ring,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            copy_inputs=self.copy_inputs,
+        )
+        return await self._send(pending, frames, timeout)
+
+    async def infer(
+        self, model: str, inputs: Mapping[str, InputValue], outputs: Outputs = None, **kwargs: Any
+    ) -> InferResult:
+        future = await self.submit(model, inputs, outputs, **kwargs)
+        return await future
+
+    # -- control --------------------------------------------------------------------------------
+    async def ping(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call(wire.OP_PING, timeout)
+
+    async def is_ready(self, model: str = "", version: str = "") -> bool:
+        return bool((await self._call(wire.OP_READY, None, model=model, version=version))["ready"])
+
+    async def metadata(self, model: str, version: str = "") -> dict[str, Any]:
+        meta: dict[str, Any] = (await self._call(wire.OP_METADATA, None, model=model, version=version))[
+            "metadata"
+        ]
+        return meta
+
+    async def register_region(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        await self._call(wire.OP_REGISTER, None, name=name, key=key, offset=offset, byte_size=byte_size)
+
+    async def unregister_region(self, name: str = "") -> None:
+        await self._call(wire.OP_UNREGISTER, None, name=name)
+
+    async def regions(self, name: str = "") -> list[dict[str, Any]]:
+        regions: list[dict[str, Any]] = (await self._call(wire.OP_STATUS, None, name=name))["regions"]
+        return regions
+
+    async def register_ring(self, ring: FrameRing) -> FrameRing:
+        await self.register_region(ring.name, ring.key, ring.byte_size)
+        return ring
+
+    async def create_ring(self, slots: int, slot_size: int, name: str | None = None) -> FrameRing:
+        ring = FrameRing(slots, slot_size, name=name)
+        try:
+            await self.register_ring(ring)
+        except BaseException:
+            ring.close()
+            raise
+        self._rings.append(ring)
+        return ring
+
+    async def close(self) -> None:
+        if self._sock is None:
+            return
+        with contextlib.suppress(ClientError, asyncio.TimeoutError):
+            await self._call(wire.OP_BYE, min(self.timeout, 1.0))
+        for future, pending, timer in list(self._pending.values()):
+            timer.cancel()
+            if pending is not None:
+                pending.release_slots()
+            if not future.done():
+                future.set_exception(ClientError("UNAVAILABLE", "the client was closed"))
+        self._pending.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._sock.close(linger=0)
+        self._sock = None
+        for ring in self._rings:
+            ring.close()
+        self._rings = []
+
+    async def __aenter__(self) -> AsyncZmqClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _take_id(self) -> int:
+        req_id = self._next_id
+        self._next_id += 1
+        return req_id
+
+    async def _call(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
+        future = await self._send(None, _core.build_control(self._take_id(), op, **fields), timeout)
+        header: dict[str, Any] = await future
+        return header
+
+    async def _send(
+        self, pending: Pending | None, frames: list[Any], timeout: float | None
+    ) -> asyncio.Future[Any]:
+        sock = self._sock
+        if sock is None:
+            if pending is not None:
+                pending.release_slots()
+            raise ClientError("UNAVAILABLE", "the client is closed")
+        loop = asyncio.get_running_loop()
+        if self._reader is None:
+            self._reader = loop.create_task(self._read_loop())
+        req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
+        future: asyncio.Future[Any] = loop.create_future()
+        seconds = self.timeout if timeout is None else timeout
+        timer = loop.call_later(seconds, self._expire, req_id)
+        self._pending[req_id] = (future, pending, timer)
+        if pending is not None:
+            pending.sent_at = time.perf_counter()
+        try:
+            await sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self._pending.pop(req_id, None)
+            timer.cancel()
+            if pending is not None:
+                pending.release_slots()
+            raise ClientError(
+                "UNAVAILABLE",
+                f"cannot reach edgeserve at {self.endpoint} (is `edgeserve run` serving this endpoint?)",
+            ) from None
+        return future
+
+    async def _read_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                msg = await sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: list[Any]) -> None:
+        try:
+            header = wire.loads(msg[0].buffer)
+        except ValueError:
+            return
+        if not isinstance(header, dict) or header.get("op") == wire.OP_PROBE:
+            return
+        req_id = header.get("id")
+        entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if entry is None:
+            late = self._late.pop(req_id, None) if isinstance(req_id, int) else None
+            if late is not None:
+                for slot in late.slots:
+                    slot.ring.release(slot)
+            return
+        future, pending, timer = entry
+        timer.cancel()
+        try:
+            if pending is None:
+                _core.check_status(header)
+                result: Any = header
+            else:
+                result = _core.parse_infer(header, msg[1:], pending)
+        except ClientError as exc:
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            if not future.done():
+                future.set_result(result)
+        finally:
+            if pending is not None:
+                pending.release_slots()
+
+    def _expire(self, req_id: int) -> None:
+        entry = self._pending.pop(req_id, None)
+        if entry is None:
+            return
+        future, pending, _ = entry
+        if pending is not None:
+            for slot in pending.slots:
+                slot.ring.quarantine(slot)
+            self._late[req_id] = pending
+            if len(self._late) > _LATE_MAX:
+                self._late.pop(next(iter(self._late)))
+        if not future.done():
+            future.set_exception(
+                ClientError("DEADLINE_EXCEEDED", f"no reply to request {req_id} from {self.endpoint} in time")
+            )

@@ -1,0 +1,229 @@
+"""Producer side of the shared-memory frame ring: N fixed-size slots in one POSIX segment.
+
+The ring is created and owned by this process (the server maps it by key and never unlinks it;
+if this process dies, Python's resource tracker unlinks the segment and the server releases its
+registration when it sees the client go). Typical use, zero-copy from the camera into the slot:
+
+    ring = client.create_ring(slots=8, slot_size=480 * 640 * 3)
+    slot = ring.acquire()                      # RingFull if all 8 are in flight: drop the frame
+    frame = slot.ndarray((1, 480, 640, 3), np.uint8)
+    camera.read_into(frame)                    # or: slot.write(array) to copy one in
+    future = client.submit("detector", {"images": slot.tensor((1, 480, 640, 3), np.uint8)})
+
+A slot named by a request goes back to its ring when that request's reply (or error) arrives.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.client.errors import ClientError, RingFull
+from edgeserve.frontends.shm.ring import GEN_OFFSET, HEADER_SIZE, RingLayout
+from edgeserve.protocol import datatypes
+
+
+@dataclass(frozen=True, slots=True)
+class ShmTensor:
+    """A tensor in shared memory, named in a request instead of sent inline.
+
+    For inputs, `datatype` and `shape` are required. `slot` makes it a ring-slot reference
+    (`offset` is then relative to the slot). For plain regions, `offset` is relative to the region.
+    """
+
+    region: str
+    byte_size: int
+    offset: int = 0
+    datatype: str | None = None
+    shape: tuple[int, ...] | None = None
+    slot: Slot | None = None
+
+
+def _datatype(dtype: Any) -> str:
+    if isinstance(dtype, str) and datatypes.is_known(dtype):
+        return dtype
+    return datatypes.from_numpy(np.dtype(dtype))
+
+
+class Slot:
+    """One slot taken from a ring for one frame; `gen` is the generation every reference carries."""
+
+    __slots__ = ("gen", "index", "ring")
+
+    def __init__(self, ring: FrameRing, index: int, gen: int) -> None:
+        self.ring = ring
+        self.index = index
+        self.gen = gen
+
+    @property
+    def buffer(self) -> memoryview:
+        """The slot's bytes (writable)."""
+        start = self.ring.layout.slot_offset(self.index)
+        return self.ring.buf[start : start + self.ring.slot_size]
+
+    def ndarray(self, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+        """A writable numpy view of the slot's first bytes, to fill in place (zero copy)."""
+        dt = datatypes.numpy_dtype(_datatype(dtype))
+        count = datatypes.element_count(shape)
+        if count * dt.itemsize > self.ring.slot_size:
+            raise ValueError(
+                f"{list(shape)} {dt} needs {count * dt.itemsize} bytes; slots hold {self.ring.slot_size}"
+            )
+        return np.frombuffer(self.buffer, dtype=dt, count=count).reshape(shape)
+
+    def tensor(self, shape: tuple[int, ...], dtype: Any, byte_size: int | None = None) -> ShmTensor:
+        """A reference to what was written with `ndarray()` (an input of a request)."""
+        datatype = _datatype(dtype)
+        if byte_size is None:
+            byte_size = datatypes.element_count(shape) * datatypes.element_size(datatype)
+        return ShmTensor(self.ring.name, byte_size, 0, datatype, tuple(int(d) for d in shape), self)
+
+    def write(self, array: npt.NDArray[Any]) -> ShmTensor:
+        """Copy `array` into the slot and return its reference."""
+        datatype = datatypes.from_numpy(array.dtype)
+        payload = datatypes.to_wire_bytes(np.asarray(array), datatype)
+        size = memoryview(payload).nbytes
+        if size > self.ring.slot_size:
+            raise ClientError(
+                "INVALID_ARG",
+                f"a {size}-byte tensor does not fit a {self.ring.slot_size}-byte slot "
+                f"of ring '{self.ring.name}'",
+            )
+        self.buffer[:size] = payload
+        return ShmTensor(self.ring.name, size, 0, datatype, tuple(int(d) for d in array.shape), self)
+
+    def output(self, byte_size: int | None = None) -> ShmTensor:
+        """A reference asking the server to write an output into this slot."""
+        return ShmTensor(
+            self.ring.name, self.ring.slot_size if byte_size is None else byte_size, 0, slot=self
+        )
+
+    def release(self) -> None:
+        self.ring.release(self)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.ring.name!r}, index={self.index}, gen={self.gen})"
+
+
+class FrameRing:
+    """`slots` slots of `slot_size` bytes in one new POSIX shared-memory segment owned by this process."""
+
+    def __init__(
+        self, slots: int, slot_size: int, *, name: str | None = None, key: str | None = None
+    ) -> None:
+        self.layout = RingLayout.plan(slots, slot_size)
+        self.key = (key or f"edgeserve-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}").lstrip("/")
+        self.name = name or self.key  # the region name on the server
+        self._shm = shared_memory.SharedMemory(name=self.key, create=True, size=self.layout.total_size)
+        assert self._shm.buf is not None
+        self.buf: memoryview = self._shm.buf
+        self.buf[:HEADER_SIZE] = self.layout.header_bytes()
+        self._gens: npt.NDArray[np.uint64] = np.ndarray(
+            (slots,), dtype="<u8", buffer=self.buf, offset=GEN_OFFSET
+        )
+        self._gens[:] = 0
+        self._free: collections.deque[int] = collections.deque(range(slots))
+        self._stale: dict[int, None] = {}  # timed-out slots, oldest first: reused last
+        self._taken: set[int] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
+
+    @property
+    def slot_size(self) -> int:
+        return self.layout.slot_size
+
+    @property
+    def byte_size(self) -> int:
+        return self.layout.total_size
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free) + len(self._stale)
+
+    def generation(self, index: int) -> int:
+        return int(self._gens[index])
+
+    def try_acquire(self) -> Slot | None:
+        """A free slot with a new generation, or None when every slot is in flight."""
+        with self._lock:
+            if self.closed:
+                raise ClientError("UNAVAILABLE", f"ring '{self.name}' is closed")
+            if self._free:
+                index = self._free.popleft()
+            elif self._stale:  # a request that timed out may still be using it: bumping the
+                index = next(iter(self._stale))  # generation makes the server refuse it
+                del self._stale[index]
+            else:
+                return None
+            gen = int(self._gens[index]) + 1
+            self._gens[index] = gen
+            self._taken.add(index)
+        return Slot(self, index, gen)
+
+    def acquire(self) -> Slot:
+        slot = self.try_acquire()
+        if slot is None:
+            raise RingFull(
+                f"all {self.slots} slots of ring '{self.name}' are in flight; drop this frame "
+                "or wait for a result"
+            )
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back (idempotent; a slot whose generation moved on is ignored)."""
+        with self._lock:
+            self._stale.pop(slot.index, None)
+            if slot.index in self._taken and int(self._gens[slot.index]) == slot.gen:
+                self._taken.discard(slot.index)
+                self._free.append(slot.index)
+
+    def quarantine(self, slot: Slot) -> None:
+        """A request using this slot timed out: reuse the slot only when no other is free."""
+        with self._lock:
+            if slot.index in self._taken and int(self._gens[slot.index]) == slot.gen:
+                self._taken.discard(slot.index)
+                self._stale[slot.index] = None
+
+    def read(self, slot: Slot, datatype: str, shape: tuple[int, ...], byte_size: int) -> npt.NDArray[Any]:
+        """A copy of a tensor the server wrote into `slot`."""
+        start = self.layout.slot_offset(slot.index)
+        if byte_size > self.slot_size:
+            raise ClientError(
+                "INTERNAL", f"server reported {byte_size} bytes in a {self.slot_size}-byte slot"
+            )
+        view = self.buf[start : start + byte_size]
+        return np.array(datatypes.from_buffer(view, datatype, shape, f"ring '{self.name}' slot {slot.index}"))
+
+    def close(self) -> None:
+        """Unlink the segment (the server keeps its own mapping until it unregisters the region)."""
+        if self.closed:
+            return
+        self.closed = True
+        del self._gens
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
+        with contextlib.suppress(BufferError):  # a caller still holds a slot view: unmapped at exit
+            self._shm.close()
+
+    def __enter__(self) -> FrameRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FrameRing({self.name!r}, slots={self.slots}, slot_size={self.slot_size})"

@@ -1,0 +1,348 @@
+# mypy: disable-error-code="attr-defined, name-defined"
+"""Synchronous, pipelined ZeroMQ client: send many requests, collect replies as they complete.
+
+One client per thread (ZeroMQ sockets are not thread-safe); no background thread: replies are
+received while you wait on a future, call `poll()`, or iterate `as_completed()`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import zmq
+
+from edgeserve.client import _core
+from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
+from edgeserve.client.errors import ClientError
+from edgeserve.client.ring import FrameRing
+from edgeserve.frontends.zmq import wire
+
+DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
+_LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
+
+
+class ZmqFuture:
+    """The eventual reply to one request; `result()` receives replies until this one is in."""
+
+    __slots__ = ("_callbacks", "_client", "_done", "_error", "_result", "id")
+
+    def __init__(self, client: ZmqClient, req_id: int) -> None:
+        self._client = client
+        self.id = req_id
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[ZmqFuture], None]] = []
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The result; raises ClientError for a failed request, TimeoutError if `timeout` (seconds)
+        passes first (the request itself stays pending until its own deadline)."""
+        if not self._done:
+            self._client._wait_for(self, timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done:
+            self._client._wait_for(self, timeout)
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[ZmqFuture], None]) -> None:
+        if self._done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _set(self, result: Any, error: BaseException | None) -> None:
+        self._done = True
+        self._result = result
+        self._error = error
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class ZmqClient:
+    """Client for edgeserve's ZeroMQ frontend, numpy in and numpy out.
+
+    `timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
+    large inline inputs are sent without a copy: do not modify them until their future is done.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 10.0,
+        *,
+        copy_inputs: bool = True,
+        context: zmq.Context[Any] | None = None,
+        identity: bytes | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.copy_inputs = copy_inputs
+        self.identity = identity or uuid.uuid4().bytes
+        self._ctx = context or zmq.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)  # stable across reconnects: keeps our regions
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no server -> send times out instead of queueing forever
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        sock.connect(endpoint)
+        self._sock: zmq.Socket[Any] | None = sock
+        self._next_id = 1
+        self._pending: dict[int, tuple[ZmqFuture, Pending | None]] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._late: dict[int, Pending] = {}
+        self._rings: list[FrameRing] = []
+
+    # -- inference ------------------------------------------------------------------------------
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Outputs = None,
+        *,
+        version: str = "",
+        ring: FrameRing | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> ZmqFuture:
+        """Send one request and return at once. `inputs` maps names to numpy arrays (sent inline,
+        or copied into a slot of `ring` when given) or to `ShmTensor`s (e.g. `slot.tensor(...)`).
+        `outputs`: None (all, inline), a list of names, or {name: None | FrameRing | Slot | ShmTensor}."""
+        pending = Pending(self._take_id())
+        frames = _core.build_infer(
+            pending,
+            model,
+            inputs,
+            outputs,
+            version=version,
+            ring=ring,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            copy_inputs=self.copy_inputs,
+        )
+        return self._send(pending, frames, timeout)
+
+    def infer(
+        self, model: str, inputs: Mapping[str, InputValue], outputs: Outputs = None, **kwargs: Any
+    ) -> InferResult:
+        """Send one request and wait for its result."""
+        result: InferResult = self.submit(model, inputs, outputs, **kwargs).result()
+        return result
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Receive the replies that arrive within `timeout` seconds; returns how many futures finished."""
+        before = len(self._pending)
+        self._pump(time.monotonic() + timeout)
+        return before - len(self._pending)
+
+    def as_completed(self, futures: Iterable[ZmqFuture], timeout: float | None = None) -> Iterator[ZmqFuture]:
+        """Yield futures as they finish (each finishes by its own deadline at the latest)."""
+        waiting = list(futures)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while waiting:
+            ready = [f for f in waiting if f.done()]
+            if ready:
+                waiting = [f for f in waiting if not f.done()]
+                yield from ready
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(waiting)} request(s) not finished within {timeout} s")
+            self._pump(self._next_wake(deadline))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # -- control --------------------------------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> dict[str, Any]:
+        return self._call(wire.OP_PING, timeout)
+
+    def is_ready(self, model: str = "", version: str = "") -> bool:
+        return bool(self._call(wire.OP_READY, None, model=model, version=version)["ready"])
+
+    def metadata(self, model: str, version: str = "") -> dict[str, Any]:
+        meta: dict[str, Any] = self._call(wire.OP_METADATA, None, model=model, version=version)["metadata"]
+        return meta
+
+    def register_region(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        """Register a POSIX shm object (`key`) as region `name`, owned by this client."""
+        self._call(wire.OP_REGISTER, None, name=name, key=key, offset=offset, byte_size=byte_size)
+
+    def unregister_region(self, name: str = "") -> None:
+        """Unregister one of this client's regions ("" = all of them)."""
+        self._call(wire.OP_UNREGISTER, None, name=name)
+
+    def regions(self, name: str = "") -> list[dict[str, Any]]:
+        """Every registered region (`mine` marks this client's)."""
+        regions: list[dict[str, Any]] = self._call(wire.OP_STATUS, None, name=name)["regions"]
+        return regions
+
+    def register_ring(self, ring: FrameRing) -> FrameRing:
+        self.register_region(ring.name, ring.key, ring.byte_size)
+        return ring
+
+    def create_ring(self, slots: int, slot_size: int, name: str | None = None) -> FrameRing:
+        """A new ring, registered with the server and closed (unlinked) with this client."""
+        ring = FrameRing(slots, slot_size, name=name)
+        try:
+            self.register_ring(ring)
+        except BaseException:
+            ring.close()
+            raise
+        self._rings.append(ring)
+        return ring
+
+    def close(self) -> None:
+        """Say bye (the server releases this client's regions), fail what is in flight, unlink rings."""
+        if self._sock is None:
+            return
+        try:
+            future = self._send(
+                None, _core.build_control(self._take_id(), wire.OP_BYE), min(self.timeout, 1.0)
+            )
+            future.exception()
+        except ClientError:
+            pass
+        for fut, pending in list(self._pending.values()):
+            if pending is not None:
+                pending.release_slots()
+            fut._set(None, ClientError("UNAVAILABLE", "the client was closed"))
+        self._pending.clear()
+        self._sock.close(linger=0)
+        self._sock = None
+        for ring in self._rings:
+            ring.close()
+        self._rings = []
+
+    def __enter__(self) -> ZmqClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _take_id(self) -> int:
+        req_id = self._next_id
+        self._next_id += 1
+        return req_id
+
+    def _call(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
+        header: dict[str, Any] = self._send(
+            None, _core.build_control(self._take_id(), op, **fields), timeout
+        ).result()
+        return header
+
+    def _send(self, pending: Pending | None, frames: list[Any], timeout: float | None) -> ZmqFuture:
+        sock = self._sock
+        if sock is None:
+            if pending is not None:
+                pending.release_slots()
+            raise ClientError("UNAVAILABLE", "the client is closed")
+        req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            if pending is not None:
+                pending.release_slots()
+            raise ClientError(
+                "UNAVAILABLE",
+                f"cannot reach edgeserve at {self.endpoint} (is `edgeserve run` serving this endpoint?)",
+            ) from None
+        now = time.monotonic()
+        deadline = now + (self.timeout if timeout is None else timeout)
+        if pending is not None:
+            pending.sent_at = time.perf_counter()
+            pending.deadline = deadline
+        future = ZmqFuture(self, req_id)
+        self._pending[req_id] = (future, pending)
+        heapq.heappush(self._deadlines, (deadline, req_id))
+        return future
+
+    def _next_wake(self, limit: float | None) -> float:
+        wake = self._deadlines[0][0] if self._deadlines else time.monotonic() + 1.0
+        return wake if limit is None else min(wake, limit)
+
+    def _wait_for(self, future: ZmqFuture, timeout: float | None) -> None:
+        limit = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            if limit is not None and time.monotonic() >= limit:
+                raise TimeoutError(f"request {future.id} not finished within {timeout} s")
+            if self._sock is None:
+                raise ClientError("UNAVAILABLE", "the client is closed")
+            self._pump(self._next_wake(limit))
+
+    def _pump(self, until: float) -> None:
+        sock = self._sock
+        assert sock is not None
+        wait_ms = max(0, int((until - time.monotonic()) * 1000 + 0.999))
+        if sock.poll(wait_ms, zmq.POLLIN):
+            while True:
+                try:
+                    msg = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._dispatch(msg)
+        self._expire(time.monotonic())
+
+    def _dispatch(self, msg: list[Any]) -> None:
+        try:
+            header = wire.loads(msg[0].buffer)
+        except ValueError:
+            return
+        if not isinstance(header, dict) or header.get("op") == wire.OP_PROBE:
+            return
+        req_id = header.get("id")
+        entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if entry is None:
+            late = self._late.pop(req_id, None) if isinstance(req_id, int) else None
+            if late is not None:  # the slots of a timed-out request are safe to reuse now
+                for slot in late.slots:
+                    slot.ring.release(slot)
+            return
+        future, pending = entry
+        try:
+            if pending is None:
+                _core.check_status(header)
+                future._set(header, None)
+            else:
+                future._set(_core.parse_infer(header, msg[1:], pending), None)
+        except ClientError as exc:
+            future._set(None, exc)
+        finally:
+            if pending is not None:
+                pending.release_slots()
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and (heap[0][1] not in self._pending or heap[0][0] <= now):
+            _, req_id = heapq.heappop(heap)
+            entry = self._pending.pop(req_id, None)
+            if entry is None:
+                continue
+            future, pending = entry
+            if pending is not None:
+                for slot in pending.slots:
+                    slot.ring.quarantine(slot)
+                self._late[req_id] = pending
+                if len(self._late) > _LATE_MAX:
+                    self._late.pop(next(iter(self._late)))
+            future._set(
+                None,
+                ClientError(
+                    "DEADLINE_EXCEEDED", f"no reply to request {req_id} from {self.endpoint} in time"
+                ),
+            )

@@ -1,0 +1,149 @@
+"""The gRPC frontend: Triton's `inference.GRPCInferenceService` on a `grpc.aio` server of its own.
+
+Uses the message classes generated into `tritonclient.grpc.service_pb2` (the code Triton's clients
+use), with our own method table so that ModelInfer / ModelStreamInfer get the zero-copy request
+deserializer and return pre-encoded bytes, and every other RPC gets a deserializer that answers a
+malformed message with INTERNAL "Unable to parse request" (as grpc C++ does) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from edgeserve.frontends.grpc import wire
+from edgeserve.frontends.grpc.auth import AccessPolicy, server_credentials, warn_about_exposure
+from edgeserve.frontends.grpc.health import HealthService
+from edgeserve.frontends.grpc.servicer import InferenceServicer, guarded
+from edgeserve.frontends.grpc.stream import StreamHandler
+
+if TYPE_CHECKING:
+    from edgeserve.config import Settings
+    from edgeserve.server.dataplane import DataPlane
+
+log = logging.getLogger("edgeserve.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+
+# RPC -> request message name (unary RPCs; the response is whatever the handler returns)
+UNARY_RPCS: dict[str, str] = {
+    "ServerLive": "ServerLiveRequest",
+    "ServerReady": "ServerReadyRequest",
+    "ModelReady": "ModelReadyRequest",
+    "ServerMetadata": "ServerMetadataRequest",
+    "ModelMetadata": "ModelMetadataRequest",
+    "ModelConfig": "ModelConfigRequest",
+    "ModelStatistics": "ModelStatisticsRequest",
+    "RepositoryIndex": "RepositoryIndexRequest",
+    "RepositoryModelLoad": "RepositoryModelLoadRequest",
+    "RepositoryModelUnload": "RepositoryModelUnloadRequest",
+    "SystemSharedMemoryStatus": "SystemSharedMemoryStatusRequest",
+    "SystemSharedMemoryRegister": "SystemSharedMemoryRegisterRequest",
+    "SystemSharedMemoryUnregister": "SystemSharedMemoryUnregisterRequest",
+    "CudaSharedMemoryStatus": "CudaSharedMemoryStatusRequest",
+    "CudaSharedMemoryRegister": "CudaSharedMemoryRegisterRequest",
+    "CudaSharedMemoryUnregister": "CudaSharedMemoryUnregisterRequest",
+    "TraceSetting": "TraceSettingRequest",
+    "LogSettings": "LogSettingsRequest",
+}
+
+STREAM_MAX_INFLIGHT = 1024
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        # Triton and tritonclient use INT32_MAX both ways; grpcio's 4 MiB receive default
+        # would refuse a camera frame.
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # grpcio sets SO_REUSEPORT by default: a second server on the same port would silently share it.
+        ("grpc.so_reuseport", 0),
+        # Triton's keepalive defaults (grpc_server.h)
+        ("grpc.keepalive_time_ms", 7_200_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
+        ("grpc.http2.max_pings_without_data", 2),
+    ]
+
+
+class GrpcFrontend:
+    name = "grpc"
+
+    def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
+        self.dataplane = dataplane
+        self.settings = settings.grpc
+        self.max_message_bytes = int(self.settings.max_message_bytes)
+        self.policy = AccessPolicy(self.settings.token, self.settings.admin_loopback_only)
+        self.servicer = InferenceServicer(dataplane, self.policy, self.max_message_bytes)
+        self.stream = StreamHandler(dataplane, self.policy, self.max_message_bytes, STREAM_MAX_INFLIGHT)
+        self.health = HealthService(dataplane)
+        self.server: grpc.aio.Server | None = None
+        self.port: int = 0
+        self.address = ""
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        for rpc, request_type in UNARY_RPCS.items():
+            handlers[rpc] = grpc.unary_unary_rpc_method_handler(
+                guarded(getattr(self.servicer, rpc), self.policy),
+                request_deserializer=wire.safe_deserializer(getattr(service_pb2, request_type)),
+                response_serializer=_serialize,
+            )
+        handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+            guarded(self.servicer.ModelInfer, self.policy),
+            request_deserializer=wire.deserialize_infer_request,
+            response_serializer=wire.identity,
+        )
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.stream,
+            request_deserializer=wire.deserialize_infer_request,
+            response_serializer=wire.identity,
+        )
+        return handlers
+
+    def _bind_address(self) -> str:
+        host = self.settings.host
+        if host.startswith(("unix:", "unix-abstract:")):
+            return host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # IPv6 literal
+        return f"{host}:{self.settings.port}"
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=server_options(self.max_message_bytes))
+        handlers = self.method_handlers()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: faster dispatch
+            server.add_registered_method_handlers(SERVICE, handlers)
+        self.health.add_to(server)
+        address = self._bind_address()
+        credentials = server_credentials(self.settings)
+        warn_about_exposure(self.settings, credentials is not None)
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"grpc cannot listen on {address}: {exc}") from exc
+        await server.start()
+        await self.health.refresh()
+        self.server = server
+        self.port = port
+        self.address = address
+        log.info("grpc listening on %s (port %d, tls=%s)", address, port, credentials is not None)
+
+    async def stop(self, grace_s: float) -> None:
+        if self.server is None:
+            return
+        await self.health.shutdown()
+        await self.server.stop(grace_s)
+        self.server = None
+        log.info("grpc stopped")

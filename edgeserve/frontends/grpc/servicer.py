@@ -1,0 +1,261 @@
+"""The unary RPCs of `inference.GRPCInferenceService`, each a thin translation onto the data plane.
+
+Handlers raise `InferenceError`; `guarded` turns it into the gRPC status Triton would send (and any
+other exception into INTERNAL), so no handler calls `context.abort` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2
+
+from edgeserve.frontends.grpc import codec, logsettings, wire
+from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
+
+if TYPE_CHECKING:
+    from edgeserve.server.dataplane import DataPlane
+
+log = logging.getLogger("edgeserve.grpc")
+
+Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
+Handler = Callable[[Any, Context], Awaitable[Any]]
+
+SHM_OWNER = ""  # regions registered over the Triton protocol (ZMQ rings have their client as owner)
+
+
+def grpc_code(error: InferenceError) -> grpc.StatusCode:
+    return grpc.StatusCode[error.grpc_status_name]
+
+
+def guarded(handler: Handler, policy: AccessPolicy) -> Handler:
+    """Access check, malformed-request answer and error mapping around one unary handler."""
+
+    async def call(request: Any, context: Context) -> Any:
+        try:
+            policy.check(context, admin=False)
+            if isinstance(request, wire.Malformed):
+                raise internal(request.message)
+            return await handler(request, context)
+        except InferenceError as exc:
+            error = exc
+        except Exception as exc:  # a bug here must not take the server down
+            log.exception("grpc handler %s failed", getattr(handler, "__name__", handler))
+            error = internal(f"internal error: {exc}")
+        await context.abort(grpc_code(error), error.message)
+
+    call.__name__ = getattr(handler, "__name__", "handler")
+    return call
+
+
+def _tensor_metadata(entries: list[dict[str, Any]], target: Any) -> None:
+    for entry in entries:
+        target.add(name=entry["name"], datatype=entry["datatype"], shape=[int(d) for d in entry["shape"]])
+
+
+def _load_parameters(request: service_pb2.RepositoryModelLoadRequest) -> tuple[str | None, dict[str, bytes]]:
+    config: str | None = None
+    files: dict[str, bytes] = {}
+    for key, param in request.parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        if key == "config":
+            if kind != "string_param":
+                raise invalid_arg(
+                    "load parameter 'config' must be a string_param holding the model config JSON"
+                )
+            config = param.string_param
+        elif key.startswith("file:"):
+            if kind != "bytes_param":
+                raise invalid_arg(f"load parameter '{key}' must be a bytes_param")
+            path = key[len("file:") :]
+            normalized = posixpath.normpath(path)
+            if not path or path.startswith("/") or normalized.startswith("..") or "\\" in path:
+                raise invalid_arg(f"load parameter '{key}': file paths must be relative to the model folder")
+            files[normalized] = param.bytes_param
+        else:
+            raise invalid_arg(f"unrecognized load parameter '{key}'; expected 'config' or 'file:<path>'")
+    if files and config is None:
+        raise invalid_arg("load parameters with 'file:' content need a 'config' parameter too")
+    return config, files
+
+
+class InferenceServicer:
+    def __init__(self, dataplane: DataPlane, policy: AccessPolicy, max_message_bytes: int) -> None:
+        self.dataplane = dataplane
+        self.policy = policy
+        self.max_message_bytes = max_message_bytes
+
+    # -- health and metadata ------------------------------------------------------------------
+    async def ServerLive(self, request: Any, context: Context) -> Any:
+        return service_pb2.ServerLiveResponse(live=self.dataplane.live())
+
+    async def ServerReady(self, request: Any, context: Context) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self.dataplane.ready())
+
+    async def ModelReady(self, request: Any, context: Context) -> Any:
+        try:
+            ready = self.dataplane.model_ready(request.name, request.version)
+        except InferenceError as exc:
+            if exc.status not in (Status.NOT_FOUND, Status.UNAVAILABLE):
+                raise
+            ready = False  # Triton: an unknown model is simply not ready
+        return service_pb2.ModelReadyResponse(ready=bool(ready))
+
+    async def ServerMetadata(self, request: Any, context: Context) -> Any:
+        meta = self.dataplane.server_metadata()
+        # Triton clients parse the version: report the protocol-compatible Triton version.
+        version = meta.get("triton_compatible_version") or meta["version"]
+        return service_pb2.ServerMetadataResponse(
+            name=meta["name"], version=version, extensions=list(meta["extensions"])
+        )
+
+    async def ModelMetadata(self, request: Any, context: Context) -> Any:
+        meta = self.dataplane.model_metadata(request.name, request.version)
+        response = service_pb2.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"]
+        )
+        _tensor_metadata(meta["inputs"], response.inputs)
+        _tensor_metadata(meta["outputs"], response.outputs)
+        return response
+
+    async def ModelConfig(self, request: Any, context: Context) -> Any:
+        response = service_pb2.ModelConfigResponse()
+        response.config.CopyFrom(self.dataplane.model_config(request.name, request.version))
+        return response
+
+    async def ModelStatistics(self, request: Any, context: Context) -> Any:
+        stats = self.dataplane.statistics(request.name, request.version)
+        try:
+            return json_format.ParseDict(
+                stats, service_pb2.ModelStatisticsResponse(), ignore_unknown_fields=True
+            )
+        except json_format.ParseError as exc:
+            raise internal(f"statistics do not fit ModelStatisticsResponse: {exc}") from None
+
+    # -- inference ------------------------------------------------------------------------------
+    async def ModelInfer(self, request: wire.DecodedInfer, context: Context) -> bytes:
+        infer_request = codec.to_infer_request(request)
+        response = await self.dataplane.infer(infer_request)
+        return codec.encode_response(response, self.max_message_bytes)
+
+    # -- repository -----------------------------------------------------------------------------
+    async def RepositoryIndex(self, request: Any, context: Context) -> Any:
+        if request.repository_name:
+            raise unsupported("'repository_name' specification is not supported")
+        response = service_pb2.RepositoryIndexResponse()
+        for entry in self.dataplane.repository_index(request.ready):
+            response.models.add(
+                name=str(entry.get("name", "")),
+                version=str(entry.get("version", "")),
+                state=str(entry.get("state", "")),
+                reason=str(entry.get("reason", "")),
+            )
+        return response
+
+    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        if request.repository_name:
+            raise unsupported("'repository_name' specification is not supported")
+        if not request.model_name:
+            raise invalid_arg("model_name must not be empty")
+        config, files = _load_parameters(request)
+        await self.dataplane.load_model(request.model_name, config, files or None)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        if request.repository_name:
+            raise unsupported("'repository_name' specification is not supported")
+        unload_dependents = False
+        for key, param in request.parameters.items():
+            if key == "unload_dependents":
+                if param.WhichOneof("parameter_choice") != "bool_param":
+                    raise invalid_arg("unload parameter 'unload_dependents' must be a bool_param")
+                unload_dependents = param.bool_param
+            else:
+                raise invalid_arg(f"unrecognized unload parameter '{key}'")
+        await self.dataplane.unload_model(request.model_name, unload_dependents)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    # -- shared memory --------------------------------------------------------------------------
+    def _own_regions(self) -> set[str]:
+        return set(self.dataplane.shm.names(owner=SHM_OWNER))
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        shm = self.dataplane.shm
+        if request.name and request.name not in self._own_regions():
+            raise not_found(f"Unable to find system shared memory region: '{request.name}'")
+        own = self._own_regions()
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for info in shm.status(request.name):
+            if info.name in own:
+                entry = response.regions[info.name]
+                entry.name, entry.key, entry.offset, entry.byte_size = (
+                    info.name,
+                    info.key,
+                    info.offset,
+                    info.byte_size,
+                )
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        self.dataplane.shm.register(request.name, request.key, request.offset, request.byte_size, SHM_OWNER)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        if not request.name:
+            self.dataplane.shm.unregister("", owner=SHM_OWNER)
+        elif request.name in self._own_regions():
+            self.dataplane.shm.unregister(request.name)
+        # an unknown name (or another client's ZMQ ring) is silently fine, as in Triton
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        if request.name:
+            raise not_found(f"Unable to find cuda shared memory region: '{request.name}'")
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        raise unsupported(
+            "CUDA shared memory is not supported by edgeserve on this device (no GPU backend with CUDA IPC); "
+            "use system shared memory"
+        )
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        self.policy.check(context, admin=True)
+        return service_pb2.CudaSharedMemoryUnregisterResponse()  # no CUDA region can exist
+
+    # -- settings -------------------------------------------------------------------------------
+    async def TraceSetting(self, request: Any, context: Context) -> Any:
+        raise unsupported("the trace extension is not supported by edgeserve")
+
+    async def LogSettings(self, request: Any, context: Context) -> Any:
+        updates: dict[str, logsettings.SettingValue] = {}
+        for key, value in request.settings.items():
+            kind = value.WhichOneof("parameter_choice")
+            if kind is None:
+                raise invalid_arg(f"log setting '{key}' has no value")
+            updates[key] = getattr(value, kind)
+        if updates:
+            self.policy.check(context, admin=True)
+        apply = getattr(self.dataplane, "log_settings", None) or logsettings.log_settings
+        current = apply(updates or None)
+        response = service_pb2.LogSettingsResponse()
+        for key, setting in current.items():
+            target = response.settings[key]
+            if isinstance(setting, bool):
+                target.bool_param = setting
+            elif isinstance(setting, int):
+                target.uint32_param = setting
+            else:
+                target.string_param = str(setting)
+        return response

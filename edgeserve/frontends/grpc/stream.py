@@ -1,0 +1,153 @@
+"""ModelStreamInfer: many requests in flight on one bidirectional stream, answered in completion order.
+
+One reader task takes requests off the stream and submits each to the data plane (no task per
+request: the data plane calls back from its worker thread); the handler coroutine is the only
+writer. At most `max_inflight` requests of a stream are queued or running: past that the reader
+stops reading, so HTTP/2 flow control pushes back on the client.
+
+A per-request error is sent as `error_message` and the stream stays open, unless the client opened
+it with `triton_grpc_error: true` metadata: then the first error ends the stream with its status.
+Half-close: the handler finishes once every submitted request is answered. Cancel (or the server
+stopping): the reader is cancelled; requests still running finish in the scheduler and their
+answers are dropped with the stream's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from edgeserve.frontends.grpc import codec, wire
+from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.frontends.grpc.servicer import grpc_code
+from edgeserve.protocol.errors import InferenceError, internal
+from edgeserve.protocol.inference import InferResponse
+
+if TYPE_CHECKING:
+    from edgeserve.server.dataplane import DataPlane
+
+log = logging.getLogger("edgeserve.grpc")
+
+Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
+
+_READER_DONE = object()
+
+
+class _Meta:
+    """What an error answer needs to name its request."""
+
+    __slots__ = ("id", "model_name", "model_version")
+
+    def __init__(self, request_id: str = "", model_name: str = "", model_version: str = "") -> None:
+        self.id = request_id
+        self.model_name = model_name
+        self.model_version = model_version
+
+
+def grpc_error_mode(context: Context) -> bool:
+    for item in context.invocation_metadata() or ():
+        if item[0] == "triton_grpc_error":
+            value = item[1].decode() if isinstance(item[1], bytes) else str(item[1])
+            return value.strip().lower() == "true"
+    return False
+
+
+class StreamHandler:
+    def __init__(self, dataplane: DataPlane, policy: AccessPolicy, max_message_bytes: int,
+                 max_inflight: int = 1024) -> None:  # fmt: skip
+        self.dataplane = dataplane
+        self.policy = policy
+        self.max_message_bytes = max_message_bytes
+        self.max_inflight = max_inflight
+        self.open_streams = 0  # for tests and stats
+
+    async def __call__(self, request_iterator: Any, context: Context) -> None:
+        try:
+            self.policy.check(context, admin=False)
+        except InferenceError as exc:
+            await context.abort(grpc_code(exc), exc.message)
+        self.open_streams += 1
+        try:
+            await self._serve(request_iterator, context, grpc_error_mode(context))
+        finally:
+            self.open_streams -= 1
+
+    async def _serve(self, request_iterator: Any, context: Context, abort_on_error: bool) -> None:
+        loop = asyncio.get_running_loop()
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        slots = asyncio.Semaphore(self.max_inflight)
+        state = {"inflight": 0}
+
+        def deliver(meta: _Meta, result: InferResponse | InferenceError) -> None:
+            answers.put_nowait((meta, result))
+
+        def make_callback(meta: _Meta) -> Any:
+            def on_done(result: InferResponse | InferenceError) -> None:
+                # RuntimeError: the loop is closed, the server is gone and nobody waits for an answer
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(deliver, meta, result)
+
+            return on_done
+
+        async def reader() -> None:
+            try:
+                async for message in request_iterator:
+                    await slots.acquire()
+                    state["inflight"] += 1
+                    if isinstance(message, wire.Malformed):
+                        deliver(_Meta(), internal(message.message))
+                        continue
+                    msg = message.message
+                    meta = _Meta(msg.id, msg.model_name, msg.model_version)
+                    try:
+                        request = codec.to_infer_request(message)
+                    except InferenceError as exc:
+                        deliver(meta, exc)
+                        continue
+                    except Exception as exc:
+                        log.exception("decoding stream request %s failed", msg.id)
+                        deliver(meta, internal(f"internal error decoding the request: {exc}"))
+                        continue
+                    self.dataplane.submit(request, make_callback(meta))
+            finally:
+                answers.put_nowait(_READER_DONE)
+
+        reader_task = asyncio.create_task(reader(), name="grpc-stream-reader")
+        reader_done = False
+        try:
+            while not (reader_done and state["inflight"] == 0):
+                item = await answers.get()
+                if item is _READER_DONE:
+                    reader_done = True
+                    continue
+                meta, result = item
+                state["inflight"] -= 1
+                slots.release()
+                payload = self._encode(meta, result)
+                if isinstance(payload, InferenceError):
+                    if abort_on_error:
+                        await context.abort(grpc_code(payload), payload.message)
+                    payload = codec.encode_stream_error(payload, meta.id, meta.model_name, meta.model_version)
+                await context.write(payload)
+        finally:
+            if not reader_task.done():
+                reader_task.cancel()
+            try:
+                await reader_task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # the client went away mid-read, typically
+                log.debug("stream reader ended: %r", exc)
+
+    def _encode(self, meta: _Meta, result: InferResponse | InferenceError) -> bytes | InferenceError:
+        if isinstance(result, InferenceError):
+            return result
+        try:
+            return codec.encode_stream_response(result, self.max_message_bytes)
+        except InferenceError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("encoding the stream response of request %s failed", meta.id)
+            return internal(f"internal error encoding the response: {exc}")

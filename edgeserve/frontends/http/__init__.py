@@ -1,0 +1,1 @@
+"""KServe V2 / Triton HTTP/REST frontend (aiohttp)."""

@@ -1,0 +1,412 @@
+"""KServe V2 HTTP tensor codec: JSON tensors and Triton's binary tensor extension.
+
+Decoding turns a request body into an `InferRequest` whose binary inputs are numpy **views** into
+the body (no copy); encoding turns an `InferResponse` into a JSON header plus the concatenated
+binary outputs. Every malformed request raises `invalid_arg` with a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import invalid_arg
+from edgeserve.protocol.inference import (
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    ParamValue,
+    RequestedOutput,
+    ShmRef,
+)
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+MAX_JSON_DEPTH = 100  # Triton's nesting limit for tensor `data`
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_SHM_KEYS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+_SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+# -- small typed readers -------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def json_int(value: Any, what: str, minimum: int = 0) -> int:
+    if not _is_int(value) or value < minimum:
+        raise invalid_arg(f"{what} must be an integer >= {minimum}, got {json.dumps(value)}")
+    return int(value)
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid_arg(f"{what} must be true or false, got {json.dumps(value)}")
+    return value
+
+
+def json_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid_arg(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _scalar_param(key: str, value: Any, what: str) -> ParamValue:
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise invalid_arg(f"{what} parameter '{key}' must be a bool, number or string, got {json.dumps(value)}")
+
+
+def parse_header_length(value: str | None, body_size: int) -> int | None:
+    """The `Inference-Header-Content-Length` header: None when absent, else a checked length."""
+    if value is None:
+        return None
+    try:
+        length = int(value.strip())
+    except ValueError:
+        raise invalid_arg(f"{HEADER_LENGTH} header must be an integer, got '{value}'") from None
+    if length < 0 or length > body_size:
+        raise invalid_arg(f"{HEADER_LENGTH} header is {length} but the request body has {body_size} bytes")
+    return length
+
+
+def parse_json(buffer: bytes | memoryview, what: str = "request") -> Any:
+    try:
+        return json.loads(bytes(buffer) if isinstance(buffer, memoryview) else buffer)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_arg(f"failed to parse the {what} JSON buffer: {exc}") from None
+    except RecursionError:
+        raise invalid_arg(f"failed to parse the {what} JSON buffer: nested too deeply") from None
+
+
+# -- shared memory ---------------------------------------------------------------------------------
+def _shm_ref(params: Mapping[str, Any], what: str) -> ShmRef | None:
+    region = params.get("shared_memory_region")
+    if region is None:
+        if "shared_memory_byte_size" in params or "shared_memory_offset" in params:
+            raise invalid_arg(f"{what}: shared_memory_byte_size/offset given without shared_memory_region")
+        return None
+    if not isinstance(region, str) or not region:
+        raise invalid_arg(f"{what}: shared_memory_region must be a non-empty string")
+    if "shared_memory_byte_size" not in params:
+        raise invalid_arg(f"{what}: shared_memory_region '{region}' needs shared_memory_byte_size")
+    size = json_int(params["shared_memory_byte_size"], f"{what}: shared_memory_byte_size")
+    offset = json_int(params.get("shared_memory_offset", 0), f"{what}: shared_memory_offset")
+    return ShmRef(region, size, offset)
+
+
+# -- JSON tensor data ------------------------------------------------------------------------------
+def _flatten(data: list[Any], out: list[Any], depth: int, what: str) -> None:
+    if depth > MAX_JSON_DEPTH:
+        raise invalid_arg(f"{what}: 'data' is nested deeper than {MAX_JSON_DEPTH} levels")
+    for item in data:
+        if isinstance(item, list):
+            _flatten(item, out, depth + 1, what)
+        else:
+            out.append(item)
+
+
+def json_to_array(data: Any, datatype: str, shape: tuple[int, ...], what: str) -> npt.NDArray[Any]:
+    """Nested or flat row-major JSON `data` -> an array of `datatype` and `shape`, strictly typed."""
+    if not isinstance(data, list):
+        raise invalid_arg(f"{what}: 'data' must be a JSON array, got {type(data).__name__}")
+    count = datatypes.element_count(shape)
+    flat: list[Any] = []
+    _flatten(data, flat, 1, what)
+    if len(flat) != count:
+        raise invalid_arg(
+            f"{what}: unexpected number of elements: 'data' has {len(flat)}, "
+            f"shape {list(shape)} needs {count}"
+        )
+    if datatype == "BYTES":
+        out = np.empty(count, dtype=np.object_)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise invalid_arg(f"{what}: BYTES element {i} must be a JSON string, got {json.dumps(item)}")
+            out[i] = item.encode("utf-8")
+        return out.reshape(shape)
+    dtype = datatypes.numpy_dtype(datatype)
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    try:
+        raw = np.asarray(flat)
+    except (ValueError, TypeError):
+        raw = np.asarray(flat, dtype=np.object_)
+    if raw.dtype.kind in "fO" and dtype.kind in "iu" and all(_is_int(x) for x in flat):
+        try:  # integers past int64 (UINT64 values, or out of range for every type)
+            raw = np.array(flat, dtype=dtype)
+        except OverflowError:
+            raise invalid_arg(f"{what}: a value is out of range for {datatype}") from None
+    kind = raw.dtype.kind
+    if datatype == "BOOL":
+        ok = kind == "b"
+        expected = "true/false"
+    elif dtype.kind in "iu":
+        ok = kind in "iu"
+        expected = "integers"
+        if ok:
+            info = np.iinfo(dtype)
+            if raw.min() < info.min or raw.max() > info.max:
+                raise invalid_arg(f"{what}: a value is out of range for {datatype} ({info.min}..{info.max})")
+    else:  # FP16 / FP32 / FP64 / BF16
+        ok = kind in "iuf"
+        expected = "numbers"
+    if not ok:
+        bad = next((x for x in flat if not _json_matches(x, datatype)), flat[0])
+        raise invalid_arg(f"{what}: {datatype} data must be {expected}; got {json.dumps(bad)[:80]}")
+    if datatype == "BF16":
+        return raw.astype(np.float32).astype(dtype).reshape(shape)
+    return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _json_matches(item: Any, datatype: str) -> bool:
+    if datatype == "BOOL":
+        return isinstance(item, bool)
+    if datatype.startswith(("INT", "UINT")):
+        return _is_int(item)
+    return isinstance(item, (int, float)) and not isinstance(item, bool)
+
+
+# -- request decoding ------------------------------------------------------------------------------
+def _request_parameters(params: dict[str, Any], request: InferRequest) -> bool:
+    """Fill priority/timeout/custom parameters; return the `binary_data_output` flag."""
+    binary_output = False
+    for key, value in params.items():
+        if key == "binary_data_output":
+            binary_output = _bool(value, "parameter 'binary_data_output'")
+        elif key == "priority":
+            request.priority = json_int(value, "parameter 'priority'")
+        elif key == "timeout":
+            request.timeout_us = json_int(value, "parameter 'timeout' (microseconds)")
+        elif key == "sequence_id":
+            if not (_is_int(value) and value >= 0) and not isinstance(value, str):
+                raise invalid_arg(
+                    f"parameter 'sequence_id' must be an unsigned integer or a string, got {value!r}"
+                )
+            request.parameters[key] = value
+        elif key in ("sequence_start", "sequence_end", "triton_enable_empty_final_response"):
+            request.parameters[key] = _bool(value, f"parameter '{key}'")
+        elif key.startswith("triton_"):
+            raise invalid_arg(f"parameter '{key}' is reserved: 'triton_' is a reserved prefix")
+        else:
+            request.parameters[key] = _scalar_param(key, value, "request")
+    if request.parameters.get("sequence_start") or request.parameters.get("sequence_end"):
+        sequence_id = request.parameters.get("sequence_id", 0)
+        if sequence_id in (0, ""):
+            raise invalid_arg(
+                f"inference request to model '{request.model_name}' must specify a non-zero or non-empty "
+                "sequence_id when sequence_start or sequence_end is set"
+            )
+    return binary_output
+
+
+def _tensor_header(entry: Any, index: int, kind: str) -> tuple[str, dict[str, Any]]:
+    entry = json_object(entry, f"{kind} #{index}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid_arg(f"{kind} #{index} needs a 'name' string")
+    params = json_object(entry.get("parameters", {}), f"{kind} '{name}' parameters")
+    return name, params
+
+
+def _input_shape(entry: dict[str, Any], what: str) -> tuple[int, ...]:
+    shape = entry.get("shape")
+    if not isinstance(shape, list):
+        raise invalid_arg(f"{what} needs a 'shape' array of non-negative integers")
+    return tuple(json_int(d, f"{what} shape element") for d in shape)
+
+
+def decode_request(
+    model_name: str, model_version: str, body: bytes, header_length: int | None
+) -> tuple[InferRequest, bool]:
+    """Decode a JSON (+ binary) infer request; returns it and the request's binary_data_output flag."""
+    view = memoryview(body)
+    json_end = len(body) if header_length is None else header_length
+    header = json_object(parse_json(view[:json_end]), "the inference request")
+    request = InferRequest(model_name=model_name, model_version=model_version)
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid_arg(f"request 'id' must be a string, got {json.dumps(request_id)}")
+    request.id = request_id
+    binary_output = _request_parameters(
+        json_object(header.get("parameters", {}), "request 'parameters'"), request
+    )
+
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise invalid_arg("the inference request needs a non-empty 'inputs' array")
+    cursor = json_end
+    for i, entry in enumerate(inputs):
+        name, params = _tensor_header(entry, i, "input")
+        what = f"input '{name}'"
+        datatype = entry.get("datatype")
+        if not isinstance(datatype, str) or not datatypes.is_known(datatype):
+            raise invalid_arg(
+                f"{what} has unknown datatype {json.dumps(datatype)}; expected one of "
+                f"{', '.join(datatypes.DATATYPES)}"
+            )
+        shape = _input_shape(entry, what)
+        shm = _shm_ref(params, what)
+        has_data = "data" in entry
+        has_binary = "binary_data_size" in params
+        sources = [s for s, present in (("data", has_data), ("binary_data_size", has_binary),
+                                        ("shared_memory_region", shm is not None)) if present]  # fmt: skip
+        if len(sources) != 1:
+            raise invalid_arg(
+                f"{what} must set exactly one of 'data', parameters.binary_data_size or "
+                f"parameters.shared_memory_region; got {', '.join(sources) or 'none'}"
+            )
+        tensor = InputTensor(name, datatype, shape, shm=shm)
+        tensor.parameters = {
+            k: _scalar_param(k, v, what)
+            for k, v in params.items()
+            if k != "binary_data_size" and k not in _SHM_KEYS
+        }
+        if has_data:
+            tensor.data = json_to_array(entry["data"], datatype, shape, what)
+        elif has_binary:
+            if header_length is None:
+                raise invalid_arg(
+                    f"{what} has parameters.binary_data_size but the request has no {HEADER_LENGTH} header"
+                )
+            size = json_int(params["binary_data_size"], f"{what} binary_data_size")
+            if cursor + size > len(body):
+                raise invalid_arg(
+                    f"{what}: binary_data_size {size} runs past the end of the request body "
+                    f"({len(body) - cursor} bytes of binary data left)"
+                )
+            tensor.data = datatypes.from_buffer(view[cursor : cursor + size], datatype, shape, what)
+            cursor += size
+        request.inputs.append(tensor)
+    if cursor != len(body):
+        raise invalid_arg(
+            f"unexpected additional input data for model '{model_name}': "
+            f"{len(body) - cursor} bytes after the last binary input"
+        )
+
+    outputs = header.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            raise invalid_arg("request 'outputs' must be an array")
+        request.outputs = [_requested_output(entry, i) for i, entry in enumerate(outputs)] or None
+    return request, binary_output
+
+
+def _requested_output(entry: Any, index: int) -> RequestedOutput:
+    name, params = _tensor_header(entry, index, "output")
+    what = f"output '{name}'"
+    out = RequestedOutput(name, shm=_shm_ref(params, what))
+    for key, value in params.items():
+        if key == "binary_data":
+            out.binary = _bool(value, f"{what} parameter 'binary_data'")
+        elif key == "classification":
+            out.classification = json_int(value, f"{what} parameter 'classification'")
+        elif key not in _SHM_KEYS:
+            out.parameters[key] = _scalar_param(key, value, what)
+    if out.shm is not None:
+        if out.binary:
+            raise invalid_arg(f"{what}: shared memory output cannot also ask for binary_data")
+        if out.classification:
+            raise invalid_arg(f"{what}: shared memory output cannot be combined with classification")
+    return out
+
+
+def decode_raw_request(model_name: str, model_version: str, body: bytes, config: ModelConfig) -> InferRequest:
+    """`Inference-Header-Content-Length: 0`: the whole body is the single input, batch 1."""
+    if len(config.input) != 1:
+        raise invalid_arg(
+            f"raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; "
+            f"model '{model_name}' has {len(config.input)}"
+        )
+    from edgeserve.server.validation import config_datatype
+
+    spec = config.input[0]
+    datatype = config_datatype(spec.data_type)
+    dims = [int(d) for d in spec.dims]
+    what = f"raw binary input '{spec.name}'"
+    if datatype == "BYTES":
+        if [d for d in dims if d != 1] and dims != [-1]:
+            raise invalid_arg(f"{what}: BYTES raw requests need an input of shape [1], model has {dims}")
+        shape = [1] * len(dims) if dims else [1]
+        data = np.array([bytes(body)], dtype=np.object_).reshape(shape)
+    else:
+        if dims.count(-1) > 1:
+            raise invalid_arg(f"{what}: raw requests allow at most one variable dimension, model has {dims}")
+        known = 1
+        for d in dims:
+            known *= d if d != -1 else 1
+        itemsize = datatypes.element_size(datatype)
+        row = known * itemsize
+        if row == 0 or len(body) % row != 0 or (-1 not in dims and len(body) != row):
+            raise invalid_arg(
+                f"{what}: {len(body)} bytes do not fit shape {dims} of {datatype} ({row} bytes per unit)"
+            )
+        shape = [len(body) // row if d == -1 else d for d in dims]
+        data = None
+    if config.max_batch_size > 0:
+        shape = [1, *shape]
+    tensor = InputTensor(spec.name, datatype, tuple(shape))
+    tensor.data = (
+        data if data is not None else datatypes.from_buffer(memoryview(body), datatype, tuple(shape), what)
+    )
+    return InferRequest(model_name=model_name, model_version=model_version, inputs=[tensor])
+
+
+# -- response encoding ------------------------------------------------------------------------------
+def array_to_json(array: npt.NDArray[Any], datatype: str) -> list[Any]:
+    flat = np.asarray(array).reshape(-1)
+    if datatype == "BYTES":
+        return [
+            x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x) for x in flat
+        ]
+    if datatype == "BF16":
+        flat = flat.astype(np.float32)
+    values: list[Any] = flat.tolist()
+    return values
+
+
+def encode_response(
+    response: InferResponse, request: InferRequest, binary_default: bool
+) -> tuple[list[bytes | memoryview], int | None]:
+    """(body chunks, JSON header length or None when the body is pure JSON)."""
+    wanted = {o.name: o for o in (request.outputs or [])}
+    outputs: list[dict[str, Any]] = []
+    blobs: list[bytes | memoryview] = []
+    for out in response.outputs:
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
+        params: dict[str, Any] = dict(out.parameters)
+        if out.shm is not None:
+            params["shared_memory_region"] = out.shm.region
+            params["shared_memory_byte_size"] = out.shm.byte_size
+            if out.shm.offset:
+                params["shared_memory_offset"] = out.shm.offset
+        elif out.data is not None:
+            requested = wanted.get(out.name)
+            binary = (
+                requested.binary if requested is not None and requested.binary is not None else binary_default
+            )
+            if binary:
+                blob = datatypes.to_wire_bytes(out.data, out.datatype)
+                params["binary_data_size"] = memoryview(blob).nbytes
+                blobs.append(blob)
+            else:
+                entry["data"] = array_to_json(out.data, out.datatype)
+        if params:
+            entry["parameters"] = params
+        outputs.append(entry)
+    body: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        body["id"] = response.id
+    if response.parameters:
+        body["parameters"] = response.parameters
+    body["outputs"] = outputs
+    header = json.dumps(body, separators=(",", ":")).encode()
+    if not blobs:
+        return [header], None
+    return [header, *blobs], len(header)

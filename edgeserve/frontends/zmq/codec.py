@@ -1,0 +1,288 @@
+"""Server side of the wire format: header + frames -> `InferRequest`, `InferResponse` -> reply frames.
+
+Inline tensors become numpy views over the received ZeroMQ frames (no copy). Shared-memory
+references become `ShmRef`s that the data plane resolves in the shared registry, so a region
+registered over gRPC/HTTP is usable here and the other way round. Ring-slot references (with a
+slot index and generation) are guarded: see `edgeserve.frontends.shm.ring` for the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
+from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, RingLayout
+from edgeserve.frontends.zmq import wire
+from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import InferenceError, internal, invalid_arg
+from edgeserve.protocol.inference import (
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    ParamValue,
+    RequestedOutput,
+    ShmRef,
+)
+
+
+class SlotGuard:
+    """One ring slot a request uses: keeps the slot's generation word mapped and checks it."""
+
+    __slots__ = ("_lease", "gen", "region", "slot", "what")
+
+    def __init__(self, lease: ShmLease, region: str, slot: int, gen: int, what: str) -> None:
+        self._lease = lease
+        self.region = region
+        self.slot = slot
+        self.gen = gen
+        self.what = what
+
+    def current(self) -> int:
+        return int(GEN.unpack_from(self._lease.view, 0)[0])
+
+    def check(self, when: str, consequence: str) -> None:
+        now = self.current()
+        if now != self.gen:
+            raise invalid_arg(
+                f"{self.what}: slot {self.slot} of ring '{self.region}' was reused {when} (slot generation "
+                f"is {now}, the request carries {self.gen}); {consequence}"
+            )
+
+    def release(self) -> None:
+        self._lease.release()
+
+
+class OutputSlot:
+    """A requested output that goes into a ring slot; written by the frontend after a guard check."""
+
+    __slots__ = ("byte_size", "guard", "lease", "name", "ref")
+
+    def __init__(self, name: str, guard: SlotGuard, lease: ShmLease, ref: dict[str, Any]) -> None:
+        self.name = name
+        self.guard = guard
+        self.lease = lease
+        self.ref = ref
+        self.byte_size = int(ref["byte_size"])
+
+
+class Decoded:
+    """A decoded request and the ring resources it holds until its reply is built."""
+
+    __slots__ = ("guards", "out_slots", "req_id", "request")
+
+    def __init__(self, req_id: Any, request: InferRequest) -> None:
+        self.req_id = req_id
+        self.request = request
+        self.guards: list[SlotGuard] = []
+        self.out_slots: dict[str, OutputSlot] = {}
+
+    def release(self) -> None:
+        for guard in self.guards:
+            guard.release()
+        for out in self.out_slots.values():
+            out.lease.release()
+            out.guard.release()
+        self.guards = []
+        self.out_slots = {}
+
+
+# -- field access with clear errors ----------------------------------------------------------------
+def _field(
+    obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...
+) -> Any:
+    if key not in obj:
+        if default is ...:
+            raise invalid_arg(f"{where}: missing field '{key}'")
+        return default
+    value = obj[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise invalid_arg(f"{where}: field '{key}' must be {names}, got {value!r}")
+    return value
+
+
+def _params(obj: dict[str, Any], where: str) -> dict[str, ParamValue]:
+    params: dict[str, ParamValue] = _field(obj, "parameters", dict, where, {})
+    for key, value in params.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise invalid_arg(f"{where}: parameter '{key}' must be a bool, number or string")
+    return params
+
+
+def _shape(desc: dict[str, Any], where: str) -> tuple[int, ...]:
+    shape = _field(desc, "shape", list, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise invalid_arg(f"{where}: shape {shape} must be a list of non-negative integers")
+    return tuple(shape)
+
+
+def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[ShmRef, SlotGuard | None]:
+    """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
+    if not isinstance(ref, dict):
+        raise invalid_arg(f"{what}: 'shm' must be an object with region, byte_size and offset")
+    region = _field(ref, "region", str, what)
+    byte_size = _field(ref, "byte_size", int, what)
+    offset = _field(ref, "offset", int, what, 0)
+    if byte_size < 0 or offset < 0:
+        raise invalid_arg(f"{what}: shared memory offset and byte_size must not be negative")
+    if "slot" not in ref:
+        return ShmRef(region, byte_size, offset), None
+    slot = _field(ref, "slot", int, what)
+    gen = _field(ref, "gen", int, what)
+    with registry.acquire(ShmRef(region, HEADER_SIZE, 0)) as header:
+        layout = RingLayout.parse(header.view, region, None)
+    start = layout.locate(region, slot, offset, byte_size)
+    guard = SlotGuard(
+        registry.acquire(ShmRef(region, GEN.size, layout.generation_offset(slot))), region, slot, gen, what
+    )
+    try:
+        guard.check("before the request was read", "the reference is stale")
+    except InferenceError:
+        guard.release()
+        raise
+    return ShmRef(region, byte_size, start), guard
+
+
+def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: SharedMemoryRegistry) -> Decoded:
+    """Build the request; on error every lease taken so far is released before raising."""
+    where = "request header"
+    model = _field(header, "model", str, where)
+    if not model:
+        raise invalid_arg("request header: 'model' must name a model")
+    req_id = header.get("id")
+    request = InferRequest(
+        model_name=model,
+        model_version=str(_field(header, "version", (str, int), where, "")),
+        id="" if req_id is None else str(req_id),
+        parameters=_params(header, where),
+        priority=_field(header, "priority", int, where, 0),
+        timeout_us=_field(header, "timeout_us", int, where, 0),
+    )
+    decoded = Decoded(req_id, request)
+    try:
+        _decode_tensors(header, frames, registry, decoded)
+    except BaseException:
+        decoded.release()
+        raise
+    return decoded
+
+
+def _decode_tensors(
+    header: dict[str, Any], frames: Sequence[Any], registry: SharedMemoryRegistry, decoded: Decoded
+) -> None:
+    request = decoded.request
+    inputs = _field(header, "inputs", list, "request header")
+    frame_index = 0
+    for i, desc in enumerate(inputs):
+        if not isinstance(desc, dict):
+            raise invalid_arg(f"request header: inputs[{i}] must be an object")
+        name = _field(desc, "name", str, f"inputs[{i}]")
+        what = f"input '{name}'"
+        datatype = _field(desc, "datatype", str, what)
+        shape = _shape(desc, what)
+        tensor = InputTensor(name, datatype, shape, parameters=_params(desc, what))
+        if "shm" in desc:
+            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what)
+            if guard is not None:
+                decoded.guards.append(guard)
+        else:
+            if frame_index >= len(frames):
+                raise invalid_arg(
+                    f"{what} has no shared memory reference and no tensor frame follows the header "
+                    f"({len(frames)} tensor frame(s) for the inline inputs)"
+                )
+            frame = frames[frame_index]
+            frame_index += 1
+            buffer = frame.buffer if hasattr(frame, "buffer") else frame
+            tensor.data = datatypes.from_buffer(buffer, datatype, shape, what)
+        request.inputs.append(tensor)
+    if frame_index != len(frames):
+        raise invalid_arg(
+            f"request has {len(frames)} tensor frame(s) but only {frame_index} inline input(s) in its header"
+        )
+    outputs = _field(header, "outputs", list, "request header", None)
+    if outputs is None:
+        return
+    request.outputs = []
+    for i, desc in enumerate(outputs):
+        if not isinstance(desc, dict):
+            raise invalid_arg(f"request header: outputs[{i}] must be an object")
+        name = _field(desc, "name", str, f"outputs[{i}]")
+        what = f"output '{name}'"
+        wanted = RequestedOutput(
+            name, classification=_field(desc, "classification", int, what, 0), parameters=_params(desc, what)
+        )
+        if "shm" in desc:
+            ref, guard = _resolve_ref(registry, desc["shm"], what)
+            if guard is None:
+                wanted.shm = ref  # a plain region: the data plane writes it
+            else:
+                if wanted.classification:
+                    guard.release()
+                    raise invalid_arg(f"{what}: shared memory cannot be combined with classification")
+                try:
+                    lease = registry.acquire(ref)
+                except BaseException:
+                    guard.release()
+                    raise
+                decoded.out_slots[name] = OutputSlot(name, guard, lease, desc["shm"])
+        request.outputs.append(wanted)
+
+
+# -- replies ---------------------------------------------------------------------------------------
+def error_reply(req_id: Any, exc: InferenceError) -> list[Any]:
+    return [wire.dumps({"v": wire.VERSION, "id": req_id, "status": exc.status.value, "message": exc.message})]
+
+
+def ok_reply(req_id: Any, body: dict[str, Any]) -> list[Any]:
+    return [wire.dumps({"v": wire.VERSION, "id": req_id, "status": wire.STATUS_OK, **body})]
+
+
+def infer_reply(decoded: Decoded, response: InferResponse) -> list[Any]:
+    """Reply frames for a finished request; ring outputs are written here, guarded. Runs on a worker."""
+    for guard in decoded.guards:
+        guard.check("while the request was in flight", "the result was discarded")
+    outputs: list[dict[str, Any]] = []
+    frames: list[Any] = [b""]
+    for out in response.outputs:
+        desc: dict[str, Any] = {
+            "name": out.name,
+            "datatype": out.datatype,
+            "shape": [int(d) for d in out.shape],
+        }
+        if out.parameters:
+            desc["parameters"] = out.parameters
+        slot = decoded.out_slots.get(out.name)
+        if out.shm is not None:
+            desc["shm"] = wire.shm_ref(out.shm.region, out.shm.byte_size, out.shm.offset)
+        elif slot is not None:
+            assert out.data is not None
+            desc["shm"] = {**slot.ref, "byte_size": _write_slot(slot, out.data, out.datatype)}
+        else:
+            assert out.data is not None
+            frames.append(datatypes.to_wire_bytes(out.data, out.datatype))
+        outputs.append(desc)
+    body: dict[str, Any] = {
+        "model": response.model_name,
+        "version": response.model_version,
+        "outputs": outputs,
+    }
+    if response.parameters:
+        body["parameters"] = response.parameters
+    frames[0] = ok_reply(decoded.req_id, body)[0]
+    return frames
+
+
+def _write_slot(slot: OutputSlot, array: Any, datatype: str) -> int:
+    payload = datatypes.to_wire_bytes(array, datatype)
+    size = memoryview(payload).nbytes
+    if size > slot.byte_size:
+        raise internal(
+            f"shared memory size specified with the request for output '{slot.name}' ({slot.byte_size} "
+            f"bytes) should be at least {size} bytes to hold the results"
+        )
+    slot.guard.check("before the output was written", "the output was not written")
+    slot.lease.view[:size] = payload
+    slot.guard.check("while the output was being written", "the slot's contents are undefined")
+    return size

@@ -1,0 +1,270 @@
+"""The accuracy guard: a lower precision (bf16/fp16) is used only if the config allows it, or if its
+outputs on a few deterministic random warm-up inputs stay within a stated tolerance of fp32.
+
+Error = max over outputs and samples of max|candidate - fp32| / max|fp32| (relative to the fp32
+output's largest magnitude). Results are cached per model file hash, backend, device, precision,
+runtime version and CPU model, so a restart does not measure again; a changed tolerance re-judges
+the cached error without re-running.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.hardware.plan import GuardResult, PlanOption
+
+log = logging.getLogger("edgeserve.hardware.accuracy")
+
+Array = npt.NDArray[Any]
+Feeds = list[dict[str, Array]]
+# runner(path, option, feeds) -> (outputs per feed, note or None); note says why the run is not a real test
+Runner = Callable[[Path, PlanOption, Feeds], tuple[list[list[Array]], str | None]]
+DYNAMIC_BATCH, DYNAMIC_OTHER = 1, 64  # sizes used for dynamic dims (64 suits stride-32 image models)
+
+
+def model_digest(path: Path) -> str:
+    """sha256 over the model's files (an IR's .bin too; every file of a model folder)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    if path.suffix == ".xml" and path.with_suffix(".bin").exists():
+        files.append(path.with_suffix(".bin"))
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def relative_error(reference: Sequence[Array], candidate: Sequence[Array]) -> float:
+    worst = 0.0
+    for ref, out in zip(reference, candidate, strict=True):
+        ref64, out64 = np.asarray(ref, dtype=np.float64), np.asarray(out, dtype=np.float64)
+        if ref64.shape != out64.shape:
+            return float("inf")
+        if ref64.size == 0:
+            continue
+        scale = max(float(np.max(np.abs(ref64))), 1e-12)
+        worst = max(worst, float(np.max(np.abs(ref64 - out64))) / scale)
+    return worst
+
+
+def sample_feeds(specs: Sequence[tuple[str, np.dtype[Any], Sequence[int]]], count: int, seed: int) -> Feeds:
+    """`count` deterministic random inputs: floats in [0, 1), integers in [0, 8), random booleans."""
+    rng = np.random.default_rng(seed)
+    feeds: Feeds = []
+    for _ in range(count):
+        feed: dict[str, Array] = {}
+        for name, dtype, dims in specs:
+            shape = tuple(
+                d if d >= 0 else (DYNAMIC_BATCH if i == 0 else DYNAMIC_OTHER) for i, d in enumerate(dims)
+            )
+            if dtype == np.bool_:
+                feed[name] = rng.random(shape) < 0.5
+            elif np.issubdtype(dtype, np.integer):
+                feed[name] = rng.integers(0, 8, size=shape).astype(dtype)
+            else:
+                feed[name] = rng.random(shape).astype(dtype)
+        feeds.append(feed)
+    return feeds
+
+
+def _openvino_runner(path: Path, option: PlanOption, feeds: Feeds) -> tuple[list[list[Array]], str | None]:
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(path))
+    hints = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+    device = option.device.replace(":", ".")
+    compiled = core.compile_model(
+        model, device, {"INFERENCE_PRECISION_HINT": hints.get(option.precision, "f32")}
+    )
+    note = None
+    if option.precision != "fp32" and device.startswith("CPU"):
+        prop = compiled.get_property("INFERENCE_PRECISION_HINT")
+        actual = str(prop.get_type_name() if hasattr(prop, "get_type_name") else prop)
+        if actual != hints[option.precision]:
+            note = f"openvino ran {actual} although {option.precision} was asked"
+    request = compiled.create_infer_request()
+    outputs = []
+    for feed in feeds:
+        result = request.infer(feed)
+        outputs.append([np.array(v) for v in result.values()])
+    return outputs, note
+
+
+def _openvino_specs(path: Path) -> list[tuple[str, np.dtype[Any], list[int]]]:
+    import openvino as ov
+
+    model = ov.Core().read_model(str(path))
+    specs = []
+    for i, port in enumerate(model.inputs):
+        try:
+            name = port.get_any_name()
+        except RuntimeError:
+            name = f"input{i}"
+        dtype = np.dtype(port.get_element_type().to_dtype())
+        dims = [-1 if d.is_dynamic else int(d.get_length()) for d in port.get_partial_shape()]
+        specs.append((name, dtype, dims))
+    return specs
+
+
+def _backend_runner(path: Path, option: PlanOption, feeds: Feeds) -> tuple[list[list[Array]], str | None]:
+    """Any edgeserve backend through its public contract (TensorRT, ONNX Runtime EPs)."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from edgeserve.backends.base import BackendOptions, get_backend
+
+    backend = get_backend(option.backend)
+    instance = backend.load(
+        path, mc.ModelConfig(), BackendOptions(option.device, option.precision, providers=option.providers)
+    )
+    try:
+        names = [t.name for t in instance.io.outputs]
+        return [[np.asarray(instance.infer(feed)[n]) for n in names] for feed in feeds], None
+    finally:
+        instance.close()
+
+
+def _backend_specs(path: Path, option: PlanOption) -> list[tuple[str, np.dtype[Any], list[int]]]:
+    from edgeserve.backends.base import get_backend
+    from edgeserve.protocol.datatypes import numpy_dtype
+
+    io = get_backend(option.backend).inspect(path)
+    return [(t.name, numpy_dtype(t.datatype), list(t.shape)) for t in io.inputs]
+
+
+def _runtime_version(backend: str) -> str:
+    dist = {"openvino": "openvino", "tensorrt": "tensorrt", "onnxruntime": "onnxruntime"}.get(
+        backend, backend
+    )
+    for name in (dist, f"{dist}-gpu", f"{dist}-cu12"):
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"{backend} ?"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith(("model name", "cpu part")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu ?"
+
+
+class AccuracyGuard:
+    """Callable as plan.AccuracyGuard: (artifact, option, tolerance) -> GuardResult, cached on disk."""
+
+    def __init__(self, cache_dir: Path | None, samples: int = 3, seed: int = 0) -> None:
+        self.cache_dir = cache_dir
+        self.samples = samples
+        self.seed = seed
+
+    def _cache_file(self, digest: str) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / "accuracy" / f"{digest[:32]}.json"
+
+    def _load(self, file: Path | None) -> dict[str, Any]:
+        if file is None:
+            return {}
+        try:
+            data = json.loads(file.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _store(self, file: Path | None, entries: dict[str, Any]) -> None:
+        if file is None:
+            return
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(entries, fh, indent=1, sort_keys=True)
+            os.replace(tmp, file)
+        except OSError as exc:
+            log.warning("cannot cache the accuracy check in %s: %s", file.parent, exc)
+
+    def measure(
+        self, path: Path, option: PlanOption, runner: Runner | None = None
+    ) -> tuple[float, str | None]:
+        """(max relative error vs fp32, note); raises when the model cannot be run."""
+        if option.backend == "openvino":
+            specs, run = _openvino_specs(path), runner or _openvino_runner
+        else:
+            specs, run = _backend_specs(path, option), runner or _backend_runner
+        feeds = sample_feeds(specs, self.samples, self.seed)
+        reference, _ = run(path, PlanOption(option.backend, option.device, "fp32", option.providers), feeds)
+        candidate, note = run(path, option, feeds)
+        errors = [relative_error(r, c) for r, c in zip(reference, candidate, strict=True)]
+        return max(errors, default=0.0), note
+
+    def __call__(self, path: Path, option: PlanOption, tolerance: float) -> GuardResult:
+        try:
+            digest = model_digest(path)
+        except OSError as exc:
+            return GuardResult(False, f"cannot read {path.name}: {exc}")
+        key = "|".join(
+            (
+                option.backend,
+                option.device,
+                option.precision,
+                ",".join(option.providers),
+                _runtime_version(option.backend),
+                _cpu_model(),
+                f"{self.samples}x{self.seed}",
+            )
+        )
+        file = self._cache_file(digest)
+        entries = self._load(file)
+        cached = entries.get(key)
+        if isinstance(cached, dict) and "error" in cached:
+            error, note, how = float(cached["error"]), cached.get("note"), "cached"
+        else:
+            try:
+                error, note = self.measure(path, option)
+            except Exception as exc:  # the guard must never take a load down: refuse the precision instead
+                log.warning("accuracy check of %s for %s failed: %s", path, option.label(), exc)
+                return GuardResult(False, f"could not run the check ({type(exc).__name__}: {exc})")
+            entries[key] = {"error": error, "note": note, "model": path.name}
+            self._store(file, entries)
+            how = f"measured on {self.samples} random inputs"
+        if note:
+            return GuardResult(False, f"{note}: nothing to gain ({how})", error)
+        ok = error <= tolerance
+        verdict = "<=" if ok else ">"
+        return GuardResult(
+            ok, f"max relative error {error:.2e} {verdict} tolerance {tolerance:g} ({how})", error
+        )
+
+
+def default_cache_dir(settings: Any) -> Path | None:
+    """runtime.cache_dir, else <state_dir>/cache, else ~/.cache/edgeserve; None when none is writable."""
+    candidates = [
+        settings.runtime.cache_dir,
+        settings.server.state_dir / "cache",
+        Path.home() / ".cache" / "edgeserve",
+    ]
+    for folder in candidates:
+        if folder is None:
+            continue
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return Path(folder)
+    return None

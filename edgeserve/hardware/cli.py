@@ -1,0 +1,137 @@
+"""`edgeserve detect [--root DIR] [--model-repository DIR] [--json]`: the hardware, the device profile and
+the runtime plan for every model, with the reason for each rejected option."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from edgeserve.config import ConfigError, Settings, load_settings
+from edgeserve.hardware.accuracy import AccuracyGuard, default_cache_dir
+from edgeserve.hardware.plan import ModelPlan, Planner
+from edgeserve.hardware.probes import probe_hardware
+from edgeserve.hardware.profile import DeviceProfile, load_profiles, match_profile
+from edgeserve.hardware.runtimes import detect_runtimes
+from edgeserve.protocol.errors import InferenceError
+
+
+def _models(repository: Path) -> list[tuple[str, Path | None, Any, str | None]]:
+    """(name, latest version folder, raw config, error) per model folder."""
+    from edgeserve.repository.config import parse_pbtxt
+    from edgeserve.repository.layout import CONFIG_FILE, list_models, version_dirs
+
+    found: list[tuple[str, Path | None, Any, str | None]] = []
+    for name in list_models(repository):
+        model_dir = repository / name
+        versions = version_dirs(model_dir)
+        config, error = None, None
+        if (model_dir / CONFIG_FILE).exists():
+            try:
+                config = parse_pbtxt(model_dir / CONFIG_FILE)
+            except InferenceError as exc:
+                error = exc.message
+        if not versions:
+            error = error or "no numeric version folder"
+        found.append((name, versions[max(versions)] if versions else None, config, error))
+    return found
+
+
+def _profile_dict(profile: DeviceProfile) -> dict[str, Any]:
+    return {
+        "name": profile.name, "description": profile.description, "source": profile.source,
+        "match": dict(profile.match), "threads": profile.threads, "reserve_cores": profile.reserve_cores,
+        "streams": profile.streams, "memory_headroom_mb": profile.memory_headroom_mb,
+        "candidates": [
+            {"backend": c.backend, "device": c.device, "precisions": list(c.precisions),
+             "providers": list(c.providers), "min_model_bytes": c.min_model_bytes}
+            for c in profile.candidates
+        ],
+    }  # fmt: skip
+
+
+def _print_plan(plan: ModelPlan) -> None:
+    version = f" v{plan.version}" if plan.version else ""
+    if plan.chosen is None or plan.options is None:
+        print(f"  {plan.model}{version}: NO BACKEND — {plan.error}")
+    else:
+        o = plan.options
+        providers = f" providers={','.join(o.providers)}" if o.providers else ""
+        head = f"{plan.chosen.option.backend} device={o.device} precision={o.precision} threads={o.threads}"
+        print(f"  {plan.model}{version}: {head}{providers}")
+        artifact = plan.chosen.artifact.name if plan.chosen.artifact else "?"
+        print(f"      chosen   {plan.chosen.option.label()} <- {artifact}: {plan.chosen.reason}")
+    for verdict in plan.rejected:
+        print(f"      rejected {verdict.option.label()}: {verdict.reason}")
+    for verdict in plan.fallbacks:
+        print(f"      fallback {verdict.option.label()}: {verdict.reason}")
+    for verdict in plan.skipped:
+        print(f"      skipped  {verdict.option.label()}: {verdict.reason}")
+
+
+def detect_command(args: argparse.Namespace) -> int:
+    root = Path(getattr(args, "root", None) or "/")
+    if not root.is_dir():
+        print(f"edgeserve detect: --root {root} is not a folder", file=sys.stderr)
+        return 2
+    try:
+        settings: Settings = load_settings(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"edgeserve detect: {exc}", file=sys.stderr)
+        return 2
+    hw = probe_hardware(root)
+    runtimes = detect_runtimes(root)
+    profile = match_profile(hw, load_profiles([settings.runtime.device_profiles]))
+    guard = AccuracyGuard(default_cache_dir(settings)) if hw.is_live else None
+    planner = Planner(hw, profile, runtimes, settings, guard)
+    repository = Path(getattr(args, "model_repository", None) or settings.server.model_repository)
+
+    plans: list[ModelPlan] = []
+    errors: list[dict[str, str]] = []
+    for name, version_dir, config, error in _models(repository):
+        if error is not None or version_dir is None:
+            errors.append({"model": name, "error": error or "no version"})
+            continue
+        try:
+            plans.append(
+                planner.plan_model(name, version_dir, config, str(repository / name / "config.pbtxt"))
+            )
+        except InferenceError as exc:
+            errors.append({"model": name, "error": exc.message})
+
+    threads, threads_why = planner.threads()
+    if getattr(args, "json", False):
+        out = {
+            "root": str(root), "hardware": hw.to_dict(), "runtimes": {
+                "source": runtimes.source, "ort_providers": list(runtimes.ort_providers()),
+                "backend_modules": sorted(runtimes.backend_modules),
+                **{k: {"available": v.available, "version": v.version, "distribution": v.distribution,
+                       "detail": v.detail} for k, v in runtimes.runtimes.items()},
+            },
+            "profile": _profile_dict(profile), "threads": {"count": threads, "reason": threads_why},
+            "memory_budget_bytes": planner.memory_budget(), "accuracy_guard": guard is not None,
+            "model_repository": str(repository), "models": [p.to_dict() for p in plans], "errors": errors,
+        }  # fmt: skip
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+
+    print(f"hardware (root {root}):")
+    for line in hw.summary_lines():
+        print(f"  {line}")
+    print(f"runtimes ({runtimes.source}):")
+    for line in runtimes.describe():
+        print(f"  {line}")
+    print(f"profile:  {profile.name} — {profile.description} [{profile.source}]")
+    print(f"threads:  {threads} ({threads_why})")
+    if not guard:
+        print(
+            "accuracy: the guard for lower precisions runs on the device at load (probe root is not this box)"
+        )
+    print(f"models in {repository}:" if plans or errors else f"models: none found in {repository}")
+    for plan in plans:
+        _print_plan(plan)
+    for problem in errors:
+        print(f"  {problem['model']}: ERROR {problem['error']}")
+    return 0

@@ -1,0 +1,442 @@
+"""The runtime plan: for each model, the backend, device, precision and threads, with the reason for
+every option that lost.
+
+Options come from the device profile's `[[candidates]]` in order (a pinned backend that the profile
+does not list is added first). Each option must pass, in order: the config's pins, an importable
+runtime, the device on this box, an artifact in the version folder, the precision rules (settings,
+CPU/GPU support, config), the model-size and memory checks, and, for a lower precision the config
+does not vouch for, the accuracy guard. The first that passes is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgeserve.backends.base import BackendOptions
+from edgeserve.config import Settings
+from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
+from edgeserve.hardware.probes import HardwareInfo
+from edgeserve.hardware.profile import Candidate, DeviceProfile
+from edgeserve.hardware.runtimes import RuntimeInventory
+
+CPU_EP = "CPUExecutionProvider"
+GPU_EPS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+MIN_TENSORRT = (10, 0)  # the name-based I/O API the tensorrt backend uses
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    backend: str
+    device: str
+    precision: str
+    providers: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        text = f"{self.backend} {self.device} {self.precision}"
+        if self.providers:
+            short = [p.removesuffix("ExecutionProvider") for p in self.providers]
+            text += f" [{', '.join(short)}]"
+        return text
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    ok: bool
+    reason: str  # e.g. "max relative error 3.1e-03 <= 1e-02 (cached)"
+    error: float | None = None
+
+
+# (artifact path, option, tolerance) -> verdict; see accuracy.py
+AccuracyGuard = Callable[[Path, PlanOption, float], GuardResult]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    option: PlanOption
+    ok: bool
+    reason: str
+    artifact: Path | None = None
+    checked: bool = True  # False: viable statically, not guarded (lower preference than the choice)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    model: str
+    version: str | None
+    chosen: Verdict | None
+    options: BackendOptions | None
+    verdicts: tuple[Verdict, ...]
+    pins: Pins = field(default_factory=Pins)
+    error: str | None = None
+
+    @property
+    def rejected(self) -> list[Verdict]:
+        return [v for v in self.verdicts if not v.ok and v.checked]
+
+    @property
+    def skipped(self) -> list[Verdict]:
+        """Lower-precision options after the choice: never guarded, so neither rejected nor fallbacks."""
+        return [v for v in self.verdicts if not v.ok and not v.checked]
+
+    @property
+    def fallbacks(self) -> list[Verdict]:
+        """Viable options after the choice (tried in order if the choice fails to load)."""
+        if self.chosen is None:
+            return []
+        after = self.verdicts[self.verdicts.index(self.chosen) + 1 :]
+        return [v for v in after if v.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        def verdict(v: Verdict) -> dict[str, Any]:
+            return {
+                "backend": v.option.backend,
+                "device": v.option.device,
+                "precision": v.option.precision,
+                "providers": list(v.option.providers),
+                "ok": v.ok,
+                "reason": v.reason,
+                "artifact": v.artifact.name if v.artifact else None,
+            }
+
+        chosen = None
+        if self.chosen is not None and self.options is not None:
+            chosen = {
+                **verdict(self.chosen),
+                "threads": self.options.threads,
+                "performance_hint": self.options.performance_hint,
+            }
+        return {
+            "model": self.model,
+            "version": self.version,
+            "chosen": chosen,
+            "error": self.error,
+            "pinned": {
+                "backend": self.pins.backend,
+                "device": self.pins.device,
+                "precision": self.pins.precision,
+            },
+            "rejected": [verdict(v) for v in self.rejected],
+            "alternatives": [verdict(v) for v in self.fallbacks],
+            "skipped": [verdict(v) for v in self.skipped],
+        }
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in (version or "").split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+class Planner:
+    """Plans models for one box: hardware + profile + runtimes + settings (+ an optional accuracy guard)."""
+
+    def __init__(
+        self,
+        hw: HardwareInfo,
+        profile: DeviceProfile,
+        runtimes: RuntimeInventory,
+        settings: Settings,
+        guard: AccuracyGuard | None = None,
+    ) -> None:
+        self.hw = hw
+        self.profile = profile
+        self.runtimes = runtimes
+        self.settings = settings
+        self.guard = guard
+
+    # -- box-wide --------------------------------------------------------------------------------
+    def threads(self, instances: int = 1) -> tuple[int, str]:
+        if self.settings.runtime.cpu_threads > 0:
+            total, why = self.settings.runtime.cpu_threads, "settings runtime.cpu_threads"
+        elif self.profile.threads > 0:
+            total = min(self.profile.threads, self.hw.budget.effective_cpus)
+            why = f"profile {self.profile.name} threads (capped by {self.hw.budget.cpu_reason})"
+        else:
+            total = max(1, self.hw.budget.effective_cpus - self.profile.reserve_cores)
+            why = self.hw.budget.cpu_reason
+            if self.profile.reserve_cores:
+                why += f", {self.profile.reserve_cores} reserved by profile {self.profile.name}"
+        if instances > 1:
+            return max(1, total // instances), f"{why}, shared by {instances} instances"
+        return max(1, total), why
+
+    def memory_budget(self) -> int | None:
+        total = self.hw.budget.memory_bytes
+        if total is None:
+            return None
+        return max(0, total - self.profile.memory_headroom_mb * 2**20)
+
+    # -- per option ------------------------------------------------------------------------------
+    def _options(self, pins: Pins) -> list[tuple[PlanOption, Candidate]]:
+        candidates = list(self.profile.candidates)
+        if pins.backend and all(c.backend != pins.backend for c in candidates):
+            device = pins.device or (
+                "GPU" if pins.backend == "tensorrt" else "NEURON" if pins.backend == "neuron" else "CPU"
+            )
+            precisions = ("auto",) if pins.backend == "neuron" else ("fp32",)
+            candidates.insert(0, Candidate(pins.backend, device, precisions, note="pinned by the config"))
+        if pins.device and not any(
+            c.device == pins.device or c.device == pins.device.split(":")[0]
+            for c in candidates
+            if not pins.backend or c.backend == pins.backend
+        ):
+            backend = pins.backend or ("tensorrt" if pins.device.startswith("DLA") else "openvino")
+            candidates.insert(
+                0, Candidate(backend, pins.device, ("fp16", "fp32"), note="pinned by the config")
+            )
+        options: list[tuple[PlanOption, Candidate]] = []
+        for cand in candidates:
+            device = cand.device
+            if pins.device and (device == pins.device.split(":")[0] or device == pins.device):
+                device = pins.device  # keep the pinned index (GPU:1, DLA:1)
+            providers = self._providers(cand) if cand.backend == "onnxruntime" else ()
+            for precision in cand.precisions:
+                options.append((PlanOption(cand.backend, device, precision, providers), cand))
+        return options
+
+    def _providers(self, cand: Candidate) -> tuple[str, ...]:
+        wanted = list(cand.providers) or ([CPU_EP] if cand.device == "CPU" else [*GPU_EPS, CPU_EP])
+        if cand.device == "CPU":  # CPU-side EPs (OpenVINO EP ...) only where the installed wheel has them
+            available = self.runtimes.ort_providers()
+            wanted = [p for p in wanted if p in available or p == CPU_EP]
+        if CPU_EP not in wanted:
+            wanted.append(CPU_EP)
+        return tuple(wanted)
+
+    def _device_reason(self, option: PlanOption) -> str | None:
+        hw, base = self.hw, option.device.split(":")[0]
+        if base == "CPU":
+            return None
+        if option.backend == "openvino":
+            if base == "GPU" and not hw.intel.gpus:
+                return "no Intel GPU here (no /dev/dri render node with an i915/xe driver)"
+            if base == "NPU" and not hw.intel.npus:
+                return "no Intel NPU here (no /dev/accel node with the intel_vpu driver)"
+            if base not in ("GPU", "NPU", "AUTO", "HETERO", "MULTI"):
+                return f"openvino has no device {option.device}"
+            return None
+        if option.backend in ("tensorrt", "onnxruntime") and base in ("GPU", "DLA"):
+            if hw.jetson is None and hw.nvidia_dgpu is None:
+                return "no NVIDIA GPU here (no Jetson iGPU, no /proc/driver/nvidia GPUs or /dev/nvidiaN)"
+            if base == "DLA":
+                if option.backend != "tensorrt":
+                    return "DLA is reached through the tensorrt backend"
+                cores = hw.jetson.dla_cores if hw.jetson else 0
+                index = int(option.device.partition(":")[2] or 0)
+                if cores is not None and index >= cores:
+                    return f"this module has {cores} DLA core(s); {option.device} does not exist"
+            if option.backend == "onnxruntime":
+                available = self.runtimes.ort_providers()
+                missing = [p for p in option.providers if p != CPU_EP and p not in available]
+                if missing and not any(p in available for p in GPU_EPS):
+                    dist = self.runtimes.status("onnxruntime").distribution or "onnxruntime"
+                    return (
+                        f"the installed {dist} wheel has no {', '.join(_short(m) for m in missing)} "
+                        "execution provider (install onnxruntime-gpu)"
+                    )
+            return None
+        if base == "NEURON":
+            if option.backend != "neuron":
+                return (
+                    f"{option.backend} cannot run on AWS Neuron devices (no ONNX/OpenVINO path to Inferentia)"
+                )
+            return None if hw.neuron else "no AWS Neuron devices here (/dev/neuronN)"
+        return f"{option.backend} does not run on {option.device}"
+
+    def _runtime_reason(self, option: PlanOption) -> str | None:
+        reason = self.runtimes.backend_unavailable(option.backend)
+        if reason is not None:
+            return reason
+        if option.backend == "tensorrt":
+            version = self.runtimes.status("tensorrt").version
+            if version and _version_tuple(version) < MIN_TENSORRT:
+                return (
+                    f"TensorRT {version} is older than 10.0; edgeserve's tensorrt backend uses TensorRT 10's "
+                    "name-based I/O API"
+                )
+        return None
+
+    def _precision_reason(self, option: PlanOption, pins: Pins) -> str | None:
+        precision, base = option.precision, option.device.split(":")[0]
+        if precision == "auto":
+            return None
+        if pins.precision and precision != pins.precision:
+            return f"config parameters.precision is {pins.precision}"
+        if precision == "fp32":
+            return None
+        if precision not in self.settings.runtime.allowed_precisions and precision not in pins.allowed:
+            return f"{precision} is not in settings runtime.allowed_precisions"
+        if precision == "int8" and "int8" not in pins.allowed:
+            return "int8 needs a quantized/calibrated model: allow it with parameters.precision int8"
+        if base == "CPU":
+            cpu = self.hw.cpu
+            if precision == "bf16" and not cpu.bf16:
+                return "this CPU has no native bf16 (needs AVX512_BF16 or AMX; ARM bf16)"
+            if precision == "fp16" and not cpu.fp16:
+                return "this CPU has no native fp16 arithmetic (ARMv8.2 FP16, AVX512-FP16 or AMX-FP16)"
+        if base in ("GPU", "DLA") and option.backend in ("tensorrt", "onnxruntime") and precision == "bf16":
+            cc = self.hw.jetson.compute_capability if self.hw.jetson else None
+            if cc is None and self.hw.nvidia_dgpu and self.hw.nvidia_dgpu.gpus:
+                cc = self.hw.nvidia_dgpu.gpus[0].compute_capability
+            if cc is not None and _version_tuple(cc) < (8, 0):
+                return f"bf16 needs compute capability 8.0+ (this GPU is sm {cc})"
+        return None
+
+    def _size_reason(self, option: PlanOption, cand: Candidate, size: int) -> str | None:
+        if cand.min_model_bytes and size < cand.min_model_bytes:
+            return (
+                f"model is {size / 1024:.1f} KiB, under the profile's {cand.min_model_bytes // 1024} KiB "
+                f"floor for {option.backend}: its fixed per-call cost would outweigh the gain"
+            )
+        budget = self.memory_budget()
+        need = int(size * self.profile.memory_factor)
+        if budget is not None and size and need > budget:
+            return (
+                f"needs about {need / 2**20:.0f} MiB ({self.profile.memory_factor:g} x "
+                f"{size / 2**20:.0f} MiB file), {budget / 2**20:.0f} MiB left after "
+                f"{self.profile.memory_headroom_mb} MiB headroom "
+                f"({self.hw.budget.memory_reason})"
+            )
+        return None
+
+    def _static(
+        self, option: PlanOption, cand: Candidate, pins: Pins, version_dir: Path, config: Any
+    ) -> tuple[str | None, Path | None, str]:
+        """(reason it cannot run, artifact, note) without running anything."""
+        if pins.backend and option.backend != pins.backend:
+            return f"not the pinned backend ({pins.backend_why})", None, ""
+        if pins.device and option.device != pins.device:
+            return f"not the pinned device {pins.device} ({pins.device_why})", None, ""
+        reason = self._runtime_reason(option) or self._device_reason(option)
+        if reason:
+            return reason, None, ""
+        artifact = find_artifact(option.backend, version_dir, pins.filename)
+        if artifact is None:
+            wanted = pins.filename or " or ".join(ARTIFACTS.get(option.backend, ()))
+            return f"no {wanted} in {version_dir.name}/", None, ""
+        reason = self._precision_reason(option, pins) or self._size_reason(
+            option, cand, artifact_bytes(artifact)
+        )
+        if reason:
+            return reason, artifact, ""
+        if option.device.split(":")[0] == "NPU" and _dynamic_dims(config):
+            return "the NPU needs static shapes; the config declares dynamic dims", artifact, ""
+        note = cand.note
+        if option.backend == "tensorrt" and artifact.suffix == ".onnx":
+            note = "no model.plan: the engine is built from model.onnx on first load and cached"
+        return None, artifact, note
+
+    # -- per model -------------------------------------------------------------------------------
+    def plan_model(self, name: str, version_dir: Path, config: Any, where: str | None = None) -> ModelPlan:
+        pins = read_pins(config, where or f"{name}/config.pbtxt")
+        tolerance = pins.tolerance if pins.tolerance is not None else self.settings.runtime.accuracy_tolerance
+        verdicts: list[Verdict] = []
+        chosen: Verdict | None = None
+        for option, cand in self._options(pins):
+            reason, artifact, note = self._static(option, cand, pins, version_dir, config)
+            if reason is not None:
+                verdicts.append(Verdict(option, False, reason, artifact))
+                continue
+            assert artifact is not None
+            needs_guard = option.precision not in ("fp32", "auto") and option.precision not in pins.allowed
+            if chosen is not None:
+                verdicts.append(
+                    Verdict(
+                        option,
+                        not needs_guard,
+                        note or "viable (lower preference)"
+                        if not needs_guard
+                        else "lower precision after the choice: not guarded, not a fallback",
+                        artifact,
+                        checked=False,
+                    )
+                )
+                continue
+            if not needs_guard:
+                why = "allowed by config parameters.precision" if option.precision in pins.allowed else ""
+                verdict = Verdict(
+                    option, True, "; ".join(x for x in (why, note) if x) or "first viable option", artifact
+                )
+            elif self.guard is None:
+                verdict = Verdict(
+                    option,
+                    True,
+                    "; ".join(
+                        x
+                        for x in (
+                            note,
+                            f"accuracy guard (tolerance {tolerance:g}) runs on this device at load",
+                        )
+                        if x
+                    ),
+                    artifact,
+                )
+            else:
+                result = self.guard(artifact, option, tolerance)
+                verdict = Verdict(option, result.ok, "accuracy guard: " + result.reason, artifact)
+            verdicts.append(verdict)
+            if verdict.ok:
+                chosen = verdict
+        version = version_dir.name if version_dir.name.isdigit() else None
+        if chosen is None:
+            why = (
+                "; ".join(f"{v.option.label()}: {v.reason}" for v in verdicts)
+                or "no candidates in the profile"
+            )
+            target = f"pinned {pins.backend_why}" if pins.backend else f"profile {self.profile.name}"
+            return ModelPlan(
+                name,
+                version,
+                None,
+                None,
+                tuple(verdicts),
+                pins,
+                f"no option can run it here ({target}): {why}",
+            )
+        return ModelPlan(
+            name, version, chosen, self.backend_options(chosen.option, config), tuple(verdicts), pins
+        )
+
+    def backend_options(self, option: PlanOption, config: Any) -> BackendOptions:
+        runtime = self.settings.runtime
+        instances = sum(max(int(g.count), 1) for g in getattr(config, "instance_group", [])) or 1
+        threads, _ = self.threads(instances)
+        params = {
+            "ort_memory_arena": "true" if runtime.ort_memory_arena else "false",
+            "ort_allow_spinning": "true" if runtime.ort_allow_spinning else "false",
+        }
+        if option.backend == "openvino" and self.profile.streams:
+            params["NUM_STREAMS"] = str(self.profile.streams)
+        params.update(parameters(config))
+        hint = params.get("performance_hint", runtime.openvino_performance_hint).upper()
+        cache = runtime.cache_dir
+        if cache is None and option.backend == "tensorrt":
+            cache = self.settings.server.state_dir / "cache"
+        return BackendOptions(
+            device=option.device,
+            precision=option.precision,
+            threads=threads,
+            providers=option.providers,
+            performance_hint=hint,
+            cache_dir=(cache / option.backend) if cache is not None else None,
+            parameters=params,
+        )
+
+
+def _short(provider: str) -> str:
+    return provider.removesuffix("ExecutionProvider")
+
+
+def _dynamic_dims(config: Any) -> bool:
+    """True when the config declares a dynamic (-1) dim beyond the batch axis."""
+    try:
+        return any(-1 in list(t.dims) for t in (*config.input, *config.output))
+    except (AttributeError, TypeError):
+        return False

@@ -1,0 +1,98 @@
+"""PlanSelector: the runtime plan as the model repository's backend selector.
+
+    ModelRepository(settings, selector=PlanSelector(settings))
+
+Probes the box once (settings.runtime.hardware_root), matches a device profile (devices/ plus
+settings.runtime.device_profiles), and for each model version returns the plan's choice, with the
+other viable options as load-time fallbacks. A pinned backend (config `backend:` / `platform:`) that
+cannot run here is an error naming the backend and why, never a silent substitute.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from edgeserve.config import Settings
+from edgeserve.hardware.accuracy import AccuracyGuard, default_cache_dir
+from edgeserve.hardware.plan import AccuracyGuard as GuardFn
+from edgeserve.hardware.plan import ModelPlan, Planner
+from edgeserve.hardware.probes import HardwareInfo, probe_hardware
+from edgeserve.hardware.profile import DeviceProfile, load_profiles, match_profile
+from edgeserve.hardware.runtimes import RuntimeInventory, detect_runtimes
+from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.repository.selection import BackendChoice
+
+log = logging.getLogger("edgeserve.hardware.selector")
+
+_AUTO: Any = object()
+
+
+class PlanSelector:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        hardware: HardwareInfo | None = None,
+        runtimes: RuntimeInventory | None = None,
+        profiles: list[DeviceProfile] | None = None,
+        guard: GuardFn | None = _AUTO,
+    ) -> None:
+        root = settings.runtime.hardware_root
+        self.settings = settings
+        self.hardware = hardware if hardware is not None else probe_hardware(root)
+        self.runtimes = runtimes if runtimes is not None else detect_runtimes(root)
+        if profiles is None:
+            profiles = load_profiles([settings.runtime.device_profiles])
+        self.profile = match_profile(self.hardware, profiles)
+        if guard is _AUTO:
+            # The guard runs models on this machine: only meaningful when the probed root is this machine.
+            guard = AccuracyGuard(default_cache_dir(settings)) if self.hardware.is_live else None
+        self.planner = Planner(self.hardware, self.profile, self.runtimes, settings, guard)
+        log.info(
+            "device profile %s (%s); %s", self.profile.name, self.profile.source, self.hardware.cpu.summary()
+        )
+
+    def plan(self, model_name: str, version_dir: Path, config: Any, where: str | None = None) -> ModelPlan:
+        return self.planner.plan_model(model_name, version_dir, config, where)
+
+    def choose(self, model_name: str, model_dir: Path, version_dir: Path, config: Any) -> BackendChoice:
+        where = str(model_dir / "config.pbtxt")
+        plan = self.planner.plan_model(model_name, version_dir, config, where)
+        if plan.chosen is None or plan.options is None:
+            if plan.pins.backend:
+                mine = [v for v in plan.verdicts if v.option.backend == plan.pins.backend]
+                why = "; ".join(f"{v.option.label()}: {v.reason}" for v in mine) or "no option"
+                raise InferenceError(
+                    Status.UNAVAILABLE,
+                    f"{where}: backend '{plan.pins.backend}' is pinned "
+                    f"({plan.pins.backend_why}) but cannot run here: {why}",
+                )
+            raise InferenceError(Status.UNAVAILABLE, f"model {model_name}: {plan.error}")
+        chosen = plan.chosen
+        rejected = [
+            f"{v.option.label()} ({v.reason})"
+            for v in plan.rejected
+            if not v.reason.startswith(("not the pinned", "config parameters.precision"))
+        ]
+        reason = f"device profile {self.profile.name}: {chosen.option.label()}: {chosen.reason}"
+        if plan.pins.backend:
+            reason += f"; pinned by {plan.pins.backend_why}"
+        if rejected:
+            reason += "; rejected: " + "; ".join(rejected)
+        fallbacks: tuple[BackendChoice, ...] = ()
+        if not plan.pins.backend:
+            fallbacks = tuple(
+                BackendChoice(
+                    v.option.backend,
+                    v.artifact,
+                    self.planner.backend_options(v.option, config),
+                    f"fallback {v.option.label()}",
+                )
+                for v in plan.fallbacks
+                if v.artifact is not None
+            )
+        return BackendChoice(
+            chosen.option.backend, chosen.artifact or version_dir, plan.options, reason, fallbacks
+        )

@@ -1,0 +1,78 @@
+"""The Triton repository layout: `<repo>/<model>/[config.pbtxt] [labels…] <version>/<model file>`.
+
+Version folders are numeric; names that are not, or that start with "0", are ignored (as Triton
+does). Hidden folders (`.cache`, `.git`) are not models.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+from edgeserve.repository.errors import RepositoryError
+
+CONFIG_FILE = "config.pbtxt"
+WARMUP_DIR = "warmup"  # model_warmup input_data_file lives in <model>/warmup/ (Triton)
+
+# Triton's default model file per platform / backend
+DEFAULT_FILENAMES: dict[str, str] = {
+    "onnxruntime_onnx": "model.onnx",
+    "onnxruntime": "model.onnx",
+    "tensorrt_plan": "model.plan",
+    "tensorrt": "model.plan",
+    "openvino": "model.xml",
+    "pytorch_libtorch": "model.pt",
+    "python": "model.py",
+}
+
+_VERSION = re.compile(r"[1-9][0-9]*")
+
+
+def is_version_name(name: str) -> bool:
+    return _VERSION.fullmatch(name) is not None
+
+
+def check_model_name(name: str) -> None:
+    """A model name must be one plain folder name (it becomes a path and a URL segment)."""
+    if not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
+        raise RepositoryError(f"model name '{name}'", "", "must be a plain folder name (no '/', not hidden)")
+
+
+def list_models(root: Path) -> list[str]:
+    """Model folder names in the repository, sorted; [] when the repository folder is missing."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def version_dirs(model_dir: Path) -> dict[int, Path]:
+    """Numeric version folders of a model: {version: path}."""
+    if not model_dir.is_dir():
+        return {}
+    return {int(p.name): p for p in model_dir.iterdir() if p.is_dir() and is_version_name(p.name)}
+
+
+def find_artifact(version_dir: Path, names: tuple[str, ...] | list[str]) -> Path | None:
+    """The first of `names` present in `version_dir` (a file, or a folder such as model.onnx/)."""
+    for name in names:
+        candidate = version_dir / name
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def override_path(key: str) -> PurePosixPath:
+    """A load-API file key ("file:1/model.onnx" or "1/model.onnx") as a safe relative path.
+
+    Rejects absolute paths, `..` and empty components, so a request cannot write outside the
+    model's override folder.
+    """
+    name = key[len("file:") :] if key.startswith("file:") else key
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or "\\" in name or name.startswith("~"):
+        raise RepositoryError(
+            f"load file '{key}'", "path", "must be relative to the model folder, e.g. 1/model.onnx"
+        )
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise RepositoryError(f"load file '{key}'", "path", "must not contain '..', '.' or empty components")
+    return path

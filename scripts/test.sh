@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up the test environment in .venv (idempotent) and run the whole test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/frontends/http -x`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup-env.sh
+setup_env test
+
+if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then
+  step "mosquitto present (MQTT broker for the fleet tests)"
+else
+  step "installing mosquitto (MQTT broker for the fleet tests)"
+  apt_install mosquitto || echo "warning: could not install mosquitto (needs root or sudo); broker tests will skip" >&2
+fi
+
+step "python -m pytest $*"
+set +e
+.venv/bin/python -m pytest -ra "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests; that is a failure" >&2
+  exit 1
+fi
+exit "$rc"
