@@ -232,7 +232,7 @@ class Planner:
                 index = int(option.device.partition(":")[2] or 0)
                 if cores is not None and index >= cores:
                     return f"this module has {cores} DLA core(s); {option.device} does not exist"
-            if option.backend == "onnxruntime":
+            if option.backend == "onnxruntime" and self.runtimes.status("onnxruntime").available:
                 available = self.runtimes.ort_providers()
                 missing = [p for p in option.providers if p != CPU_EP and p not in available]
                 if missing and not any(p in available for p in GPU_EPS):
@@ -251,17 +251,18 @@ class Planner:
         return f"{option.backend} does not run on {option.device}"
 
     def _runtime_reason(self, option: PlanOption) -> str | None:
-        reason = self.runtimes.backend_unavailable(option.backend)
-        if reason is not None:
-            return reason
         if option.backend == "tensorrt":
             version = self.runtimes.status("tensorrt").version
-            if version and _version_tuple(version) < MIN_TENSORRT:
+            if (
+                self.runtimes.status("tensorrt").available
+                and version
+                and _version_tuple(version) < MIN_TENSORRT
+            ):
                 return (
                     f"TensorRT {version} is older than 10.0; edgeserve's tensorrt backend uses TensorRT 10's "
                     "name-based I/O API"
                 )
-        return None
+        return self.runtimes.backend_unavailable(option.backend)
 
     def _precision_reason(self, option: PlanOption, pins: Pins) -> str | None:
         precision, base = option.precision, option.device.split(":")[0]
@@ -314,7 +315,7 @@ class Planner:
             return f"not the pinned backend ({pins.backend_why})", None, ""
         if pins.device and option.device != pins.device:
             return f"not the pinned device {pins.device} ({pins.device_why})", None, ""
-        reason = self._runtime_reason(option) or self._device_reason(option)
+        reason = self._device_reason(option) or self._runtime_reason(option)
         if reason:
             return reason, None, ""
         artifact = find_artifact(option.backend, version_dir, pins.filename)
@@ -339,8 +340,16 @@ class Planner:
         tolerance = pins.tolerance if pins.tolerance is not None else self.settings.runtime.accuracy_tolerance
         verdicts: list[Verdict] = []
         chosen: Verdict | None = None
+        seen: set[PlanOption] = set()
         for option, cand in self._options(pins):
             reason, artifact, note = self._static(option, cand, pins, version_dir, config)
+            if reason is None and artifact is not None and artifact.suffix in (".plan", ".engine"):
+                # a shipped engine runs as built: its precision was fixed when it was built
+                option = PlanOption(option.backend, option.device, "auto", option.providers)
+                note = "model.plan runs as built (precision fixed at build time)"
+            if option in seen:
+                continue
+            seen.add(option)
             if reason is not None:
                 verdicts.append(Verdict(option, False, reason, artifact))
                 continue
