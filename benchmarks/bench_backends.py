@@ -1,0 +1,125 @@
+"""Backends side by side on this machine (issue 5): each sample model on every available backend/precision,
+throughput and p50 latency, error vs ONNX Runtime fp32, and the runtime plan's choice marked.
+
+    python -m edgeserve samples            # once: models/mlp, ppocr_det, ppocr_cls, ppocr_rec
+    python benchmarks/bench_backends.py [--seconds 3] [--iterations 300] [--models mlp,ppocr_det]
+
+One process, options run back to back per model (the machine is noisy: compare ratios within a run).
+The plan is computed for each model's config with its backend/platform pin removed (the sample configs
+pin onnxruntime), so the mark shows what the device profile + accuracy guard would pick on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgeserve.backends.base import BackendOptions, get_backend  # noqa: E402
+from edgeserve.config import Settings  # noqa: E402
+from edgeserve.hardware.selector import PlanSelector  # noqa: E402
+from edgeserve.repository.config import ModelConfig, parse_pbtxt  # noqa: E402
+
+# representative request shapes (the PP-OCR configs' own warm-up sizes)
+SHAPES = {
+    "mlp": (1, 16),
+    "ppocr_det": (1, 3, 640, 640),
+    "ppocr_cls": (1, 3, 48, 192),
+    "ppocr_rec": (1, 3, 48, 320),
+}
+
+
+def options_here(threads: int, bf16: bool) -> list[tuple[str, str]]:
+    opts = [("onnxruntime", "fp32"), ("openvino", "fp32")]
+    if bf16:
+        opts.append(("openvino", "bf16"))
+    return opts
+
+
+def measure(
+    instance: Any, feed: dict[str, np.ndarray], seconds: float, iterations: int
+) -> tuple[float, float, int]:
+    for _ in range(3):
+        instance.infer(feed)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < iterations and time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        instance.infer(feed)
+        times.append(time.perf_counter() - t0)
+    total = sum(times)
+    return len(times) / total, statistics.median(times) * 1e3, len(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repository", type=Path, default=ROOT / "models")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--seconds", type=float, default=3.0, help="time budget per option")
+    parser.add_argument("--iterations", type=int, default=300, help="max timed calls per option")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "backends.json")
+    args = parser.parse_args()
+
+    settings = Settings()
+    settings.server.state_dir = ROOT / "models" / ".cache"
+    selector = PlanSelector(settings)
+    hw = selector.hardware
+    threads = selector.planner.threads()[0]
+    print(f"machine: {hw.cpu.summary()}; profile {selector.profile.name}; {threads} threads", flush=True)
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        version_dir = args.repository / name / "1"
+        path = version_dir / "model.onnx"
+        if not path.exists():
+            print(f"{name}: {path} missing; run `python -m edgeserve samples` first", flush=True)
+            continue
+        config_path = args.repository / name / "config.pbtxt"
+        config = parse_pbtxt(config_path) if config_path.exists() else ModelConfig()
+        unpinned = ModelConfig()
+        unpinned.CopyFrom(config)
+        unpinned.ClearField("backend")
+        unpinned.ClearField("platform")
+        plan = selector.plan(name, version_dir, unpinned)
+        chosen = (plan.chosen.option.backend, plan.chosen.option.precision) if plan.chosen else None
+        guard = [v.reason for v in plan.verdicts if v.reason.startswith("accuracy guard")]
+        print(f"{name}: plan -> {chosen} ({'; '.join(guard) or 'no guard needed'})", flush=True)
+        x = np.random.default_rng(0).random(SHAPES[name], dtype=np.float32)
+        reference: list[np.ndarray] | None = None
+        for backend_name, precision in options_here(threads, hw.cpu.bf16):
+            backend = get_backend(backend_name)
+            instance = backend.load(
+                path, config, BackendOptions(device="CPU", precision=precision, threads=threads)
+            )
+            feed = {instance.io.inputs[0].name: x}
+            outputs = instance.infer(feed)
+            values = [outputs[t.name] for t in instance.io.outputs]
+            if reference is None:
+                reference = values
+            error = max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(a))), 1e-12)
+                        for a, b in zip(reference, values, strict=True))  # fmt: skip
+            per_s, p50, n = measure(instance, feed, args.seconds, args.iterations)
+            instance.close()
+            mark = "<- plan" if chosen == (backend_name, precision) else ""
+            print(f"  {backend_name:12} {precision:5} {per_s:9.1f}/s  p50 {p50:8.3f} ms  n={n:4d}  "
+                  f"max rel err vs ORT fp32 {error:.1e} {mark}", flush=True)  # fmt: skip
+            rows.append({"model": name, "backend": backend_name, "precision": precision, "per_s": per_s,
+                         "p50_ms": p50, "n": n, "rel_error": error, "plan": bool(mark)})  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": hw.cpu.summary(), "threads": threads, "rows": rows}, indent=1))
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
