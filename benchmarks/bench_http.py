@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, CpuMeter, Result, progress, run_async, run_threads, start_server  # noqa: E402
+from common import ROOT, CpuMeter, Result, progress, run_async, run_threads, start_server
 
 
 @dataclass(frozen=True)
@@ -50,41 +50,57 @@ def ort_session(path: Path) -> Any:
     from edgeserve.backends.base import BackendOptions
     from edgeserve.backends.onnxruntime import session_options
 
-    return ort.InferenceSession(str(path), session_options(BackendOptions()), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        str(path), session_options(BackendOptions()), providers=["CPUExecutionProvider"]
+    )
 
 
 def http_body(work: Workload, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    header = json.dumps({
-        "inputs": [{"name": work.input_name, "datatype": "FP32", "shape": list(x.shape),
-                    "parameters": {"binary_data_size": x.nbytes}}],
-        "parameters": {"binary_data_output": True},
-    }).encode()  # fmt: skip
-    headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": work.input_name,
+                    "datatype": "FP32",
+                    "shape": list(x.shape),
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    headers = {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
     return header + x.tobytes(), headers
 
 
 def decode_http(payload: bytes, length: int) -> np.ndarray:
     header = json.loads(payload[:length])
     out = header["outputs"][0]
-    return np.frombuffer(payload, dtype=np.float32, offset=length).reshape(out["shape"])
+    array: np.ndarray = np.frombuffer(payload, dtype=np.float32, offset=length).reshape(out["shape"])
+    return array
 
 
 class HttpCaller:
-    """One aiohttp session per phase (created inside that phase's event loop)."""
+    """Binary-tensor infer requests over one aiohttp session (opened inside the phase's event loop)."""
 
     def __init__(self, base: str, work: Workload, x: np.ndarray) -> None:
         self.url = f"{base}/v2/models/{work.model}/infer"
         self.body, self.headers = http_body(work, x)
         self.session: Any = None
 
-    async def __call__(self) -> None:
+    async def open(self) -> None:
         import aiohttp
 
-        if self.session is None:
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-                skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            )  # fmt: skip
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        )
+
+    async def __call__(self) -> None:
         async with self.session.post(self.url, data=self.body, headers=self.headers) as response:
             payload = await response.read()
             if response.status != 200:
@@ -92,26 +108,23 @@ class HttpCaller:
             decode_http(payload, int(response.headers["Inference-Header-Content-Length"]))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        await self.session.close()
 
 
-def http_phase(label: str, base: str, work: Workload, x: np.ndarray, clients: int, requests: int,
-               seconds: float, meter: CpuMeter | None) -> Result:  # fmt: skip
+def http_phase(
+    label: str,
+    base: str,
+    work: Workload,
+    x: np.ndarray,
+    clients: int,
+    requests: int,
+    seconds: float,
+    meter: CpuMeter | None,
+) -> Result:
     caller = HttpCaller(base, work, x)
-    closing: list[Any] = []
-
-    async def call() -> None:
-        await caller()
-        if not closing:
-            closing.append(caller.session)
-
-    result = run_async(label, call, clients, requests, seconds, meter)
-    # the session belongs to the finished loop; closing it there is not possible any more
-    if caller.session is not None and not caller.session.closed:
-        caller.session._connector._close()  # type: ignore[union-attr]
-    return result
+    return run_async(
+        label, caller, clients, requests, seconds, meter, setup=caller.open, teardown=caller.close
+    )
 
 
 def check_outputs(base: str, work: Workload, session: Any, x: np.ndarray) -> None:
@@ -126,15 +139,25 @@ def check_outputs(base: str, work: Workload, session: Any, x: np.ndarray) -> Non
     progress(f"{work.model}: edgeserve output equals in-process onnxruntime (shape {list(got.shape)})")
 
 
+HEADER = "\n".join(
+    (
+        "| run                    | clients |   req/s |  p50 ms |  p99 ms | CPU bench/srv | ratio | errors |",
+        "|------------------------|--------:|--------:|--------:|--------:|--------------:|------:|--------|",
+    )
+)
+
+
 def fmt_row(r: Result, ratio: str = "") -> str:
-    cpu = " / ".join(f"{r.cpu.get(k, 0):.0f}%" for k in ("bench", "server"))
+    cpu = "/".join(f"{r.cpu.get(k, 0):.0f}%" for k in ("bench", "server"))
     errors = f"{r.errors}" if not r.first_error else f"{r.errors} ({r.first_error[:60]})"
-    return (f"| {r.label:<22} | {r.clients:>7} | {r.throughput:>9.1f} | {r.p50_ms:>8.2f} | {r.p99_ms:>8.2f} | "
-            f"{cpu:>15} | {ratio:>9} | {errors} |")  # fmt: skip
+    numbers = f"{r.throughput:>7.1f} | {r.p50_ms:>7.2f} | {r.p99_ms:>7.2f}"
+    return f"| {r.label:<22} | {r.clients:>7} | {numbers} | {cpu:>13} | {ratio:>5} | {errors} |"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     parser.add_argument("--seconds", type=float, default=8.0, help="time limit per phase")
@@ -164,26 +187,39 @@ def main() -> int:
                 label = f"{work.model} {'x'.join(map(str, work.shape))}"
                 progress(f"{label}: {clients} client(s): in-process ...")
                 run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                a = run_threads(f"{work.model} in-process", in_process, clients, work.max_requests, args.seconds, meter)
+                a = run_threads(
+                    f"{work.model} in-process", in_process, clients, work.max_requests, args.seconds, meter
+                )
                 progress(f"{label}: {clients} client(s): edgeserve HTTP ...")
                 http_phase("warmup", server.base, work, x, clients, work.max_requests, args.warmup, None)
-                b = http_phase(f"{work.model} edgeserve", server.base, work, x, clients, work.max_requests,
-                               args.seconds, meter)  # fmt: skip
+                b = http_phase(
+                    f"{work.model} edgeserve",
+                    server.base,
+                    work,
+                    x,
+                    clients,
+                    work.max_requests,
+                    args.seconds,
+                    meter,
+                )
                 ratio = b.throughput / a.throughput if a.throughput else float("nan")
                 rows += [fmt_row(a), fmt_row(b, f"{ratio:.2f}")]
-                progress(f"{label}: {clients} client(s): in-process {a.throughput:.0f}/s, edgeserve "
-                         f"{b.throughput:.0f}/s, ratio {ratio:.2f}")  # fmt: skip
+                progress(
+                    f"{label}: {clients} client(s): in-process {a.throughput:.0f}/s, edgeserve "
+                    f"{b.throughput:.0f}/s, ratio {ratio:.2f}"
+                )
     finally:
         server.stop()
     import platform
 
     import onnxruntime
 
-    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime "
-          f"{onnxruntime.__version__}, {args.seconds:.0f}s per phase; CPU = share of all cores used by "
-          "this load-generator process / by the server process; ratio = edgeserve / in-process throughput\n")  # fmt: skip
-    print("| run                    | clients |     req/s |  p50 ms  |  p99 ms  |  CPU bench/srv  |     ratio | errors |")
-    print("|------------------------|--------:|----------:|---------:|---------:|----------------:|----------:|--------|")
+    print(
+        f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime "
+        f"{onnxruntime.__version__}, {args.seconds:.0f}s per phase. CPU = share of all cores used by this "
+        "load-generator process / by the server process; ratio = edgeserve / in-process throughput.\n"
+    )
+    print(HEADER)
     for row in rows:
         print(row)
     return 0

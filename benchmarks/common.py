@@ -63,8 +63,10 @@ class CpuMeter:
     def stop(self) -> dict[str, float]:
         wall = max(time.perf_counter() - self._t0, 1e-9)
         cores = psutil.cpu_count() or 1
-        return {name: 100.0 * (self._used(p) - self._start[name]) / (wall * cores)
-                for name, p in self.processes.items()}  # fmt: skip
+        return {
+            name: 100.0 * (self._used(p) - self._start[name]) / (wall * cores)
+            for name, p in self.processes.items()
+        }
 
 
 # -- results -----------------------------------------------------------------------------------------------
@@ -107,8 +109,14 @@ class _Budget:
             return True
 
 
-def run_threads(label: str, call: Callable[[], None], clients: int, max_requests: int, max_seconds: float,
-                meter: CpuMeter | None = None) -> Result:  # fmt: skip
+def run_threads(
+    label: str,
+    call: Callable[[], None],
+    clients: int,
+    max_requests: int,
+    max_seconds: float,
+    meter: CpuMeter | None = None,
+) -> Result:
     """`clients` threads each calling `call()` back to back until the shared budget runs out."""
     result = Result(label, clients)
     budget = _Budget(max_requests, max_seconds)
@@ -143,9 +151,18 @@ def run_threads(label: str, call: Callable[[], None], clients: int, max_requests
     return result
 
 
-def run_async(label: str, call: Callable[[], Awaitable[None]], clients: int, max_requests: int,
-              max_seconds: float, meter: CpuMeter | None = None) -> Result:  # fmt: skip
-    """`clients` concurrent asyncio tasks on one event loop (one load-generator thread)."""
+def run_async(
+    label: str,
+    call: Callable[[], Awaitable[None]],
+    clients: int,
+    max_requests: int,
+    max_seconds: float,
+    meter: CpuMeter | None = None,
+    setup: Callable[[], Awaitable[None]] | None = None,
+    teardown: Callable[[], Awaitable[None]] | None = None,
+) -> Result:
+    """`clients` concurrent asyncio tasks on one event loop (one load-generator thread); `setup` and
+    `teardown` run in that loop, outside the measurement."""
     result = Result(label, clients)
     budget = _Budget(max_requests, max_seconds)
 
@@ -161,15 +178,21 @@ def run_async(label: str, call: Callable[[], Awaitable[None]], clients: int, max
             result.latencies_s.append(time.perf_counter() - t0)
 
     async def main() -> None:
-        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), max_seconds + 60)
+        if setup is not None:
+            await setup()
+        try:
+            if meter:
+                meter.start()
+            t0 = time.perf_counter()
+            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), max_seconds + 60)
+            result.seconds = time.perf_counter() - t0
+            if meter:
+                result.cpu = meter.stop()
+        finally:
+            if teardown is not None:
+                await teardown()
 
-    if meter:
-        meter.start()
-    t0 = time.perf_counter()
     asyncio.run(main())
-    result.seconds = time.perf_counter() - t0
-    if meter:
-        result.cpu = meter.stop()
     return result
 
 
@@ -208,17 +231,19 @@ def _ready(url: str) -> bool:
         return False
 
 
-def start_server(repository: Path, models: list[str], extra_args: list[str] | None = None,
-                 timeout: float = 180.0) -> ServerProcess:  # fmt: skip
+def start_server(
+    repository: Path, models: list[str], extra_args: list[str] | None = None, timeout: float = 180.0
+) -> ServerProcess:
     """`python -m edgeserve run` with only HTTP on a free loopback port, serving `models`."""
     port = free_port()
     log_path = Path(tempfile.gettempdir()) / f"edgeserve-bench-{port}.log"
-    cmd = [sys.executable, "-m", "edgeserve", "run", "--model-repository", str(repository),
-           "--http-port", str(port), "--host", "127.0.0.1", "--no-grpc", "--no-zmq", "--log-level", "WARNING"]
+    flags = f"--http-port {port} --host 127.0.0.1 --no-grpc --no-zmq --log-level WARNING".split()
+    cmd = [sys.executable, "-m", "edgeserve", "run", "--model-repository", str(repository), *flags]
     for model in models:
         cmd += ["--load-model", model]
-    cmd += extra_args or []  # fmt: skip
-    env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(Path(tempfile.gettempdir()) / f"edgeserve-bench-{port}")}
+    cmd += extra_args or []
+    state = Path(tempfile.gettempdir()) / f"edgeserve-bench-{port}"
+    env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(state)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     server = ServerProcess(process, port, log_path)

@@ -1,134 +1,18 @@
-"""Shared fixtures: a real edgeserve server process on loopback, with free ports, per test module or test."""
+"""Shared fixtures: a real edgeserve server process on loopback, with free ports."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/onnx_models.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/onnx_models.py, tests/es_server.py
 
-ROOT = Path(__file__).resolve().parents[1]
+from es_server import ROOT, RunningServer, ServerFactory, free_port, start_server
 
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen[bytes]
-    http_port: int
-    grpc_port: int
-    zmq_endpoint: str
-    log_path: Path
-    repository: Path
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        return int(self.process.returncode)
-
-
-def _get_status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
-
-
-def start_server(
-    repository: Path,
-    tmp: Path,
-    *,
-    args: list[str] | None = None,
-    env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-    timeout: float = 120.0,
-) -> RunningServer:
-    """Start `python -m edgeserve run` on free loopback ports and wait until it answers (ready by default)."""
-    http_port, grpc_port = free_port(), free_port()
-    zmq_endpoint = f"ipc://{tmp}/edgeserve-{http_port}.zmq"
-    log_path = tmp / f"server-{http_port}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgeserve",
-        "run",
-        "--model-repository",
-        str(repository),
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--zmq-endpoint",
-        zmq_endpoint,
-        *(args or []),
-    ]
-    full_env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
-        **(env or {}),
-    }
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
-    server = RunningServer(process, http_port, grpc_port, zmq_endpoint, log_path, repository, env or {})
-    path = "/v2/health/ready" if wait_ready else "/v2/health/live"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"edgeserve exited with {process.returncode}:\n{server.log()}")
-        if _get_status(server.base + path) == 200:
-            return server
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(
-        f"edgeserve did not become {'ready' if wait_ready else 'live'} in {timeout}s:\n{server.log()}"
-    )
-
-
-ServerFactory = Callable[..., RunningServer]
+__all__ = ["ROOT", "RunningServer", "ServerFactory", "free_port", "start_server"]
 
 
 @pytest.fixture

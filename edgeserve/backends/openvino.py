@@ -85,11 +85,20 @@ def _model_io(model: Any, path: Path) -> ModelIO:
     return ModelIO(inputs, outputs)
 
 
+def runtime_message(exc: BaseException) -> str:
+    """OpenVINO's exception text without its "Exception from src/...cpp:NN:" source-location lines."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    kept = [line for line in lines if line and not line.startswith("Exception from src/")]
+    return " ".join(kept) or str(exc).strip()
+
+
 def _read(path: Path) -> Any:
     try:
         return core().read_model(str(path))
     except Exception as exc:
-        raise InferenceError(Status.INVALID_ARG, f"{path}: openvino cannot read the model: {exc}") from exc
+        raise InferenceError(
+            Status.INVALID_ARG, f"{path}: openvino cannot read the model: {runtime_message(exc)}"
+        ) from exc
 
 
 def compile_properties(options: BackendOptions, supported: set[str] | None) -> dict[str, Any]:
@@ -152,8 +161,9 @@ class OpenVinoInstance:
             # share_inputs: no copy in; outputs are copied out, since the request reuses its buffers.
             result = request.infer(feed, share_inputs=True, share_outputs=False)
         except Exception as exc:
-            raise InferenceError(Status.INVALID_ARG if "shape" in str(exc).lower() else Status.INTERNAL,
-                                 f"openvino failed to run {self.path.name}: {exc}") from exc  # fmt: skip
+            status = Status.INVALID_ARG if "shape" in str(exc).lower() else Status.INTERNAL
+            message = f"openvino failed to run {self.path.name}: {runtime_message(exc)}"
+            raise InferenceError(status, message) from exc
         values = list(result.values())
         wanted = set(outputs) if outputs else None
         out: dict[str, Array] = {}
@@ -223,7 +233,8 @@ class OpenVinoBackend:
             compiled = core().compile_model(model, device, props)
         except Exception as exc:
             raise InferenceError(
-                Status.INTERNAL, f"{model_path}: openvino cannot compile the model for {device}: {exc}"
+                Status.INTERNAL,
+                f"{model_path}: openvino cannot compile the model for {device}: {runtime_message(exc)}",
             ) from exc
         return OpenVinoInstance(compiled, io, model_path, device, fallback)
 

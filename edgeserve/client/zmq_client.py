@@ -18,7 +18,7 @@ import zmq
 from edgeserve.client import _core
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
-from edgeserve.client.ring import FrameRing
+from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.frontends.zmq import wire
 
 DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
@@ -146,8 +146,11 @@ class ZmqClient:
     def poll(self, timeout: float = 0.0) -> int:
         """Receive the replies that arrive within `timeout` seconds; returns how many futures finished."""
         before = len(self._pending)
-        self._pump(time.monotonic() + timeout)
-        return before - len(self._pending)
+        until = time.monotonic() + timeout
+        while True:
+            self._pump(until)
+            if time.monotonic() >= until or self._sock is None:
+                return before - len(self._pending)
 
     def as_completed(self, futures: Iterable[ZmqFuture], timeout: float | None = None) -> Iterator[ZmqFuture]:
         """Yield futures as they finish (each finishes by its own deadline at the latest)."""
@@ -162,6 +165,19 @@ class ZmqClient:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{len(waiting)} request(s) not finished within {timeout} s")
             self._pump(self._next_wake(deadline))
+
+    def acquire_slot(self, ring: FrameRing, timeout: float | None = None) -> Slot:
+        """A free slot of `ring`, receiving replies (which free slots) for up to `timeout` seconds
+        (default: the client timeout); RingFull if none frees up. For dropping instead of waiting,
+        use `ring.try_acquire()`."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            slot = ring.try_acquire()
+            if slot is not None:
+                return slot
+            if time.monotonic() >= deadline or self._sock is None:
+                return ring.acquire()  # raises RingFull
+            self._pump(min(self._next_wake(None), deadline))
 
     @property
     def in_flight(self) -> int:

@@ -299,13 +299,23 @@ class ModelRepository:
                 raise not_found(
                     f"failed to load '{name}': no folder '{name}' in model repository {self.root}"
                 )
+        try:
+            raw, where = self._raw_config(name, source, config_json)
+        except InferenceError:
+            if files:
+                overrides.remove(source)
+            raise
+        return source, raw, where
+
+    @staticmethod
+    def _raw_config(name: str, source: Path, config_json: str | None) -> tuple[Any, str]:
         config_file = source / CONFIG_FILE
         if config_json is not None:
             where = f"load request config for '{name}'"
-            return source, parse_override(config_json, where), where
+            return parse_override(config_json, where), where
         if config_file.is_file():
-            return source, parse_pbtxt(config_file), str(config_file)
-        return source, mc.ModelConfig(), f"{source} (no {CONFIG_FILE}; auto-completed)"
+            return parse_pbtxt(config_file), str(config_file)
+        return mc.ModelConfig(), f"{source} (no {CONFIG_FILE}; auto-completed)"
 
     async def _build(self, name: str, source: Path, version: int, version_dir: Path, raw_config: Any,
                      where: str) -> ServedModel:  # fmt: skip

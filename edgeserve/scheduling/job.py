@@ -10,7 +10,8 @@ from typing import Any
 import numpy.typing as npt
 
 Arrays = dict[str, npt.NDArray[Any]]
-# Called exactly once, on a worker thread (or the submitting thread for immediate rejections),
+# Called exactly once: on a worker thread, on the submitting thread for immediate rejections,
+# or on the closing thread for jobs still queued at close();
 # with this job's outputs (already split out of the batch) or the error that ended it.
 JobCallback = Callable[["Arrays | BaseException"], None]
 

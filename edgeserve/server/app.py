@@ -24,13 +24,14 @@ class Frontend(Protocol):
 
 class Server:
     def __init__(self, settings: Settings) -> None:
+        from edgeserve.hardware.selector import PlanSelector
         from edgeserve.repository.manager import ModelRepository
 
         self.settings = settings
         self.shm = SharedMemoryRegistry(
             settings.shm.allow_client_shm, settings.shm.key_prefixes, settings.shm.max_regions
         )
-        self.repository = ModelRepository(settings)
+        self.repository = ModelRepository(settings, selector=PlanSelector(settings))
         self.dataplane = DataPlane(
             self.repository,
             self.shm,

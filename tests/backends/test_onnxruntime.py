@@ -124,8 +124,14 @@ def test_session_options_for_small_devices() -> None:
     assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     tuned = ortb.session_options(
-        BackendOptions(threads=0, parameters={"ort_memory_arena": "true", "ort_allow_spinning": "true",
-                                              "session.use_device_allocator_for_initializers": "1"})  # fmt: skip
+        BackendOptions(
+            threads=0,
+            parameters={
+                "ort_memory_arena": "true",
+                "ort_allow_spinning": "true",
+                "session.use_device_allocator_for_initializers": "1",
+            },
+        )
     )
     assert tuned.intra_op_num_threads == 0 and tuned.enable_cpu_mem_arena is True
     assert tuned.get_session_config_entry("session.intra_op.allow_spinning") == "1"
@@ -147,7 +153,10 @@ def test_missing_provider_falls_back_to_cpu_loudly(tmp_path: Path, caplog: pytes
         instance = BACKEND.load(path, None, BackendOptions(providers=("TensorrtExecutionProvider", "CUDA")))
     assert instance.providers == ("CPUExecutionProvider",)
     assert instance.fallback_reason is not None
-    assert "TensorrtExecutionProvider" in instance.fallback_reason and "CUDAExecutionProvider" in instance.fallback_reason
+    assert (
+        "TensorrtExecutionProvider" in instance.fallback_reason
+        and "CUDAExecutionProvider" in instance.fallback_reason
+    )
     assert any("CPU fallback" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     plain = BACKEND.load(path, None, BackendOptions())
     assert plain.fallback_reason is None

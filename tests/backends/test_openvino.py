@@ -99,21 +99,36 @@ def test_ir_model_xml(tmp_path: Path) -> None:
     assert BACKEND.inspect(xml).inputs[0] == TensorSpec("INPUT0", "FP32", (-1, 16))
     x = np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)
     out = BACKEND.load(xml, None, FP32).infer({"INPUT0": x})
-    np.testing.assert_allclose(out["OUTPUT0"], _ort(onnx_path, {"INPUT0": x})["OUTPUT0"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out["OUTPUT0"], _ort(onnx_path, {"INPUT0": x})["OUTPUT0"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_compile_properties() -> None:
-    props = ovb.compile_properties(BackendOptions(precision="fp32", threads=4, performance_hint="THROUGHPUT"), None)
-    assert props == {"PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 4}
-    assert ovb.compile_properties(BackendOptions(precision="bf16"), None)["INFERENCE_PRECISION_HINT"] == "bf16"
+    props = ovb.compile_properties(
+        BackendOptions(precision="fp32", threads=4, performance_hint="THROUGHPUT"), None
+    )
+    assert props == {
+        "PERFORMANCE_HINT": "THROUGHPUT",
+        "INFERENCE_PRECISION_HINT": "f32",
+        "INFERENCE_NUM_THREADS": 4,
+    }
+    assert (
+        ovb.compile_properties(BackendOptions(precision="bf16"), None)["INFERENCE_PRECISION_HINT"] == "bf16"
+    )
     assert ovb.compile_properties(BackendOptions(precision="fp16"), None)["INFERENCE_PRECISION_HINT"] == "f16"
     auto = ovb.compile_properties(BackendOptions(precision="auto", threads=0), None)
     assert "INFERENCE_PRECISION_HINT" not in auto and "INFERENCE_NUM_THREADS" not in auto
-    cached = ovb.compile_properties(BackendOptions(cache_dir=Path("/c"), parameters={"NUM_STREAMS": "1"}), {"X"})
+    cached = ovb.compile_properties(
+        BackendOptions(cache_dir=Path("/c"), parameters={"NUM_STREAMS": "1"}), {"X"}
+    )
     assert cached == {"CACHE_DIR": "/c"}  # unsupported properties are dropped, the cache dir is kept
-    assert ovb.compile_properties(BackendOptions(parameters={"NUM_STREAMS": "1", "ort_x": "y"}), None)[
-        "NUM_STREAMS"
-    ] == "1"
+    assert (
+        ovb.compile_properties(BackendOptions(parameters={"NUM_STREAMS": "1", "ort_x": "y"}), None)[
+            "NUM_STREAMS"
+        ]
+        == "1"
+    )
     assert ovb.ov_device("gpu:1") == "GPU.1" and ovb.ov_device("CPU") == "CPU"
 
 
@@ -134,7 +149,10 @@ def test_missing_device_falls_back_to_cpu_loudly(tmp_path: Path, caplog: pytest.
         instance = BACKEND.load(build_mlp(tmp_path / "mlp.onnx"), None, BackendOptions(device="NPU"))
     assert instance.device == "CPU" and instance.fallback_reason and "NPU" in instance.fallback_reason
     assert any("CPU fallback" in r.getMessage() for r in caplog.records)
-    assert BACKEND.load(build_mlp(tmp_path / "m2.onnx"), None, BackendOptions(device="AUTO")).fallback_reason is None
+    assert (
+        BACKEND.load(build_mlp(tmp_path / "m2.onnx"), None, BackendOptions(device="AUTO")).fallback_reason
+        is None
+    )
 
 
 def test_string_tensors_are_refused_with_a_pointer_to_onnxruntime(tmp_path: Path) -> None:

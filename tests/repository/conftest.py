@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from repo_helpers import make_settings
+from repo_helpers import RepoFactory, make_settings
 
 from edgeserve.repository.manager import ModelRepository
-
-RepoFactory = Callable[..., ModelRepository]
 
 
 @pytest.fixture

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from edgeserve.config import Settings
+from edgeserve.repository.manager import ModelRepository
 from edgeserve.scheduling.job import Job
 
+RepoFactory = Callable[..., ModelRepository]  # the `make_repo` fixture
 
-def make_settings(repo: Path, state: Path, *, load_models: list[str] | None = None, mode: str = "explicit") -> Settings:
+
+def make_settings(
+    repo: Path, state: Path, *, load_models: list[str] | None = None, mode: str = "explicit"
+) -> Settings:
     settings = Settings()
     settings.server.model_repository = repo
     settings.server.state_dir = state
@@ -43,7 +50,6 @@ async def infer(served: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndar
     batch = next(iter(inputs.values())).shape[0] if served.config.max_batch_size > 0 else 1
     served.scheduler.submit(Job(inputs=inputs, batch_size=batch, done=done))
     return await future
-
 
 
 def replace_file(path: Path, data: bytes) -> None:

@@ -17,12 +17,20 @@ from edgeserve.repository.config import validate
 from edgeserve.repository.errors import RepositoryError
 
 
-def _complete(path: Path, text: str = "", default_max_batch_size: int = 4, backend: Any = ortb.BACKEND) -> Any:
+def _complete(
+    path: Path, text: str = "", default_max_batch_size: int = 4, backend: Any = ortb.BACKEND
+) -> Any:
     config = text_format.Parse(text, mc.ModelConfig())
     out = complete(
-        config, backend.inspect(path), model_name="m", backend_name=backend.name, platform=backend.platforms[0],
-        model_file=path.name, default_max_batch_size=default_max_batch_size, where="models/m/config.pbtxt",
-    )  # fmt: skip
+        config,
+        backend.inspect(path),
+        model_name="m",
+        backend_name=backend.name,
+        platform=backend.platforms[0],
+        model_file=path.name,
+        default_max_batch_size=default_max_batch_size,
+        where="models/m/config.pbtxt",
+    )
     validate(out, "models/m/config.pbtxt", "m")
     return out
 
@@ -132,8 +140,13 @@ def test_existing_scheduler_and_names_kept(tmp_path: Path) -> None:
 
 def test_gpu_instances(tmp_path: Path) -> None:
     config = complete(
-        mc.ModelConfig(), ortb.BACKEND.inspect(build_mlp(tmp_path / "model.onnx")), model_name="m",
-        backend_name="onnxruntime", platform="onnxruntime_onnx", model_file="model.onnx", default_max_batch_size=4,
+        mc.ModelConfig(),
+        ortb.BACKEND.inspect(build_mlp(tmp_path / "model.onnx")),
+        model_name="m",
+        backend_name="onnxruntime",
+        platform="onnxruntime_onnx",
+        model_file="model.onnx",
+        default_max_batch_size=4,
         gpu=True,
-    )  # fmt: skip
+    )
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU

@@ -45,7 +45,9 @@ def test_layout_scan(tmp_path: Path) -> None:
         True, True, False, False, False, False, False,
     ]  # fmt: skip
     (tmp_path / "m" / "1" / "model.xml").write_text("<xml/>")
-    assert find_artifact(tmp_path / "m" / "1", ("model.onnx", "model.xml")) == tmp_path / "m" / "1" / "model.xml"
+    assert (
+        find_artifact(tmp_path / "m" / "1", ("model.onnx", "model.xml")) == tmp_path / "m" / "1" / "model.xml"
+    )
     assert find_artifact(tmp_path / "m" / "2", ("model.onnx",)) is None
 
 
@@ -65,7 +67,9 @@ def test_override_paths() -> None:
 
 
 def test_override_files_written_and_pruned(tmp_path: Path) -> None:
-    first = overrides.write_files(tmp_path / "state", "m", {"file:1/model.onnx": b"abc", "config.pbtxt": b"x"})
+    first = overrides.write_files(
+        tmp_path / "state", "m", {"file:1/model.onnx": b"abc", "config.pbtxt": b"x"}
+    )
     assert first.parent == tmp_path / "state" / "overrides" / "m"
     assert (first / "1" / "model.onnx").read_bytes() == b"abc" and (first / "config.pbtxt").exists()
     second = overrides.write_files(tmp_path / "state", "m", {"1/model.onnx": b"def"})
@@ -105,7 +109,9 @@ def test_default_selector_auto_order_and_fallbacks(tmp_path: Path) -> None:
     choice = DefaultSelector(Settings(), cpus=8).choose("m", model_dir, version_dir, mc.ModelConfig())
     assert choice.backend_name == "openvino" and choice.model_path == version_dir / "model.onnx"
     assert [f.backend_name for f in choice.fallbacks] == ["onnxruntime"]
-    assert choice.options.threads == 8 and choice.options.precision == "fp32" and choice.options.device == "CPU"
+    assert (
+        choice.options.threads == 8 and choice.options.precision == "fp32" and choice.options.device == "CPU"
+    )
     assert choice.options.parameters["ort_memory_arena"] == "false"
     assert "model.onnx" in choice.reason
 
@@ -115,16 +121,22 @@ def test_default_selector_explicit_backend_and_platform(tmp_path: Path) -> None:
     settings = Settings()
     settings.runtime.ort_memory_arena = True
     selector = DefaultSelector(settings, cpus=8)
-    text = 'backend: "onnxruntime" instance_group [ { count: 3 } ] parameters { key: "k" value: { string_value: "v" } }'
+    text = (
+        'backend: "onnxruntime" instance_group [ { count: 3 } ] '
+        'parameters { key: "k" value: { string_value: "v" } }'
+    )
     choice = selector.choose("m", model_dir, version_dir, _config(text))
     assert choice.backend_name == "onnxruntime" and choice.fallbacks == ()
     assert choice.options.threads == 2  # 8 CPUs shared by 3 instances
     assert choice.options.parameters == {"ort_memory_arena": "true", "ort_allow_spinning": "false", "k": "v"}
-    assert selector.choose("m", model_dir, version_dir, _config('platform: "openvino"')).backend_name == "openvino"
+    assert (
+        selector.choose("m", model_dir, version_dir, _config('platform: "openvino"')).backend_name
+        == "openvino"
+    )
     settings.runtime.cpu_threads = 3
     assert selector.choose("m", model_dir, version_dir, _config("")).options.threads == 3
-    gpu = selector.choose("m", model_dir, version_dir, _config('backend: "onnxruntime" instance_group [ { '
-                                                                "kind: KIND_GPU gpus: [ 1 ] } ]"))  # fmt: skip
+    gpu_config = _config('backend: "onnxruntime" instance_group [ { kind: KIND_GPU gpus: [ 1 ] } ]')
+    gpu = selector.choose("m", model_dir, version_dir, gpu_config)
     assert gpu.options.device == "GPU:1" and gpu.options.providers == ("CUDAExecutionProvider",)
 
 
@@ -138,7 +150,9 @@ def test_default_selector_errors(tmp_path: Path) -> None:
         selector.choose("m", model_dir, version_dir, _config('backend: "nope"'))
     assert "unknown backend 'nope'" in unknown.value.message
     with pytest.raises(RepositoryError) as missing:
-        selector.choose("m", model_dir, version_dir, _config('backend: "openvino" default_model_filename: "x.xml"'))
+        selector.choose(
+            "m", model_dir, version_dir, _config('backend: "openvino" default_model_filename: "x.xml"')
+        )
     assert "x.xml" in missing.value.message
     empty = model_dir / "2"
     empty.mkdir()
@@ -156,8 +170,8 @@ WARM = """
 name: "m" max_batch_size: 4
 input [ {{ name: "x" data_type: {dtype} dims: [ 2, 3 ] }} ]
 output [ {{ name: "y" data_type: {dtype} dims: [ 2, 3 ] }} ]
-model_warmup [ {{ name: "w" batch_size: 2 count: 3 inputs {{ key: "x" value: {{ data_type: {dtype} dims: [ 2, 3 ]
-{source} }} }} }} ]
+model_warmup [ {{ name: "w" batch_size: 2 count: 3
+  inputs {{ key: "x" value: {{ data_type: {dtype} dims: [ 2, 3 ] {source} }} }} }} ]
 """
 
 

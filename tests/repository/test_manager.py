@@ -9,9 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RepoFactory
 from onnx_models import write_model
-from repo_helpers import infer
+from repo_helpers import RepoFactory, infer
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends.base import BackendOptions
@@ -35,8 +34,9 @@ def _ort_reference(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     return ortb.BACKEND.load(path, None, BackendOptions()).infer(inputs)
 
 
-async def test_start_serves_a_folder_with_only_model_onnx(tmp_path: Path, make_repo: RepoFactory,
-                                                          caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_start_serves_a_folder_with_only_model_onnx(
+    tmp_path: Path, make_repo: RepoFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     write_model(tmp_path / "models", "mlp")
     write_model(tmp_path / "models", "conv", "conv", config=CONV_CONFIG)
     repo = make_repo(tmp_path / "models")
@@ -105,7 +105,9 @@ async def test_broken_models_are_isolated(tmp_path: Path, make_repo: RepoFactory
     garbage.parent.mkdir(parents=True)
     garbage.write_bytes(b"not an onnx file")
     write_model(models, "badcfg", config='name: "badcfg"\nmax_batch: 4\n')
-    write_model(models, "toobig", config="max_batch_size: 8\ndynamic_batching { preferred_batch_size: [ 16 ] }\n")
+    write_model(
+        models, "toobig", config="max_batch_size: 8\ndynamic_batching { preferred_batch_size: [ 16 ] }\n"
+    )
     (models / "empty").mkdir()
     repo = make_repo(models)
     with caplog.at_level(logging.INFO, logger="edgeserve.repository"):
@@ -133,7 +135,9 @@ async def test_version_policies(tmp_path: Path, make_repo: RepoFactory) -> None:
         write_model(models, "latest2", version=version, seed=version,
                     config="version_policy { latest { num_versions: 2 } }")  # fmt: skip
         write_model(models, "every", version=version, config="version_policy { all { } }")
-        write_model(models, "pick", version=version, config="version_policy { specific { versions: [ 1, 4 ] } }")
+        write_model(
+            models, "pick", version=version, config="version_policy { specific { versions: [ 1, 4 ] } }"
+        )
         write_model(models, "default", version=version)
     repo = make_repo(models)
     await repo.start()
@@ -187,7 +191,9 @@ async def test_missing_repository_serves_nothing(tmp_path: Path, make_repo: Repo
     assert repo.index() == [] and repo.served() == [] and repo.all_ready()
 
 
-async def test_bytes_model_with_warmup_falls_back_to_onnxruntime(tmp_path: Path, make_repo: RepoFactory) -> None:
+async def test_bytes_model_with_warmup_falls_back_to_onnxruntime(
+    tmp_path: Path, make_repo: RepoFactory
+) -> None:
     config = """
     max_batch_size: 2
     model_warmup [
@@ -215,7 +221,9 @@ class RecordingSelector:
 
     def choose(self, model_name: str, model_dir: Path, version_dir: Path, config: Any) -> BackendChoice:
         self.calls.append((model_name, int(version_dir.name)))
-        return BackendChoice("onnxruntime", version_dir / "model.onnx", BackendOptions(threads=2), "test selector")
+        return BackendChoice(
+            "onnxruntime", version_dir / "model.onnx", BackendOptions(threads=2), "test selector"
+        )
 
 
 async def test_injected_selector(tmp_path: Path, make_repo: RepoFactory) -> None:

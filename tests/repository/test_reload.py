@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RepoFactory
 from onnx_models import build_mlp, write_model
-from repo_helpers import infer, replace_file
+from repo_helpers import RepoFactory, infer, replace_file
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends.base import BackendOptions
@@ -31,7 +30,7 @@ async def _traffic(repo: Any, name: str, x: np.ndarray, stop: asyncio.Event, res
     while not stop.is_set():
         try:
             results.append((await infer(repo.get(name), {"INPUT0": x}))["OUTPUT0"])
-        except BaseException as exc:  # noqa: BLE001 - every failure counts
+        except BaseException as exc:
             errors.append(exc)
 
 
@@ -89,7 +88,9 @@ async def test_failed_reload_keeps_the_old_version(tmp_path: Path, make_repo: Re
     assert repo.index() == [{"name": "mlp", "version": "1", "state": "READY", "reason": ""}]
 
     replace_file(model_dir / "1" / "model.onnx", good)
-    (model_dir / "config.pbtxt").write_text("max_batch_size: 8\ndynamic_batching { preferred_batch_size: 16 }\n")
+    (model_dir / "config.pbtxt").write_text(
+        "max_batch_size: 8\ndynamic_batching { preferred_batch_size: 16 }\n"
+    )
     with pytest.raises(InferenceError) as bad_config:
         await repo.load("mlp")
     assert "dynamic_batching.preferred_batch_size: 16 exceeds max_batch_size 8" in bad_config.value.message
@@ -180,7 +181,10 @@ async def test_failing_warmup_keeps_the_model_down(tmp_path: Path, make_repo: Re
     assert not repo.is_ready("conv")
     [entry] = repo.index()
     assert entry["state"] == "UNAVAILABLE"
-    assert "model_warmup[0].inputs['images'].input_data_file" in entry["reason"] and "frame.raw" in entry["reason"]
+    assert (
+        "model_warmup[0].inputs['images'].input_data_file" in entry["reason"]
+        and "frame.raw" in entry["reason"]
+    )
 
 
 async def test_load_api_config_and_files(tmp_path: Path, make_repo: RepoFactory) -> None:
@@ -203,8 +207,8 @@ async def test_load_api_config_and_files(tmp_path: Path, make_repo: RepoFactory)
     state = tmp_path / "state" / "overrides" / "fresh"
     assert fresh.model_dir.parent == state and fresh.config.max_batch_size == 3
     x = np.ones((3, 16), np.float32)
-    np.testing.assert_allclose((await infer(fresh, {"INPUT0": x}))["OUTPUT0"], _reference(tmp_path / "a.onnx", x),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    out = await infer(fresh, {"INPUT0": x})
+    np.testing.assert_allclose(out["OUTPUT0"], _reference(tmp_path / "a.onnx", x), rtol=1e-5, atol=1e-5)
     assert any(e["name"] == "fresh" and e["state"] == "READY" for e in repo.index())
 
     files2 = {"1/model.onnx": build_mlp(tmp_path / "b.onnx", seed=4).read_bytes(),
@@ -220,6 +224,9 @@ async def test_load_api_config_and_files(tmp_path: Path, make_repo: RepoFactory)
     with pytest.raises(InferenceError):
         await repo.load("fresh", files={"1/model.onnx": b"garbage"})
     assert repo.config("fresh").max_batch_size == 5 and len(list(state.iterdir())) == 1
+    with pytest.raises(InferenceError):
+        await repo.load("fresh", config_json="{not json", files=files)
+    assert len(list(state.iterdir())) == 1  # the rejected request's files are gone
     await repo.unload("fresh")
     assert list(state.iterdir()) == []
 
@@ -250,3 +257,23 @@ async def test_close_unloads_everything(tmp_path: Path, make_repo: RepoFactory) 
     for model in served:
         with pytest.raises(InferenceError):
             model.scheduler.submit(Job(inputs={}, batch_size=1, done=lambda result: None))
+
+
+async def test_new_version_folder_replaces_the_old_per_policy(tmp_path: Path, make_repo: RepoFactory) -> None:
+    models = tmp_path / "models"
+    write_model(models, "mlp", version=1, seed=1)
+    repo = make_repo(models)
+    await repo.start()
+    v1 = repo.get("mlp")
+    write_model(models, "mlp", version=2, seed=2)  # an OTA drops in version 2; latest{1} serves only it
+    await repo.load("mlp")
+    assert repo.get("mlp").version == 2 and [m.version for m in repo.ready_versions("mlp")] == [2]
+    assert repo.index() == [
+        {"name": "mlp", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"},
+        {"name": "mlp", "version": "2", "state": "READY", "reason": ""},
+    ]
+    with pytest.raises(InferenceError) as err:
+        repo.get("mlp", "1")
+    assert err.value.status is Status.UNAVAILABLE
+    with pytest.raises(InferenceError):
+        v1.scheduler.submit(Job(inputs={}, batch_size=1, done=lambda result: None))

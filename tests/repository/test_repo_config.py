@@ -34,7 +34,10 @@ def _error(tmp_path: Path, text: str, name: str = "foo") -> RepositoryError:
 
 
 def test_valid_config_passes(tmp_path: Path) -> None:
-    _check(tmp_path, BASE + "dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }")
+    _check(
+        tmp_path,
+        BASE + "dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 100 }",
+    )
 
 
 def test_preferred_batch_size_over_max(tmp_path: Path) -> None:
@@ -98,8 +101,9 @@ def test_json_errors_name_the_field() -> None:
         parse_json('{"name": "foo", "max_batch_sise": 4}', "load request config for 'foo'")
     assert "max_batch_sise" in err.value.message and "load request config for 'foo'" in err.value.message
     assert err.value.status is Status.INVALID_ARG
-    config = parse_json('{"name": "foo", "max_batch_size": 4, "input": [{"name": "x", "data_type": "TYPE_FP32", '
-                        '"dims": [3]}]}', "where")  # fmt: skip
+    tensor = '{"name": "x", "data_type": "TYPE_FP32", "dims": [3]}'
+    text = '{"name": "foo", "max_batch_size": 4, "input": [' + tensor + "]}"
+    config = parse_json(text, "where")
     assert config.max_batch_size == 4 and config.input[0].data_type == mc.TYPE_FP32
 
 

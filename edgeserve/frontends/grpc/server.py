@@ -102,7 +102,7 @@ class GrpcFrontend:
             response_serializer=wire.identity,
         )
         handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            self.stream,
+            self.stream.handle,
             request_deserializer=wire.deserialize_infer_request,
             response_serializer=wire.identity,
         )

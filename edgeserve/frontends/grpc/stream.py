@@ -63,7 +63,7 @@ class StreamHandler:
         self.max_inflight = max_inflight
         self.open_streams = 0  # for tests and stats
 
-    async def __call__(self, request_iterator: Any, context: Context) -> None:
+    async def handle(self, request_iterator: Any, context: Context) -> None:
         try:
             self.policy.check(context, admin=False)
         except InferenceError as exc:

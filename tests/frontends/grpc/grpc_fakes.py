@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +83,9 @@ class FakeRepository:
         config.name = name
         config.platform = "onnxruntime_onnx"
         stats = ModelStats(name, version)
-        self.models[name] = FakeServed(name, version, config, FakeScheduler(fn, stats, self.pool), stats,
-                                       self.model_dir)  # fmt: skip
+        self.models[name] = FakeServed(
+            name, version, config, FakeScheduler(fn, stats, self.pool), stats, self.model_dir
+        )
 
     def get(self, name: str, version: str = "") -> FakeServed:
         served = self.models.get(name)
@@ -111,13 +112,17 @@ class FakeRepository:
         return self.get(name, version).config
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return [{"name": n, "version": str(s.version), "state": "READY", "reason": ""}
-                for n, s in self.models.items()]  # fmt: skip
+        return [
+            {"name": n, "version": str(s.version), "state": "READY", "reason": ""}
+            for n, s in self.models.items()
+        ]
 
     def served(self) -> list[FakeServed]:
         return list(self.models.values())
 
-    async def load(self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None) -> None:
+    async def load(
+        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
         self.loads.append((name, config_json, files))
         if config_json is not None:
             json_format.Parse(config_json, ModelConfig())
@@ -203,3 +208,27 @@ class InProcessServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+def serve_inproc(
+    tmp: Path, settings: Settings | None = None
+) -> Iterator[tuple[InProcessServer, FakeRepository]]:
+    """Body of the test modules' `inproc` fixtures (no conftest.py here: a second module named
+    `conftest` would shadow tests/conftest.py for `from conftest import ...` in later directories)."""
+    plane, repo = make_plane(tmp)
+    server = InProcessServer(plane, settings)
+    try:
+        yield server, repo
+    finally:
+        server.close()
+        repo.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def client_for(server: InProcessServer) -> Iterator[Any]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.url)
+    try:
+        yield client
+    finally:
+        client.close()

@@ -118,8 +118,24 @@ def test_no_outputs_means_all_outputs() -> None:
     assert request.outputs is None and request.id == "r1" and request.model_name == "m"
 
 
-@pytest.mark.parametrize("datatype", ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
-                                      "INT64", "FP16", "FP32", "FP64", "BF16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "datatype",
+    [
+        "BOOL",
+        "UINT8",
+        "UINT16",
+        "UINT32",
+        "UINT64",
+        "INT8",
+        "INT16",
+        "INT32",
+        "INT64",
+        "FP16",
+        "FP32",
+        "FP64",
+        "BF16",
+    ],
+)
 def test_raw_decoding_per_datatype(datatype: str) -> None:
     from edgeserve.protocol import datatypes
 

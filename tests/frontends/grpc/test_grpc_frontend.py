@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_fakes import FakeRepository, InProcessServer, make_plane
+from grpc_fakes import FakeRepository, InProcessServer, client_for, make_plane, serve_inproc
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -21,6 +22,16 @@ from edgeserve.protocol.errors import InferenceError, Status
 
 Client = grpcclient.InferenceServerClient
 Inproc = tuple[InProcessServer, FakeRepository]
+
+
+@pytest.fixture
+def inproc(tmp_path: Path) -> Iterator[Inproc]:
+    yield from serve_inproc(tmp_path)
+
+
+@pytest.fixture
+def client(inproc: Inproc) -> Iterator[Client]:
+    yield from client_for(inproc[0])
 
 
 def status_of(exc: pytest.ExceptionInfo[InferenceServerException]) -> str:
@@ -94,7 +105,9 @@ def test_async_infer_many_concurrent(client: Client) -> None:
     done: queue.Queue[Any] = queue.Queue()
     values = [np.full((1, 16), i, dtype=np.int32) for i in range(64)]
     for i, value in enumerate(values):
-        client.async_infer("simple", add_sub_inputs(value, value), lambda result, error, i=i: done.put((i, result, error)))
+        client.async_infer(
+            "simple", add_sub_inputs(value, value), lambda result, error, i=i: done.put((i, result, error))
+        )
     for _ in values:
         i, result, error = done.get(timeout=30)
         assert error is None
@@ -149,7 +162,10 @@ def test_repository_name_is_unsupported(inproc: Inproc) -> None:
         stub = grpcclient.service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for call, request in (
             (stub.RepositoryIndex, service_pb2.RepositoryIndexRequest(repository_name="other")),
-            (stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(repository_name="o", model_name="m")),
+            (
+                stub.RepositoryModelLoad,
+                service_pb2.RepositoryModelLoadRequest(repository_name="o", model_name="m"),
+            ),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 call(request)
@@ -247,7 +263,9 @@ def test_bad_requests_get_their_status(client: Client, inproc: Inproc) -> None:
     assert infer_status(request(model="nope")) == grpc.StatusCode.NOT_FOUND
     assert infer_status(request(size=60)) == grpc.StatusCode.INVALID_ARGUMENT  # wrong tensor size
     assert infer_status(request(shape=(2**40, 2**20))) == grpc.StatusCode.INVALID_ARGUMENT  # huge shape
-    assert infer_status(request(shape=(9, 16), size=9 * 64)) == grpc.StatusCode.INVALID_ARGUMENT  # > max batch
+    assert (
+        infer_status(request(shape=(9, 16), size=9 * 64)) == grpc.StatusCode.INVALID_ARGUMENT
+    )  # > max batch
     msg = request()
     msg.inputs[0].datatype = "FP32"
     assert infer_status(msg) == grpc.StatusCode.INVALID_ARGUMENT
@@ -342,7 +360,10 @@ def test_access_policy() -> None:
     policy = AccessPolicy(token="s3cret", admin_loopback_only=True)
     assert _denied(policy, FakeContext("ipv4:127.0.0.1:1"), admin=True) is None
     assert _denied(policy, FakeContext(remote), admin=False) is Status.UNAUTHENTICATED
-    assert _denied(policy, FakeContext(remote, (("authorization", "Bearer nope"),)), False) is Status.UNAUTHENTICATED
+    assert (
+        _denied(policy, FakeContext(remote, (("authorization", "Bearer nope"),)), False)
+        is Status.UNAUTHENTICATED
+    )
     assert _denied(policy, FakeContext(remote, good), admin=False) is None
     assert _denied(policy, FakeContext(remote, good), admin=True) is Status.PERMISSION_DENIED
     open_policy = AccessPolicy(token="", admin_loopback_only=False)
@@ -416,7 +437,9 @@ def test_tls(tmp_path: Path) -> None:
         )
         assert client.is_server_live()
         value = np.ones((1, 16), dtype=np.int32)
-        assert np.array_equal(client.infer("simple", add_sub_inputs(value, value)).as_numpy("OUTPUT0"), value * 2)
+        assert np.array_equal(
+            client.infer("simple", add_sub_inputs(value, value)).as_numpy("OUTPUT0"), value * 2
+        )
         client.close()
         plain = grpcclient.InferenceServerClient(f"localhost:{server.frontend.port}")
         with pytest.raises(InferenceServerException):

@@ -19,11 +19,13 @@ import tritonclient.http as httpclient
 from onnx_models import write_model
 from tritonclient.utils import InferenceServerException
 
-from conftest import ROOT, RunningServer, ServerFactory
+from es_server import ROOT, RunningServer, ServerFactory
 
 pytestmark = pytest.mark.timeout(300)
 
+ORT = 'backend: "onnxruntime"\n'
 MLP_CONFIG = """
+backend: "onnxruntime"
 max_batch_size: 8
 input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
 output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
@@ -72,9 +74,9 @@ def assert_good_request_works(server: RunningServer, model: str = "mlp") -> None
 def test_outputs_equal_onnxruntime_called_directly(server_factory: ServerFactory, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
-    write_model(repo, "add_sub", "add_sub")  # no config.pbtxt: auto-completed
-    write_model(repo, "conv", "conv")  # dynamic H and W
-    write_model(repo, "ids", "identity", datatype="INT64")
+    write_model(repo, "add_sub", "add_sub", config=ORT)  # the rest of the config is auto-completed
+    write_model(repo, "conv", "conv", config=ORT)  # dynamic H and W
+    write_model(repo, "ids", "identity", datatype="INT64", config=ORT)
     server = server_factory(repo)
     cli = client(server)
     rng = np.random.default_rng(3)
@@ -209,6 +211,7 @@ def _conv_body(size: int = 320) -> tuple[bytes, dict[str, str]]:
 def test_queue_overflow_is_503_and_the_server_stays_up(server_factory: ServerFactory, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     config = """
+backend: "onnxruntime"
 max_batch_size: 1
 dynamic_batching { default_queue_policy { max_queue_size: 1 } }
 """
@@ -229,6 +232,7 @@ dynamic_batching { default_queue_policy { max_queue_size: 1 } }
 def test_request_timeout_gives_an_error(server_factory: ServerFactory, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     config = """
+backend: "onnxruntime"
 max_batch_size: 1
 dynamic_batching { default_queue_policy { allow_timeout_override: true } }
 """

@@ -147,9 +147,11 @@ def test_pipelined_requests_complete_and_match(client: ZmqClient) -> None:
     futures = {}
     for i in range(200):
         data = np.full((1, 8), i, dtype=np.int32)
-        futures[client.submit("id_int32", {"INPUT0": data}, ring=ring if i % 2 else None)] = i
-        if len(futures) % 16 == 0:
-            client.poll(0)
+        if i % 2:
+            inputs: dict[str, Any] = {"INPUT0": client.acquire_slot(ring).write(data)}
+        else:
+            inputs = {"INPUT0": data}
+        futures[client.submit("id_int32", inputs)] = i
     seen = set()
     for future in client.as_completed(list(futures), timeout=10):
         i = futures[future]

@@ -1,0 +1,424 @@
+"""The local fast path, side by side in one run: the same model and inputs (a 600 KB frame in, a 4 KB
+result out) called
+
+    inproc       in-process: edgeserve's ONNX Runtime backend instance, called directly
+    zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing)
+    zmq_inline   edgeserve over ZeroMQ, the frame inline in the message (zero-copy send)
+    grpc_shm     edgeserve over gRPC (tritonclient), the frame in Triton system shared memory
+    grpc_plain   edgeserve over gRPC unary ModelInfer (tritonclient), the frame in the message
+
+with 1 client (and 4), one request in flight per client; p50/p99 latency, round trips/s, ratios,
+CPU share of the load generator, and the issue's two targets checked (PASS/FAIL):
+  - zmq_shm round trips/s >= 5x grpc_plain (gRPC unary), 1 client
+  - zmq_shm p50 - inproc p50 < 0.3 ms, 1 client
+
+    python benchmarks/bench_local.py                 # 1 and 4 clients, 3 s per phase, 2 rounds
+    python benchmarks/bench_local.py --seconds 1 --rounds 1 --clients 1
+
+Phases run A B C D E, then again (rounds), and the figures pool the rounds. A ZeroMQ+shm producer
+copies each frame into its slot (as one that gets frames from OpenCV would); a gRPC+shm one copies
+it into its region. Each remote client is its own process. Loopback only; every loop is bounded by
+a request count and a time limit; only the processes started here are stopped, by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, CpuMeter, free_port, percentile, progress
+
+sys.path.insert(0, str(ROOT))
+
+MODEL = "frame_pool"
+SHAPE = (1, 3, 224, 224)  # FP32: 602,112 bytes
+OUT = 1024  # FP32 [1,1024]: 4 KB
+MODES = ("inproc", "zmq_shm", "zmq_inline", "grpc_shm", "grpc_plain")
+CONFIG = """backend: "onnxruntime"
+max_batch_size: 4
+input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [3, 224, 224] }]
+output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [1024] }]
+instance_group [{ kind: KIND_CPU, count: 1 }]
+dynamic_batching { }
+"""
+
+
+def build_model(path: Path) -> None:
+    """Global average pool -> flatten -> [3,1024] matmul: little compute, so transport shows."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((3, OUT)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("GlobalAveragePool", ["INPUT0"], ["pooled"]),
+            helper.make_node("Flatten", ["pooled"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "W"], ["OUTPUT0"]),
+        ],
+        "frame_pool",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["N", OUT])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+def frame() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
+
+
+# -- the clients (each remote client runs in its own process) ------------------------------------------
+def _inproc_instance(repo: Path) -> Any:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from edgeserve.backends.base import get_backend
+    from edgeserve.config import Settings
+    from edgeserve.repository.selection import DefaultSelector
+
+    config = text_format.Parse(CONFIG, model_config_pb2.ModelConfig(name=MODEL))
+    options = DefaultSelector(Settings()).options("onnxruntime", config)  # what the server uses
+    return get_backend("onnxruntime").load(repo / MODEL / "1" / "model.onnx", config, options)
+
+
+class Caller:
+    """One client of one mode: `call()` does one round trip and returns OUTPUT0."""
+
+    def __init__(self, mode: str, target: dict[str, Any]) -> None:
+        self.mode = mode
+        self.x = frame()
+        self.close = lambda: None
+        if mode == "inproc":
+            self.call = self._inproc_call(target)
+        elif mode.startswith("zmq"):
+            self.call = self._zmq_call(mode, target["zmq"])
+        else:
+            self.call = self._grpc_call(mode, target["grpc"])
+
+    def _inproc_call(self, target: dict[str, Any]) -> Any:
+        instance = target["instance"]
+        return lambda: instance.infer({"INPUT0": self.x})["OUTPUT0"]
+
+    def _zmq_call(self, mode: str, endpoint: str) -> Any:
+        from edgeserve.client import ZmqClient
+
+        client = ZmqClient(endpoint, timeout=30, copy_inputs=False)
+        self.close = client.close
+        x = self.x
+        if mode == "zmq_inline":
+            return lambda: client.infer(MODEL, {"INPUT0": x}).as_numpy("OUTPUT0")
+        ring = client.create_ring(slots=2, slot_size=x.nbytes)
+
+        def call() -> Any:
+            slot = ring.acquire()
+            slot.ndarray(SHAPE, np.float32)[:] = x  # the producer puts its frame into the slot
+            return client.infer(MODEL, {"INPUT0": slot.tensor(SHAPE, np.float32)}).as_numpy("OUTPUT0")
+
+        return call
+
+    def _grpc_call(self, mode: str, url: str) -> Any:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import shared_memory as triton_shm
+
+        client = grpcclient.InferenceServerClient(url)
+        x = self.x
+        output = [grpcclient.InferRequestedOutput("OUTPUT0")]
+        if mode == "grpc_plain":
+
+            def plain() -> Any:
+                inp = grpcclient.InferInput("INPUT0", list(SHAPE), "FP32")
+                inp.set_data_from_numpy(x)
+                return client.infer(MODEL, [inp], outputs=output).as_numpy("OUTPUT0")
+
+            self.close = client.close
+            return plain
+        name = f"bench_{uuid.uuid4().hex[:8]}"
+        handle = triton_shm.create_shared_memory_region(name, "/" + name, x.nbytes)
+        client.register_system_shared_memory(name, "/" + name, x.nbytes)
+
+        def close() -> None:
+            client.unregister_system_shared_memory(name)
+            triton_shm.destroy_shared_memory_region(handle)
+            client.close()
+
+        self.close = close
+
+        def shm() -> Any:
+            triton_shm.set_shared_memory_region(handle, [x])
+            inp = grpcclient.InferInput("INPUT0", list(SHAPE), "FP32")
+            inp.set_shared_memory(name, x.nbytes)
+            return client.infer(MODEL, [inp], outputs=output).as_numpy("OUTPUT0")
+
+        return shm
+
+
+def loop(caller: Caller, seconds: float, max_requests: int, start: float) -> tuple[list[float], float, float]:
+    """Back-to-back calls from `start` (a time.time() shared by all clients) for `seconds`."""
+    for _ in range(20):  # warm-up, outside the measurement
+        caller.call()
+    while time.time() < start:
+        time.sleep(0.0005)
+    latencies: list[float] = []
+    cpu0 = time.process_time()
+    deadline = time.perf_counter() + seconds
+    while len(latencies) < max_requests and time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        caller.call()
+        latencies.append(time.perf_counter() - t0)
+    return latencies, time.time(), time.process_time() - cpu0
+
+
+def _client_process(mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float,
+                    queue: Any) -> None:  # fmt: skip
+    try:
+        caller = Caller(mode, target)
+        try:
+            queue.put(("ok", *loop(caller, seconds, max_requests, start)))
+        finally:
+            caller.close()
+    except BaseException as exc:
+        queue.put(("error", repr(exc), 0.0, 0.0))
+
+
+def run_phase(
+    mode: str, clients: int, target: dict[str, Any], seconds: float, server_pid: int
+) -> dict[str, Any]:
+    max_requests = 200_000
+    start = time.time() + (1.5 if mode == "inproc" else 4.0)  # time to connect / load and warm up
+    results: list[tuple[Any, ...]] = []
+    meter_pids = {"server": server_pid}
+    if mode == "inproc":  # N threads of this process share one session (ORT releases the GIL)
+        meter = CpuMeter({"client": os.getpid()})
+        caller = Caller(mode, target)
+        lock = threading.Lock()
+
+        def worker() -> None:
+            out = loop(caller, seconds, max_requests, start)
+            with lock:
+                results.append(("ok", *out))
+
+        threads = [threading.Thread(target=worker) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        while time.time() < start:
+            time.sleep(0.001)
+        meter.start()
+        for thread in threads:
+            thread.join(seconds + 120)
+        cpu = meter.stop()
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, queue))
+                 for _ in range(clients)]  # fmt: skip
+        for proc in procs:
+            proc.start()
+        meter = CpuMeter({**meter_pids, **{f"client{i}": p.pid for i, p in enumerate(procs) if p.pid}})
+        while time.time() < start:
+            time.sleep(0.001)
+        meter.start()
+        results = [queue.get(timeout=seconds + 120) for _ in procs]
+        cpu = meter.stop()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r[1] for r in results if r[0] == "error"]
+    latencies = [lat for r in results if r[0] == "ok" for lat in r[1]]
+    wall = max((r[2] for r in results if r[0] == "ok"), default=start) - start
+    client_cpu = sum(v for k, v in cpu.items() if k.startswith("client"))
+    return {"mode": mode, "clients": clients, "latencies": latencies, "wall": wall, "errors": errors,
+            "client_cpu_pct": client_cpu, "server_cpu_pct": cpu.get("server", 0.0)}  # fmt: skip
+
+
+# -- the server -----------------------------------------------------------------------------------------
+def start_server(repo: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
+    http_port, grpc_port = free_port(), free_port()
+    endpoint = f"ipc://{workdir}/edgeserve.zmq"
+    log_path = workdir / "server.log"
+    cmd = [sys.executable, "-m", "edgeserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--zmq-endpoint", endpoint,
+           "--log-level", "WARNING"]  # fmt: skip
+    env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(workdir / "state"), "PYTHONPATH": str(ROOT)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"edgeserve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2
+            ) as response:
+                if response.status == 200:
+                    return proc, {"zmq": endpoint, "grpc": f"127.0.0.1:{grpc_port}"}, log_path
+        except OSError:
+            pass
+        time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError(f"edgeserve was not ready in 180 s; log: {log_path}")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def grpc_available(url: str) -> str | None:
+    try:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            live = client.is_model_ready(MODEL)
+        finally:
+            client.close()
+    except Exception as exc:
+        return f"grpc frontend not available ({type(exc).__name__}: {str(exc)[:120]})"
+    return None if live else "grpc frontend not available (model not ready over gRPC)"
+
+
+def check_outputs(modes: list[str], target: dict[str, Any]) -> None:
+    """Every mode must return the in-process result before anything is timed."""
+    want = Caller("inproc", target).call()
+    for mode in modes:
+        caller = Caller(mode, target)
+        try:
+            got = caller.call()
+        finally:
+            caller.close()
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            raise SystemExit(f"{mode}: output differs from the in-process result")
+
+
+# -- report -------------------------------------------------------------------------------------------
+def summarise(phases: list[dict[str, Any]], modes: list[str], clients: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in clients:
+        for mode in modes:
+            mine = [p for p in phases if p["mode"] == mode and p["clients"] == n]
+            latencies = [lat for p in mine for lat in p["latencies"]]
+            wall = sum(p["wall"] for p in mine)
+            rows.append({
+                "mode": mode, "clients": n, "requests": len(latencies),
+                "rps": len(latencies) / wall if wall > 0 else 0.0,
+                "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
+                "client_cpu_pct": sum(p["client_cpu_pct"] for p in mine) / max(1, len(mine)),
+                "server_cpu_pct": sum(p["server_cpu_pct"] for p in mine) / max(1, len(mine)),
+                "errors": [e for p in mine for e in p["errors"]][:3],
+            })  # fmt: skip
+    return rows
+
+
+def report(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any]:
+    def row(mode: str, n: int) -> dict[str, Any] | None:
+        return next((r for r in rows if r["mode"] == mode and r["clients"] == n and r["requests"]), None)
+
+    print(f"\n600 KB frame in (FP32 {list(SHAPE)}), 4 KB out; one request in flight per client")
+    print(f"{'mode':12} {'clients':>7} {'requests':>8} {'rt/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'x grpc':>7} {'+p50 ms':>8} {'client cpu':>10} {'server cpu':>10}")  # fmt: skip
+    for r in rows:
+        grpc, inproc = row("grpc_plain", r["clients"]), row("inproc", r["clients"])
+        ratio = f"{r['rps'] / grpc['rps']:.1f}" if grpc and grpc["rps"] else "-"
+        extra = f"{r['p50_ms'] - inproc['p50_ms']:+.3f}" if inproc and r["mode"] != "inproc" else "-"
+        print(f"{r['mode']:12} {r['clients']:>7} {r['requests']:>8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} "
+              f"{r['p99_ms']:>8.3f} {ratio:>7} {extra:>8} {r['client_cpu_pct']:>9.0f}% "
+              f"{r['server_cpu_pct']:>9.0f}%")  # fmt: skip
+        for error in r["errors"]:
+            print(f"    error: {error}")
+    for mode, why in skipped.items():
+        print(f"{mode}: skipped: {why}")
+    print("(CPU is % of the whole machine; client = the load generator processes)")
+    zmq, grpc, inproc = row("zmq_shm", 1), row("grpc_plain", 1), row("inproc", 1)
+    targets: dict[str, Any] = {}
+    if zmq and grpc:
+        ratio = zmq["rps"] / grpc["rps"]
+        targets["zmq_shm_vs_grpc_unary_rps"] = ratio
+        print(f"target 1: zmq_shm {zmq['rps']:.0f} rt/s = {ratio:.1f}x gRPC unary {grpc['rps']:.0f} rt/s "
+              f"(>= 5x): {'PASS' if ratio >= 5 else 'FAIL'}")  # fmt: skip
+    else:
+        print("target 1: not measured (gRPC unary skipped)")
+    if zmq and inproc:
+        added = zmq["p50_ms"] - inproc["p50_ms"]
+        targets["zmq_shm_added_p50_ms"] = added
+        print(f"target 2: zmq_shm p50 {zmq['p50_ms']:.3f} ms - in-process p50 {inproc['p50_ms']:.3f} ms = "
+              f"{added:.3f} ms (< 0.3 ms): {'PASS' if added < 0.3 else 'FAIL'}")  # fmt: skip
+    return targets
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per phase")
+    parser.add_argument("--rounds", type=int, default=2, help="A B C D E repeated this many times")
+    parser.add_argument("--clients", default="1,4", help="comma-separated client counts")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    clients = [int(c) for c in args.clients.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    workdir = Path(tempfile.mkdtemp(prefix="es-bench-"))
+    repo = workdir / "models"
+    build_model(repo / MODEL / "1" / "model.onnx")
+    (repo / MODEL / "config.pbtxt").write_text(CONFIG)
+    progress(f"starting edgeserve (model {MODEL}, workdir {workdir})")
+    proc, target, _log = start_server(repo, workdir)
+    try:
+        skipped: dict[str, str] = {}
+        why = grpc_available(target["grpc"])
+        if why:
+            skipped = {m: why for m in modes if m.startswith("grpc")}
+            modes = [m for m in modes if m not in skipped]
+        target["instance"] = _inproc_instance(repo)
+        check_outputs(modes, target)
+        inproc_target = {"instance": target.pop("instance")}
+        phases = []
+        for rnd in range(args.rounds):
+            for n in clients:
+                for mode in modes:
+                    progress(f"round {rnd + 1}/{args.rounds}: {mode} x{n} for {args.seconds:.0f}s")
+                    phase_target = {**target, **inproc_target} if mode == "inproc" else target
+                    phases.append(run_phase(mode, n, phase_target, args.seconds, proc.pid))
+                    last = phases[-1]
+                    progress(f"  {len(last['latencies'])} round trips, p50 "
+                             f"{percentile(last['latencies'], 50) * 1e3:.3f} ms"
+                             + (f", errors: {last['errors'][:1]}" if last["errors"] else ""))  # fmt: skip
+        rows = summarise(phases, modes, clients)
+        targets = report(rows, skipped)
+        out_dir = ROOT / "benchmarks" / "results"
+        out_dir.mkdir(exist_ok=True)
+        out = out_dir / f"bench_local-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps({"args": vars(args), "rows": rows, "targets": targets, "skipped": skipped,
+                                   "cpus": os.cpu_count()}, indent=2))  # fmt: skip
+        progress(f"results: {out}")
+    finally:
+        stop_server(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Producer-side frame ring and client basics (no server needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgeserve.client import ClientError, FrameRing, RingFull
+from edgeserve.frontends.shm.ring import GEN
+
+
+def test_slots_cycle_with_new_generations() -> None:
+    with FrameRing(2, 100) as ring:
+        assert os.path.exists(f"/dev/shm/{ring.key}")
+        a, b = ring.acquire(), ring.acquire()
+        assert (a.index, a.gen, b.index, b.gen) == (0, 1, 1, 1)
+        assert ring.try_acquire() is None
+        with pytest.raises(RingFull) as info:
+            ring.acquire()
+        assert info.value.status == "RESOURCE_EXHAUSTED" and "drop this frame" in info.value.message
+        a.release()
+        a.release()  # idempotent
+        again = ring.acquire()
+        assert again.index == 0 and again.gen == 2
+        assert ring.generation(0) == 2
+        assert GEN.unpack_from(ring.buf, ring.layout.generation_offset(0))[0] == 2
+        a.release()  # a stale handle (older generation) does not free the slot twice
+        assert ring.free == 0
+        again.release()
+        b.release()
+        assert ring.free == 2
+    assert not os.path.exists(f"/dev/shm/{ring.key}")
+
+
+def test_quarantined_slots_are_reused_last() -> None:
+    with FrameRing(3, 64) as ring:
+        s0, s1 = ring.acquire(), ring.acquire()
+        ring.quarantine(s0)  # its request timed out
+        s1.release()
+        order = [ring.acquire().index for _ in range(3)]
+        assert order == [2, 1, 0]
+
+
+def test_write_read_and_views() -> None:
+    with FrameRing(2, 64) as ring:
+        slot = ring.acquire()
+        ref = slot.write(np.arange(4, dtype=np.float32).reshape(2, 2))
+        assert (ref.region, ref.byte_size, ref.datatype, ref.shape, ref.slot) == (ring.name, 16, "FP32", (2, 2), slot)
+        assert ring.read(slot, "FP32", (2, 2), 16).tolist() == [[0, 1], [2, 3]]
+        view = slot.ndarray((4,), np.int32)
+        view[:] = 7
+        assert slot.tensor((4,), "INT32").byte_size == 16
+        assert ring.read(slot, "INT32", (4,), 16).tolist() == [7] * 4
+        texts = np.array([b"ab", b"cde"], dtype=object)
+        ref = slot.write(texts)
+        assert ref.datatype == "BYTES" and ref.byte_size == 4 + 2 + 4 + 3
+        assert ring.read(slot, "BYTES", (2,), ref.byte_size).tolist() == [b"ab", b"cde"]
+        with pytest.raises(ClientError, match="does not fit"):
+            slot.write(np.zeros(100, np.float32))
+        with pytest.raises(ValueError, match="slots hold 64"):
+            slot.ndarray((100,), np.float32)
+        del view
+
+
+def test_closed_ring_refuses_slots() -> None:
+    ring = FrameRing(1, 64)
+    ring.close()
+    ring.close()
+    with pytest.raises(ClientError) as info:
+        ring.try_acquire()
+    assert info.value.status == "UNAVAILABLE"
+
+
+def test_client_imports_without_runtimes() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('onnxruntime', 'openvino', 'tensorrt', 'grpc', 'aiohttp'):\n"
+        "    sys.modules[name] = None\n"
+        "import edgeserve.client as c\n"
+        "assert c.ZmqClient and c.AsyncZmqClient and c.FrameRing\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_client_error_repr() -> None:
+    error = ClientError("NOT_FOUND", "no model")
+    assert str(error) == "NOT_FOUND: no model" and error.status == "NOT_FOUND"
+    assert repr(error) == "ClientError('NOT_FOUND', 'no model')"

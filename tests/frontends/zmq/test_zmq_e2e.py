@@ -1,0 +1,176 @@
+"""The ZeroMQ path against a real `edgeserve run` (ONNX Runtime models, real sockets, real shm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from es_server import ROOT, RunningServer, start_server
+from onnx_models import ONNX_TYPES, write_model
+from test_zmq_frontend import assert_same, sample
+
+from edgeserve.client import ClientError, ShmTensor, ZmqClient
+
+PRODUCER = Path(__file__).with_name("zmq_producer.py")
+E2E_TYPES = list(ONNX_TYPES)  # BF16 is not served by the ONNX Runtime backend; its wire path is in test_zmq_frontend
+ORT = 'backend: "onnxruntime"\n'
+QUEUED_CONV = ORT + """max_batch_size: 1
+dynamic_batching { default_queue_policy { max_queue_size: 1 } }
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("zmq")
+    repo = tmp / "models"
+    for datatype in E2E_TYPES:
+        write_model(repo, f"id_{datatype.lower()}", "identity", datatype=datatype, config=ORT)
+    write_model(repo, "conv_q1", "conv", config=QUEUED_CONV)
+    running = start_server(repo, tmp)
+    yield running
+    running.stop()
+
+
+def regions(client: ZmqClient) -> set[str]:
+    return {r["name"] for r in client.regions()}
+
+
+def test_round_trip_every_datatype(server: RunningServer) -> None:
+    with ZmqClient(server.zmq_endpoint, timeout=10) as client:
+        ring = client.create_ring(slots=4, slot_size=4096)
+        for datatype in E2E_TYPES:
+            data = sample(datatype, (3, 7), seed=len(datatype))
+            model = f"id_{datatype.lower()}"
+            assert_same(client.infer(model, {"INPUT0": data}).as_numpy("OUTPUT0"), data)
+            result = client.infer(model, {"INPUT0": data}, {"OUTPUT0": ring}, ring=ring)
+            assert_same(result.as_numpy("OUTPUT0"), data)
+        assert ring.free == 4
+
+
+def run_producer(server: RunningServer, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, str(PRODUCER), server.zmq_endpoint, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_four_producers_x_200_frames_results_match_frames(server: RunningServer) -> None:
+    producers = [run_producer(server, "id_int32", str(p), "200", *(["out_ring"] if p % 2 else []))
+                 for p in range(4)]  # fmt: skip
+    reports = []
+    for proc in producers:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for report in reports:
+        assert report == {"producer": report["producer"], "ok": 200, "mismatched": 0, "errors": []}
+    with ZmqClient(server.zmq_endpoint, timeout=10) as client:
+        leftovers = [r["name"] for r in client.regions() if r["name"].startswith("edgeserve-ring-")]
+        assert leftovers == []  # every producer's rings went with its bye
+
+
+def test_producer_killed_mid_stream(server: RunningServer) -> None:
+    victim = run_producer(server, "id_int32", "9", "0", "forever")
+    try:
+        assert victim.stdout is not None
+        line = victim.stdout.readline().split()
+        assert line[:1] == ["STREAMING"], victim.stderr.read() if victim.stderr else ""
+        ring_name = line[1]
+        with ZmqClient(server.zmq_endpoint, timeout=10) as other:
+            mine = other.create_ring(slots=4, slot_size=4096)
+            assert ring_name in regions(other)
+            victim.kill()
+            victim.wait(10)
+            deadline = time.monotonic() + 10
+            while ring_name in regions(other) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ring_name not in regions(other), "the killed producer's ring is still registered"
+            assert mine.name in regions(other)
+            for i in range(20):  # the server keeps serving the others
+                data = np.full((1, 8), i, np.int32)
+                assert_same(other.infer("id_int32", {"INPUT0": data}, ring=mine).as_numpy("OUTPUT0"), data)
+        with urllib.request.urlopen(server.base + "/v2/systemsharedmemory/status", timeout=5) as response:
+            assert ring_name not in {r["name"] for r in json.loads(response.read())}
+        assert server.alive()
+        assert "released its shm regions" in server.log()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait(10)
+
+
+def test_full_queue_is_reported_at_once(server: RunningServer) -> None:
+    image = np.random.default_rng(0).standard_normal((1, 3, 384, 384)).astype(np.float32)
+    with ZmqClient(server.zmq_endpoint, timeout=30) as client:
+        started = time.monotonic()
+        futures = [client.submit("conv_q1", {"images": image}) for _ in range(24)]
+        finished: list[tuple[float, Any]] = []
+        for future in client.as_completed(futures, timeout=60):
+            finished.append((time.monotonic() - started, future.exception()))
+    rejected = [(t, e) for t, e in finished if e is not None]
+    served = [t for t, e in finished if e is None]
+    assert rejected and served
+    for _, error in rejected:
+        assert isinstance(error, ClientError) and error.status == "UNAVAILABLE"
+        assert "Exceeds maximum queue size" in error.message
+    assert min(t for t, _ in rejected) < max(served)  # told before the queue drained
+    assert min(t for t, _ in rejected) < 1.0
+
+
+def test_one_region_registry_for_every_frontend(server: RunningServer) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    httpclient = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import shared_memory as triton_shm
+
+    data = np.arange(16, dtype=np.float32).reshape(1, 16)
+    key = f"/es_xfe_{uuid.uuid4().hex[:8]}"
+    handle = triton_shm.create_shared_memory_region("xfe_grpc", key, 1024)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        triton_shm.set_shared_memory_region(handle, [data])
+        grpc.register_system_shared_memory("xfe_grpc", key, 1024)
+        with ZmqClient(server.zmq_endpoint, timeout=10) as client:
+            # a region registered over gRPC is usable over ZeroMQ (and not this client's to remove)
+            listed = {r["name"]: r for r in client.regions()}
+            assert listed["xfe_grpc"]["mine"] is False
+            result = client.infer("id_fp32", {"INPUT0": ShmTensor("xfe_grpc", 64, 0, "FP32", (1, 16))},
+                                  {"OUTPUT0": ShmTensor("xfe_grpc", 64, 512)})  # fmt: skip
+            assert result.shm_outputs["OUTPUT0"]["shape"] == [1, 16]
+            assert_same(triton_shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=512), data)
+            with pytest.raises(ClientError) as info:
+                client.unregister_region("xfe_grpc")
+            assert info.value.status == "PERMISSION_DENIED"
+
+            # a ring registered over ZeroMQ is usable over gRPC and HTTP (region-relative offsets)
+            ring = client.create_ring(slots=2, slot_size=256)
+            slot = ring.acquire()
+            slot.write(data)
+            start = ring.layout.slot_offset(slot.index)
+            status = {r["name"] for r in http.get_system_shared_memory_status()}
+            assert ring.name in status
+            for module, triton in ((grpcclient, grpc), (httpclient, http)):
+                inp = module.InferInput("INPUT0", [1, 16], "FP32")
+                inp.set_shared_memory(ring.name, 64, offset=start)
+                out = module.InferRequestedOutput("OUTPUT0")
+                out.set_shared_memory(ring.name, 64, offset=start + 128)
+                triton.infer("id_fp32", [inp], outputs=[out])
+                assert_same(np.frombuffer(bytes(slot.buffer[128:192]), np.float32).reshape(1, 16), data)
+                slot.buffer[128:192] = bytes(64)
+            slot.release()
+        # the ring went with the client's bye, for every frontend
+        assert ring.name not in {r["name"] for r in http.get_system_shared_memory_status()}
+    finally:
+        grpc.unregister_system_shared_memory("xfe_grpc")
+        triton_shm.destroy_shared_memory_region(handle)
+        grpc.close()
+        http.close()
