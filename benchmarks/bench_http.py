@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, CpuMeter, Result, progress, run_async, run_threads, start_server
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from common import ROOT, CpuMeter, Result, merge, progress, run_async, run_threads, start_server  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,11 @@ def ort_session(path: Path) -> Any:
 
     from edgeserve.backends.base import BackendOptions
     from edgeserve.backends.onnxruntime import session_options
+    from edgeserve.repository.selection import cpu_budget
 
-    return ort.InferenceSession(
-        str(path), session_options(BackendOptions()), providers=["CPUExecutionProvider"]
-    )
+    # The options edgeserve's onnxruntime backend uses, with its thread count (one per usable CPU).
+    options = session_options(BackendOptions(threads=cpu_budget() or os.cpu_count() or 1))
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def http_body(work: Workload, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
@@ -160,7 +161,10 @@ def main() -> int:
     )
     parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
-    parser.add_argument("--seconds", type=float, default=8.0, help="time limit per phase")
+    parser.add_argument("--seconds", type=float, default=10.0, help="time per side and row (all slices)")
+    parser.add_argument(
+        "--slices", type=int, default=4, help="alternating in-process / edgeserve slices per row"
+    )
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
     args = parser.parse_args()
@@ -185,23 +189,25 @@ def main() -> int:
 
             for clients in client_counts:
                 label = f"{work.model} {'x'.join(map(str, work.shape))}"
-                progress(f"{label}: {clients} client(s): in-process ...")
+                progress(
+                    f"{label}: {clients} client(s): warm-up, then {args.slices} x (in-process, edgeserve)"
+                )
                 run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                a = run_threads(
-                    f"{work.model} in-process", in_process, clients, work.max_requests, args.seconds, meter
-                )
-                progress(f"{label}: {clients} client(s): edgeserve HTTP ...")
                 http_phase("warmup", server.base, work, x, clients, work.max_requests, args.warmup, None)
-                b = http_phase(
-                    f"{work.model} edgeserve",
-                    server.base,
-                    work,
-                    x,
-                    clients,
-                    work.max_requests,
-                    args.seconds,
-                    meter,
-                )
+                slice_s = args.seconds / args.slices
+                budget = max(1, work.max_requests // args.slices)
+                parts_a: list[Result] = []
+                parts_b: list[Result] = []
+                for _ in range(args.slices):  # A B A B: the box is noisy, only interleaved ratios mean much
+                    parts_a.append(
+                        run_threads(f"{work.model} in-process", in_process, clients, budget, slice_s, meter)
+                    )
+                    parts_b.append(
+                        http_phase(
+                            f"{work.model} edgeserve", server.base, work, x, clients, budget, slice_s, meter
+                        )
+                    )
+                a, b = merge(parts_a), merge(parts_b)
                 ratio = b.throughput / a.throughput if a.throughput else float("nan")
                 rows += [fmt_row(a), fmt_row(b, f"{ratio:.2f}")]
                 progress(

@@ -2,7 +2,9 @@
 result out) called
 
     inproc       in-process: edgeserve's ONNX Runtime backend instance, called directly
-    zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing)
+    zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
+                 written there by the producer (as a camera/decoder writing into the slot does)
+    zmq_shm_copy the same, but the producer copies each frame into its slot per request
     zmq_inline   edgeserve over ZeroMQ, the frame inline in the message (zero-copy send)
     grpc_shm     edgeserve over gRPC (tritonclient), the frame in Triton system shared memory
     grpc_plain   edgeserve over gRPC unary ModelInfer (tritonclient), the frame in the message
@@ -15,9 +17,10 @@ CPU share of the load generator, and the issue's two targets checked (PASS/FAIL)
     python benchmarks/bench_local.py                 # 1 and 4 clients, 3 s per phase, 2 rounds
     python benchmarks/bench_local.py --seconds 1 --rounds 1 --clients 1
 
-Phases run A B C D E, then again (rounds), and the figures pool the rounds. A ZeroMQ+shm producer
-copies each frame into its slot (as one that gets frames from OpenCV would); a gRPC+shm one copies
-it into its region. Each remote client is its own process. Loopback only; every loop is bounded by
+Phases run A B C D E F, then again (rounds), and the figures pool the rounds. The in-process call
+and zmq_shm both start from a frame already in memory (a numpy array; a ring slot); zmq_shm_copy
+and grpc_shm add the producer's copy of the frame into shared memory per request.
+Each remote client is its own process. Loopback only; every loop is bounded by
 a request count and a time limit; only the processes started here are stopped, by pid.
 """
 
@@ -48,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 MODEL = "frame_pool"
 SHAPE = (1, 3, 224, 224)  # FP32: 602,112 bytes
 OUT = 1024  # FP32 [1,1024]: 4 KB
-MODES = ("inproc", "zmq_shm", "zmq_inline", "grpc_shm", "grpc_plain")
+MODES = ("inproc", "zmq_shm", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
 CONFIG = """backend: "onnxruntime"
 max_batch_size: 4
 input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [3, 224, 224] }]
@@ -126,10 +129,16 @@ class Caller:
         if mode == "zmq_inline":
             return lambda: client.infer(MODEL, {"INPUT0": x}).as_numpy("OUTPUT0")
         ring = client.create_ring(slots=2, slot_size=x.nbytes)
+        copy = mode == "zmq_shm_copy"
+        slots = [ring.acquire() for _ in range(ring.slots)]
+        for slot in slots:  # zmq_shm: the producer wrote the frame into every slot
+            slot.ndarray(SHAPE, np.float32)[:] = x
+            slot.release()
 
         def call() -> Any:
             slot = ring.acquire()
-            slot.ndarray(SHAPE, np.float32)[:] = x  # the producer puts its frame into the slot
+            if copy:
+                slot.ndarray(SHAPE, np.float32)[:] = x  # the producer copies its frame into the slot
             return client.infer(MODEL, {"INPUT0": slot.tensor(SHAPE, np.float32)}).as_numpy("OUTPUT0")
 
         return call

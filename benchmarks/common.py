@@ -93,6 +93,20 @@ class Result:
         return percentile(self.latencies_s, 99) * 1e3
 
 
+def merge(parts: list[Result]) -> Result:
+    """One result from interleaved slices of the same run (CPU shares weighted by slice time)."""
+    total = Result(parts[0].label, parts[0].clients)
+    for part in parts:
+        total.latencies_s += part.latencies_s
+        total.errors += part.errors
+        total.seconds += part.seconds
+        total.first_error = total.first_error or part.first_error
+        for name, share in part.cpu.items():
+            total.cpu[name] = total.cpu.get(name, 0.0) + share * part.seconds
+    total.cpu = {name: value / total.seconds for name, value in total.cpu.items()} if total.seconds else {}
+    return total
+
+
 class _Budget:
     """Shared across workers: stop after `max_requests` started or `max_seconds` elapsed."""
 

@@ -103,6 +103,7 @@ class ZmqClient:
         self._deadlines: list[tuple[float, int]] = []
         self._late: dict[int, Pending] = {}
         self._rings: list[FrameRing] = []
+        self._rcvtimeo = -1
 
     # -- inference ------------------------------------------------------------------------------
     def submit(
@@ -302,16 +303,22 @@ class ZmqClient:
             self._pump(self._next_wake(limit))
 
     def _pump(self, until: float) -> None:
+        """Wait up to `until` for a reply, then take every reply already queued."""
         sock = self._sock
         assert sock is not None
         wait_ms = max(0, int((until - time.monotonic()) * 1000 + 0.999))
-        if sock.poll(wait_ms, zmq.POLLIN):
-            while True:
-                try:
-                    msg = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._dispatch(msg)
+        if wait_ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._rcvtimeo = wait_ms
+        try:
+            msg: list[Any] | None = sock.recv_multipart(copy=False)  # one call: no poll first
+        except zmq.Again:
+            msg = None
+        while msg is not None:
+            self._dispatch(msg)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         self._expire(time.monotonic())
 
     def _dispatch(self, msg: list[Any]) -> None:

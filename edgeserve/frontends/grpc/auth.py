@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import logging
@@ -38,6 +39,7 @@ def peer_host(peer: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def is_loopback_peer(peer: str) -> bool:
     if peer.startswith(("unix:", "unix-abstract:")):
         return True
@@ -81,8 +83,9 @@ class AccessPolicy:
 
     def check(self, context: grpc.aio.ServicerContext[Any, Any], admin: bool) -> None:
         """Raises UNAUTHENTICATED / PERMISSION_DENIED; loopback peers always pass."""
-        peer = context.peer() or ""
-        if is_loopback_peer(peer):
+        if not self._token and not (admin and self.admin_loopback_only):
+            return  # nothing to check: keep the inference path free of peer parsing
+        if is_loopback_peer(context.peer() or ""):
             return
         if self._token:
             sent = bearer_token(context.invocation_metadata())

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
-from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, RingLayout
+from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
 from edgeserve.frontends.zmq import wire
 from edgeserve.protocol import datatypes
-from edgeserve.protocol.errors import InferenceError, internal, invalid_arg
+from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
 from edgeserve.protocol.inference import (
     InferRequest,
     InferResponse,
@@ -29,17 +29,18 @@ from edgeserve.protocol.inference import (
 class SlotGuard:
     """One ring slot a request uses: keeps the slot's generation word mapped and checks it."""
 
-    __slots__ = ("_lease", "gen", "region", "slot", "what")
+    __slots__ = ("_at", "_lease", "gen", "region", "slot", "what")
 
-    def __init__(self, lease: ShmLease, region: str, slot: int, gen: int, what: str) -> None:
+    def __init__(self, lease: ShmLease, at: int, region: str, slot: int, gen: int, what: str) -> None:
         self._lease = lease
+        self._at = at  # the generation word's offset in the lease's view
         self.region = region
         self.slot = slot
         self.gen = gen
         self.what = what
 
     def current(self) -> int:
-        return int(GEN.unpack_from(self._lease.view, 0)[0])
+        return int(GEN.unpack_from(self._lease.view, self._at)[0])
 
     def check(self, when: str, consequence: str) -> None:
         now = self.current()
@@ -130,12 +131,26 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
         return ShmRef(region, byte_size, offset), None
     slot = _field(ref, "slot", int, what)
     gen = _field(ref, "gen", int, what)
-    with registry.acquire(ShmRef(region, HEADER_SIZE, 0)) as header:
-        layout = RingLayout.parse(header.view, region, None)
-    start = layout.locate(region, slot, offset, byte_size)
-    guard = SlotGuard(
-        registry.acquire(ShmRef(region, GEN.size, layout.generation_offset(slot))), region, slot, gen, what
-    )
+    # A ring's data starts at a page boundary, so its first page (header and, for up to 504 slots,
+    # every generation word) can be mapped with one lease that then guards the slot.
+    try:
+        lease = registry.acquire(ShmRef(region, PAGE, 0))
+    except InferenceError as exc:
+        if exc.status != Status.INVALID_ARG:
+            raise
+        lease = registry.acquire(ShmRef(region, HEADER_SIZE, 0))  # too small: say why below
+    try:
+        layout = RingLayout.parse(lease.view, region, None)
+        start = layout.locate(region, slot, offset, byte_size)
+        at = layout.generation_offset(slot)
+        if at + GEN.size > len(lease.view):
+            lease.release()
+            lease = registry.acquire(ShmRef(region, GEN.size, at))
+            at = 0
+    except BaseException:
+        lease.release()
+        raise
+    guard = SlotGuard(lease, at, region, slot, gen, what)
     try:
         guard.check("before the request was read", "the reference is stale")
     except InferenceError:

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="attr-defined"
+# mypy: disable-error-code="attr-defined, name-defined"
 # (pyproject's follow_imports=skip for zmq.* hides pyzmq's own types; see README.md here)
 """The frontend's ROUTER socket, driven by reader callbacks on the server's event loop.
 
@@ -49,7 +49,9 @@ def prepare_ipc(endpoint: str) -> str | None:
     except FileNotFoundError:
         return path
     if not stat.S_ISSOCK(mode):
-        raise RuntimeError(f"zmq endpoint {endpoint}: {path} exists and is not a socket; remove it or pick another")
+        raise RuntimeError(
+            f"zmq endpoint {endpoint}: {path} exists and is not a socket; remove it or pick another"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -107,7 +109,8 @@ class Router:
             fd = sock.getsockopt(zmq.FD)
             self._loop.add_reader(fd, callback)
             self._fds.append(fd)
-        self._wake()  # anything that arrived before the reader was added
+        self._wake()  # anything that arrived before the readers were added; re-arms ZMQ_FD
+        self._loop.call_soon(self._drain_monitor)
 
     def close(self) -> None:
         for fd in self._fds:

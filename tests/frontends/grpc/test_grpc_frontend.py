@@ -448,3 +448,31 @@ def test_tls(tmp_path: Path) -> None:
     finally:
         server.close()
         repo.pool.shutdown(wait=False)
+
+
+def test_bf16_and_fp16_travel_raw(tmp_path: Path) -> None:
+    import ml_dtypes
+
+    plane, repo = make_plane(tmp_path)
+    for name, config_type in (("bf16", "TYPE_BF16"), ("fp16", "TYPE_FP16")):
+        repo.add(
+            name,
+            f'max_batch_size: 4 input {{ name: "X" data_type: {config_type} dims: [-1] }}'
+            f' output {{ name: "Y" data_type: {config_type} dims: [-1] }}',
+            lambda x: {"Y": x["X"] * 2},
+        )
+    server = InProcessServer(plane)
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        for name, datatype, dtype in (("bf16", "BF16", ml_dtypes.bfloat16), ("fp16", "FP16", np.float16)):
+            x = np.array([[1.5, -2.0, 0.25]], dtype=dtype)
+            tensor = grpcclient.InferInput("X", [1, 3], datatype)
+            tensor.set_data_from_numpy(x)
+            result = client.infer(name, [tensor])
+            y = result.as_numpy("Y")
+            assert y.dtype == np.dtype(dtype) and y.astype(np.float32).tolist() == [[3.0, -4.0, 0.5]]
+            assert len(result.get_response().raw_output_contents[0]) == 6
+        client.close()
+    finally:
+        server.close()
+        repo.pool.shutdown(wait=False)

@@ -1,21 +1,28 @@
 """A real DataPlane over an in-memory repository whose "models" are numpy functions run on a worker
-thread, so the HTTP routes can be tested without the repository, scheduler or backends."""
+thread, so the HTTP routes can be tested without the repository, scheduler or backends; plus the
+HttpFrontend serving it and a raw client."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 from google.protobuf import json_format, text_format
 from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 from edgeserve.backends.base import ModelIO
+from edgeserve.config import Settings
+from edgeserve.frontends.http.server import HttpFrontend
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
+from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import internal, not_found, unavailable
 from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.stats import ModelStats
@@ -163,3 +170,96 @@ def make_plane(tmp: Path) -> tuple[DataPlane, FakeRepository]:
     repo.add("wrong", ADD_SUB, lambda x: {"OUTPUT0": np.zeros(1)})  # forgets OUTPUT1
     plane = DataPlane(repo, SharedMemoryRegistry())  # type: ignore[arg-type]
     return plane, repo
+
+
+# -- the frontend and a raw client -------------------------------------------------------------------
+MAX_INPUT = 1 << 20
+
+
+class Api:
+    def __init__(self, session: aiohttp.ClientSession, base: str, repo: FakeRepository) -> None:
+        self.session = session
+        self.base = base
+        self.repo = repo
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        data: bytes | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        if body is not None:
+            data = json.dumps(body).encode()
+        async with self.session.request(method, self.base + path, data=data, headers=headers or {}) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+    async def json(self, method: str, path: str, body: Any = None, status: int = 200, **kw: Any) -> Any:
+        code, headers, raw = await self.call(method, path, body, **kw)
+        assert code == status, raw
+        if status >= 400:
+            assert headers["Content-Type"].startswith("application/json")
+            error = json.loads(raw)
+            assert set(error) == {"error"} and error["error"]
+            return error["error"]
+        return json.loads(raw) if raw else None
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path) -> AsyncIterator[Api]:
+    """An HttpFrontend on a free loopback port over `make_plane`, and a raw aiohttp client for it."""
+    plane, repo = make_plane(tmp_path)
+    settings = Settings()
+    settings.http.port = 0
+    settings.http.max_input_bytes = MAX_INPUT
+    frontend = HttpFrontend(plane, settings)
+    await frontend.start()
+    assert frontend.port != 0
+    session = aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+    try:
+        yield Api(session, f"http://127.0.0.1:{frontend.port}", repo)
+    finally:
+        await session.close()
+        await frontend.stop(5)
+
+
+def add_sub_request(
+    binary: bool = False, outputs: list[dict[str, Any]] | None = None, **params: Any
+) -> tuple[bytes, dict[str, str], np.ndarray, np.ndarray]:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.ones((2, 4), dtype=np.float32)
+    if binary:
+        inputs = [
+            {"name": n, "datatype": "FP32", "shape": [2, 4], "parameters": {"binary_data_size": 32}}
+            for n in ("INPUT0", "INPUT1")
+        ]
+    else:
+        inputs = [
+            {"name": "INPUT0", "datatype": "FP32", "shape": [2, 4], "data": a.tolist()},
+            {"name": "INPUT1", "datatype": "FP32", "shape": [2, 4], "data": b.reshape(-1).tolist()},
+        ]
+    header: dict[str, Any] = {"id": "7", "inputs": inputs}
+    if outputs is not None:
+        header["outputs"] = outputs
+    if params:
+        header["parameters"] = params
+    text = json.dumps(header).encode()
+    if not binary:
+        return text, {}, a, b
+    return text + a.tobytes() + b.tobytes(), {"Inference-Header-Content-Length": str(len(text))}, a, b
+
+
+def split_binary(headers: dict[str, str], raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    length = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(raw[:length])
+    arrays, pos = {}, length
+    for out in header["outputs"]:
+        size = out.get("parameters", {}).get("binary_data_size")
+        if size is not None:
+            arrays[out["name"]] = datatypes.from_buffer(
+                raw[pos : pos + size], out["datatype"], tuple(out["shape"]), out["name"]
+            )
+            pos += size
+    assert pos == len(raw)
+    return header, arrays

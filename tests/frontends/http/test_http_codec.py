@@ -155,6 +155,15 @@ def test_binary_bytes_input() -> None:
     assert data is not None and data.tolist() == [b"ab", b"c"]
 
 
+def test_huge_bytes_shape_is_rejected_before_allocating() -> None:
+    header = {
+        "inputs": [
+            {"name": "s", "datatype": "BYTES", "shape": [10**12], "parameters": {"binary_data_size": 4}}
+        ]
+    }
+    assert "cannot hold" in bad(header, b"\0\0\0\0")
+
+
 def test_binary_size_errors() -> None:
     header = {
         "inputs": [{"name": "a", "datatype": "FP32", "shape": [4], "parameters": {"binary_data_size": 12}}]

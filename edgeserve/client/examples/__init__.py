@@ -1,0 +1,1 @@
+"""Runnable examples for the edgeserve client (see camera_pipeline.py)."""
