@@ -6,6 +6,7 @@ the same clients.
     python benchmarks/bench_grpc.py                           # mlp and ppocr_det 1x3x320x320, 1 and 8 clients
     python benchmarks/bench_grpc.py --models mlp --seconds 4 --clients 1,4,8
     python benchmarks/bench_grpc.py --no-pytriton             # edgeserve only
+    python benchmarks/bench_grpc.py --rounds 3                # A B C .. x3 interleaved, median kept
 
 - in-process: one `onnxruntime.InferenceSession` with edgeserve's session options, N threads.
 - edgeserve: `python -m edgeserve run` on the sample repository (models/, its config.pbtxt: dynamic
@@ -257,7 +258,7 @@ def serve_pytriton(args: argparse.Namespace) -> int:
             )
 
             def make(session: Any = session, work: Workload = work) -> Callable[..., dict[str, np.ndarray]]:
-                @batch
+                @batch  # type: ignore[untyped-decorator]
                 def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
                     (out,) = session.run([work.output_name], {work.input_name: inputs[work.input_name]})
                     return {work.output_name: out}
@@ -285,10 +286,12 @@ def serve_pytriton(args: argparse.Namespace) -> int:
 
 # -- CPU accounting over process trees -----------------------------------------------------------------
 class TreeMeter:
-    """CPU of each named process and its children between start() and stop(), as a share of all cores."""
+    """CPU of each named process (and its children, for servers) between start() and stop(), as a share
+    of all cores."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.roots = {name: psutil.Process(pid) for name, pid in pids.items()}
+    def __init__(self, pids: dict[str, tuple[int, bool]]) -> None:
+        """name -> (pid, with its children)."""
+        self.roots = {name: (psutil.Process(pid), tree) for name, (pid, tree) in pids.items()}
         self._start: dict[str, float] = {}
         self._procs: dict[str, list[psutil.Process]] = {}
         self._t0 = 0.0
@@ -306,9 +309,9 @@ class TreeMeter:
 
     def start(self) -> None:
         self._procs = {}
-        for name, root in self.roots.items():
+        for name, (root, tree) in self.roots.items():
             try:
-                self._procs[name] = [root, *root.children(recursive=True)]
+                self._procs[name] = [root, *root.children(recursive=True)] if tree else [root]
             except psutil.Error:
                 self._procs[name] = [root]
         self._start = {name: self._used(procs) for name, procs in self._procs.items()}
@@ -494,6 +497,27 @@ def fmt_row(model: str, r: Result, base: float, server_key: str) -> str:
     )
 
 
+def median_run(results: list[Result]) -> Result:
+    """The round with the median throughput (rounds are interleaved, so this damps machine noise)."""
+    return sorted(results, key=lambda r: r.throughput)[len(results) // 2]
+
+
+def ratio_line(tag: str, chosen: dict[str, Result]) -> str:
+    base = chosen["in-process"].throughput
+    line = [f"{tag}: in-process {base:.0f}/s"]
+    for transport in TRANSPORTS:
+        es = chosen[f"edgeserve {transport}"].throughput
+        text = f"edgeserve {transport} {es:.0f}/s = {fmt_ratio(es / base)}x in-process"
+        peer = chosen.get(f"pytriton {transport}")
+        if peer is not None and peer.throughput:
+            text += f", {es / peer.throughput:.2f}x PyTriton"
+        line.append(text)
+    unary = chosen["edgeserve gRPC unary"].throughput
+    if unary:
+        line.append(f"edgeserve stream/unary {chosen['edgeserve gRPC stream'].throughput / unary:.2f}")
+    return "; ".join(line)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -502,6 +526,7 @@ def main() -> int:
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     parser.add_argument("--seconds", type=float, default=5.0, help="time limit per phase")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median is kept")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
     parser.add_argument("--no-pytriton", action="store_true", help="leave the PyTriton peer out")
     parser.add_argument("--no-pytriton-install", action="store_true", help="use the venv only if it exists")
@@ -543,7 +568,9 @@ def main() -> int:
     rows: list[str] = []
     ratios: list[str] = []
     try:
-        meter = TreeMeter({"bench": os.getpid(), **{s.name: s.process.pid for s in services}})
+        meter = TreeMeter(
+            {"bench": (os.getpid(), False), **{s.name: (s.process.pid, True) for s in services}}
+        )
         for work in works:
             path = args.model_repository / work.model / "1" / "model.onnx"
             session = ort.InferenceSession(
@@ -559,34 +586,27 @@ def main() -> int:
 
             for clients in client_counts:
                 tag = f"{work.model} {'x'.join(map(str, work.shape))}, {clients} client(s)"
-                progress(f"{tag}: in-process ...")
-                run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                base = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)
-                rows.append(fmt_row(work.model, base, base.throughput, "edgeserve"))
-                got: dict[tuple[str, str], float] = {}
-                for service in services:
-                    for transport in TRANSPORTS:
-                        label = f"{service.name} {transport}"
-                        progress(f"{tag}: {label} ...")
-                        remote_phase("warmup", transport, service, work, x, clients, args.warmup, None)
-                        r = remote_phase(label, transport, service, work, x, clients, args.seconds, meter)
-                        got[(service.name, transport)] = r.throughput
-                        rows.append(fmt_row(work.model, r, base.throughput, service.name))
-                        progress(
-                            f"{tag}: {label} {r.throughput:.0f}/s "
-                            f"({fmt_ratio(r.throughput / base.throughput)}x in-process), errors {r.errors}"
-                        )
-                line = [f"{tag}: in-process {base.throughput:.0f}/s"]
-                for transport in TRANSPORTS:
-                    es = got[("edgeserve", transport)]
-                    text = f"edgeserve {transport} {fmt_ratio(es / base.throughput)}x"
-                    if got.get(("pytriton", transport)):
-                        text += f" (= {es / got[('pytriton', transport)]:.2f}x PyTriton)"
-                    line.append(text)
-                unary = got[("edgeserve", "gRPC unary")]
-                if unary:
-                    line.append(f"stream/unary {got[('edgeserve', 'gRPC stream')] / unary:.2f}")
-                ratios.append("; ".join(line))
+                runs: dict[str, list[Result]] = {}
+                for round_no in range(args.rounds):  # A B C .. A B C: noise hits every phase alike
+                    suffix = f" (round {round_no + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    progress(f"{tag}: in-process{suffix} ...")
+                    run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
+                    r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds,
+                                    meter)  # type: ignore[arg-type]  # fmt: skip
+                    runs.setdefault("in-process", []).append(r)
+                    for service in services:
+                        for transport in TRANSPORTS:
+                            label = f"{service.name} {transport}"
+                            remote_phase("warmup", transport, service, work, x, clients, args.warmup, None)
+                            r = remote_phase(label, transport, service, work, x, clients, args.seconds, meter)
+                            runs.setdefault(label, []).append(r)
+                            progress(f"{tag}: {label}{suffix} {r.throughput:.0f}/s, errors {r.errors}")
+                chosen = {label: median_run(results) for label, results in runs.items()}
+                base = chosen["in-process"]
+                for label, r in chosen.items():
+                    server_key = label.split(" ", 1)[0] if label != "in-process" else "edgeserve"
+                    rows.append(fmt_row(work.model, r, base.throughput, server_key))
+                ratios.append(ratio_line(tag, chosen))
     finally:
         for service in services:
             service.stop()

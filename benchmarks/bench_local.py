@@ -90,16 +90,22 @@ def frame() -> np.ndarray:
 
 # -- the clients (each remote client runs in its own process) ------------------------------------------
 def _inproc_instance(repo: Path) -> Any:
+    """The backend instance the server builds for this model: same selector, options, runtime."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
     from edgeserve.backends.base import get_backend
     from edgeserve.config import Settings
-    from edgeserve.repository.selection import DefaultSelector
+
+    try:
+        from edgeserve.hardware.selector import PlanSelector as Selector
+    except ImportError:  # before the hardware-aware selector existed
+        from edgeserve.repository.selection import DefaultSelector as Selector  # type: ignore[assignment]
 
     config = text_format.Parse(CONFIG, model_config_pb2.ModelConfig(name=MODEL))
-    options = DefaultSelector(Settings()).options("onnxruntime", config)  # what the server uses
-    return get_backend("onnxruntime").load(repo / MODEL / "1" / "model.onnx", config, options)
+    choice = Selector(Settings()).choose(MODEL, repo / MODEL, repo / MODEL / "1", config)
+    progress(f"in-process: {choice.backend_name} {choice.options} ({choice.reason})")
+    return get_backend(choice.backend_name).load(choice.model_path, config, choice.options)
 
 
 class Caller:
@@ -195,8 +201,9 @@ def loop(caller: Caller, seconds: float, max_requests: int, start: float) -> tup
     return latencies, time.time(), time.process_time() - cpu0
 
 
-def _client_process(mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float,
-                    queue: Any) -> None:  # fmt: skip
+def _client_process(
+    mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float, queue: Any
+) -> None:
     try:
         caller = Caller(mode, target)
         try:
@@ -236,8 +243,10 @@ def run_phase(
     else:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, queue))
-                 for _ in range(clients)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, queue))
+            for _ in range(clients)
+        ]
         for proc in procs:
             proc.start()
         meter = CpuMeter({**meter_pids, **{f"client{i}": p.pid for i, p in enumerate(procs) if p.pid}})
@@ -254,8 +263,15 @@ def run_phase(
     latencies = [lat for r in results if r[0] == "ok" for lat in r[1]]
     wall = max((r[2] for r in results if r[0] == "ok"), default=start) - start
     client_cpu = sum(v for k, v in cpu.items() if k.startswith("client"))
-    return {"mode": mode, "clients": clients, "latencies": latencies, "wall": wall, "errors": errors,
-            "client_cpu_pct": client_cpu, "server_cpu_pct": cpu.get("server", 0.0)}  # fmt: skip
+    return {
+        "mode": mode,
+        "clients": clients,
+        "latencies": latencies,
+        "wall": wall,
+        "errors": errors,
+        "client_cpu_pct": client_cpu,
+        "server_cpu_pct": cpu.get("server", 0.0),
+    }
 
 
 # -- the server -----------------------------------------------------------------------------------------
@@ -263,9 +279,24 @@ def start_server(repo: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], di
     http_port, grpc_port = free_port(), free_port()
     endpoint = f"ipc://{workdir}/edgeserve.zmq"
     log_path = workdir / "server.log"
-    cmd = [sys.executable, "-m", "edgeserve", "run", "--model-repository", str(repo), "--host", "127.0.0.1",
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--zmq-endpoint", endpoint,
-           "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgeserve",
+        "run",
+        "--model-repository",
+        str(repo),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--zmq-endpoint",
+        endpoint,
+        "--log-level",
+        "WARNING",
+    ]
     env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(workdir / "state"), "PYTHONPATH": str(ROOT)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -331,14 +362,19 @@ def summarise(phases: list[dict[str, Any]], modes: list[str], clients: list[int]
             mine = [p for p in phases if p["mode"] == mode and p["clients"] == n]
             latencies = [lat for p in mine for lat in p["latencies"]]
             wall = sum(p["wall"] for p in mine)
-            rows.append({
-                "mode": mode, "clients": n, "requests": len(latencies),
-                "rps": len(latencies) / wall if wall > 0 else 0.0,
-                "p50_ms": percentile(latencies, 50) * 1e3, "p99_ms": percentile(latencies, 99) * 1e3,
-                "client_cpu_pct": sum(p["client_cpu_pct"] for p in mine) / max(1, len(mine)),
-                "server_cpu_pct": sum(p["server_cpu_pct"] for p in mine) / max(1, len(mine)),
-                "errors": [e for p in mine for e in p["errors"]][:3],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "clients": n,
+                    "requests": len(latencies),
+                    "rps": len(latencies) / wall if wall > 0 else 0.0,
+                    "p50_ms": percentile(latencies, 50) * 1e3,
+                    "p99_ms": percentile(latencies, 99) * 1e3,
+                    "client_cpu_pct": sum(p["client_cpu_pct"] for p in mine) / max(1, len(mine)),
+                    "server_cpu_pct": sum(p["server_cpu_pct"] for p in mine) / max(1, len(mine)),
+                    "errors": [e for p in mine for e in p["errors"]][:3],
+                }
+            )
     return rows
 
 
@@ -347,15 +383,19 @@ def report(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any
         return next((r for r in rows if r["mode"] == mode and r["clients"] == n and r["requests"]), None)
 
     print(f"\n600 KB frame in (FP32 {list(SHAPE)}), 4 KB out; one request in flight per client")
-    print(f"{'mode':12} {'clients':>7} {'requests':>8} {'rt/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'x grpc':>7} {'+p50 ms':>8} {'client cpu':>10} {'server cpu':>10}")  # fmt: skip
+    print(
+        f"{'mode':12} {'clients':>7} {'requests':>8} {'rt/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'x grpc':>7} {'+p50 ms':>8} {'client cpu':>10} {'server cpu':>10}"
+    )
     for r in rows:
         grpc, inproc = row("grpc_plain", r["clients"]), row("inproc", r["clients"])
         ratio = f"{r['rps'] / grpc['rps']:.1f}" if grpc and grpc["rps"] else "-"
         extra = f"{r['p50_ms'] - inproc['p50_ms']:+.3f}" if inproc and r["mode"] != "inproc" else "-"
-        print(f"{r['mode']:12} {r['clients']:>7} {r['requests']:>8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} "
-              f"{r['p99_ms']:>8.3f} {ratio:>7} {extra:>8} {r['client_cpu_pct']:>9.0f}% "
-              f"{r['server_cpu_pct']:>9.0f}%")  # fmt: skip
+        print(
+            f"{r['mode']:12} {r['clients']:>7} {r['requests']:>8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} "
+            f"{r['p99_ms']:>8.3f} {ratio:>7} {extra:>8} {r['client_cpu_pct']:>9.0f}% "
+            f"{r['server_cpu_pct']:>9.0f}%"
+        )
         for error in r["errors"]:
             print(f"    error: {error}")
     for mode, why in skipped.items():
@@ -366,15 +406,19 @@ def report(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any
     if zmq and grpc:
         ratio = zmq["rps"] / grpc["rps"]
         targets["zmq_shm_vs_grpc_unary_rps"] = ratio
-        print(f"target 1: zmq_shm {zmq['rps']:.0f} rt/s = {ratio:.1f}x gRPC unary {grpc['rps']:.0f} rt/s "
-              f"(>= 5x): {'PASS' if ratio >= 5 else 'FAIL'}")  # fmt: skip
+        print(
+            f"target 1: zmq_shm {zmq['rps']:.0f} rt/s = {ratio:.1f}x gRPC unary {grpc['rps']:.0f} rt/s "
+            f"(>= 5x): {'PASS' if ratio >= 5 else 'FAIL'}"
+        )
     else:
         print("target 1: not measured (gRPC unary skipped)")
     if zmq and inproc:
         added = zmq["p50_ms"] - inproc["p50_ms"]
         targets["zmq_shm_added_p50_ms"] = added
-        print(f"target 2: zmq_shm p50 {zmq['p50_ms']:.3f} ms - in-process p50 {inproc['p50_ms']:.3f} ms = "
-              f"{added:.3f} ms (< 0.3 ms): {'PASS' if added < 0.3 else 'FAIL'}")  # fmt: skip
+        print(
+            f"target 2: zmq_shm p50 {zmq['p50_ms']:.3f} ms - in-process p50 {inproc['p50_ms']:.3f} ms = "
+            f"{added:.3f} ms (< 0.3 ms): {'PASS' if added < 0.3 else 'FAIL'}"
+        )
     return targets
 
 
@@ -413,16 +457,28 @@ def main() -> int:
                     phase_target = {**target, **inproc_target} if mode == "inproc" else target
                     phases.append(run_phase(mode, n, phase_target, args.seconds, proc.pid))
                     last = phases[-1]
-                    progress(f"  {len(last['latencies'])} round trips, p50 "
-                             f"{percentile(last['latencies'], 50) * 1e3:.3f} ms"
-                             + (f", errors: {last['errors'][:1]}" if last["errors"] else ""))  # fmt: skip
+                    progress(
+                        f"  {len(last['latencies'])} round trips, p50 "
+                        f"{percentile(last['latencies'], 50) * 1e3:.3f} ms"
+                        + (f", errors: {last['errors'][:1]}" if last["errors"] else "")
+                    )
         rows = summarise(phases, modes, clients)
         targets = report(rows, skipped)
         out_dir = ROOT / "benchmarks" / "results"
         out_dir.mkdir(exist_ok=True)
         out = out_dir / f"bench_local-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        out.write_text(json.dumps({"args": vars(args), "rows": rows, "targets": targets, "skipped": skipped,
-                                   "cpus": os.cpu_count()}, indent=2))  # fmt: skip
+        out.write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "rows": rows,
+                    "targets": targets,
+                    "skipped": skipped,
+                    "cpus": os.cpu_count(),
+                },
+                indent=2,
+            )
+        )
         progress(f"results: {out}")
     finally:
         stop_server(proc)

@@ -2,24 +2,18 @@
 ports, bounded client loops (threads or asyncio), the CPU share of each side, progress lines.
 
 Every loop is bounded by a request count and a time limit and stops by itself; only the processes
-started here are stopped, by their process id.
+started here are stopped, by their process id. The server is started by tests/es_server.py, the same
+helper the end-to-end tests use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +21,12 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from es_server import RunningServer, free_port  # noqa: E402
+from es_server import start_server as _start_server  # noqa: E402
+
+__all__ = ["ROOT", "CpuMeter", "Result", "RunningServer", "free_port", "merge", "percentile", "progress",
+           "run_async", "run_threads", "start_server"]  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -211,62 +211,12 @@ def run_async(
 
 
 # -- the server process ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    http_port: int
-    log_path: Path
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return int(response.status) == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
-
-
-def start_server(
-    repository: Path, models: list[str], extra_args: list[str] | None = None, timeout: float = 180.0
-) -> ServerProcess:
-    """`python -m edgeserve run` with only HTTP on a free loopback port, serving `models`."""
-    port = free_port()
-    log_path = Path(tempfile.gettempdir()) / f"edgeserve-bench-{port}.log"
-    flags = f"--http-port {port} --host 127.0.0.1 --no-grpc --no-zmq --log-level WARNING".split()
-    cmd = [sys.executable, "-m", "edgeserve", "run", "--model-repository", str(repository), *flags]
+def start_server(repository: Path, models: list[str], extra_args: list[str] | None = None,
+                 timeout: float = 180.0) -> RunningServer:  # fmt: skip
+    """`python -m edgeserve run` with only HTTP, on a free loopback port, loading only `models`
+    (tests/es_server.py starts it; stop it with `.stop()`, which signals that process only)."""
+    tmp = Path(tempfile.mkdtemp(prefix="edgeserve-bench-"))
+    args = ["--no-grpc", "--no-zmq", "--log-level", "WARNING"]
     for model in models:
-        cmd += ["--load-model", model]
-    cmd += extra_args or []
-    state = Path(tempfile.gettempdir()) / f"edgeserve-bench-{port}"
-    env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(state)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    server = ServerProcess(process, port, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"edgeserve exited with {process.returncode}; log: {log_path}")
-        if _ready(server.base + "/v2/health/ready"):
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"edgeserve was not ready within {timeout:.0f}s; log: {log_path}")
+        args += ["--load-model", model]
+    return _start_server(repository, tmp, args=args + (extra_args or []), timeout=timeout)

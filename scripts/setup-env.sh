@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by run.sh and test.sh: create .venv and install edgeserve with the given extra, idempotently.
 # Usage: source scripts/setup-env.sh; setup_env cpu|test
 

@@ -195,6 +195,34 @@ def _outputs(pending: Pending, outputs: Outputs) -> list[dict[str, Any]]:
     return descs
 
 
+class Registrations:
+    """The regions a client registered, so it can register them again after the server restarted
+    (a new server process has an empty registry and answers NOT_FOUND for them)."""
+
+    def __init__(self) -> None:
+        self.regions: dict[str, dict[str, Any]] = {}
+        self.lost: set[str] = set()
+
+    def add(self, name: str, key: str, byte_size: int, offset: int) -> None:
+        self.regions[name] = {"name": name, "key": key, "byte_size": byte_size, "offset": offset}
+        self.lost.discard(name)
+
+    def remove(self, name: str) -> None:
+        names = [name] if name else list(self.regions)
+        for each in names:
+            self.regions.pop(each, None)
+            self.lost.discard(each)
+
+    def note(self, error: ClientError) -> None:
+        if error.status == "NOT_FOUND" and "shared memory region" in error.message:
+            self.lost.update(n for n in self.regions if f"'{n}'" in error.message)
+
+    def take_lost(self) -> list[dict[str, Any]]:
+        lost = [self.regions[n] for n in sorted(self.lost) if n in self.regions]
+        self.lost.clear()
+        return lost
+
+
 def build_control(req_id: int, op: str, **fields: Any) -> list[Any]:
     return [wire.dumps({"v": wire.VERSION, "op": op, "id": req_id, **fields})]
 

@@ -50,6 +50,7 @@ class AsyncZmqClient:
         self._late: dict[int, Pending] = {}
         self._reader: asyncio.Task[None] | None = None
         self._rings: list[FrameRing] = []
+        self._registrations = _core.Registrations()
 
     # -- inference ------------------------------------------------------------------------------
     async def submit(
@@ -66,6 +67,8 @@ class AsyncZmqClient:
         parameters: Mapping[str, Any] | None = None,
     ) -> asyncio.Future[InferResult]:
         """Send one request; returns a future of its result (same arguments as `ZmqClient.submit`)."""
+        if self._registrations.lost:
+            await self._register_again()
         pending = Pending(self._take_id())
         frames = _core.build_infer(
             pending,
@@ -102,9 +105,19 @@ class AsyncZmqClient:
 
     async def register_region(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
         await self._call(wire.OP_REGISTER, None, name=name, key=key, offset=offset, byte_size=byte_size)
+        self._registrations.add(name, key, byte_size, offset)
 
     async def unregister_region(self, name: str = "") -> None:
         await self._call(wire.OP_UNREGISTER, None, name=name)
+        self._registrations.remove(name)
+
+    async def _register_again(self) -> None:
+        for fields in self._registrations.take_lost():
+            try:
+                await self._call(wire.OP_REGISTER, None, **fields)
+            except ClientError as exc:
+                if exc.status != "ALREADY_EXISTS":
+                    raise
 
     async def regions(self, name: str = "") -> list[dict[str, Any]]:
         regions: list[dict[str, Any]] = (await self._call(wire.OP_STATUS, None, name=name))["regions"]
@@ -229,6 +242,7 @@ class AsyncZmqClient:
             else:
                 result = _core.parse_infer(header, msg[1:], pending)
         except ClientError as exc:
+            self._registrations.note(exc)
             if not future.done():
                 future.set_exception(exc)
         else:

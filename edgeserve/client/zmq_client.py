@@ -11,7 +11,7 @@ import heapq
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -21,6 +21,11 @@ from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.frontends.zmq import wire
 
+# Plain ints: pyzmq's enum constants make `events & POLLIN` an enum operation costing microseconds.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_DONTWAIT = int(zmq.DONTWAIT)
+_RCVTIMEO = int(zmq.RCVTIMEO)
 DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
 _LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
 
@@ -103,6 +108,7 @@ class ZmqClient:
         self._deadlines: list[tuple[float, int]] = []
         self._late: dict[int, Pending] = {}
         self._rings: list[FrameRing] = []
+        self._registrations = _core.Registrations()
         self._rcvtimeo = -1
 
     # -- inference ------------------------------------------------------------------------------
@@ -122,6 +128,8 @@ class ZmqClient:
         """Send one request and return at once. `inputs` maps names to numpy arrays (sent inline,
         or copied into a slot of `ring` when given) or to `ShmTensor`s (e.g. `slot.tensor(...)`).
         `outputs`: None (all, inline), a list of names, or {name: None | FrameRing | Slot | ShmTensor}."""
+        if self._registrations.lost:
+            self._register_again()
         pending = Pending(self._take_id())
         frames = _core.build_infer(
             pending,
@@ -196,12 +204,23 @@ class ZmqClient:
         return meta
 
     def register_region(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
-        """Register a POSIX shm object (`key`) as region `name`, owned by this client."""
+        """Register a POSIX shm object (`key`) as region `name`, owned by this client. If the server
+        restarts, the next `submit` after a NOT_FOUND for the region registers it again."""
         self._call(wire.OP_REGISTER, None, name=name, key=key, offset=offset, byte_size=byte_size)
+        self._registrations.add(name, key, byte_size, offset)
 
     def unregister_region(self, name: str = "") -> None:
         """Unregister one of this client's regions ("" = all of them)."""
         self._call(wire.OP_UNREGISTER, None, name=name)
+        self._registrations.remove(name)
+
+    def _register_again(self) -> None:
+        for fields in self._registrations.take_lost():
+            try:
+                self._call(wire.OP_REGISTER, None, **fields)
+            except ClientError as exc:
+                if exc.status != "ALREADY_EXISTS":
+                    raise
 
     def regions(self, name: str = "") -> list[dict[str, Any]]:
         """Every registered region (`mine` marks this client's)."""
@@ -308,7 +327,7 @@ class ZmqClient:
         assert sock is not None
         wait_ms = max(0, int((until - time.monotonic()) * 1000 + 0.999))
         if wait_ms != self._rcvtimeo:
-            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            sock.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
         try:
             msg: list[Any] | None = sock.recv_multipart(copy=False)  # one call: no poll first
@@ -316,9 +335,9 @@ class ZmqClient:
             msg = None
         while msg is not None:
             self._dispatch(msg)
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 break
-            msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            msg = sock.recv_multipart(_DONTWAIT, copy=False)
         self._expire(time.monotonic())
 
     def _dispatch(self, msg: list[Any]) -> None:
@@ -344,6 +363,7 @@ class ZmqClient:
             else:
                 future._set(_core.parse_infer(header, msg[1:], pending), None)
         except ClientError as exc:
+            self._registrations.note(exc)
             future._set(None, exc)
         finally:
             if pending is not None:

@@ -49,7 +49,13 @@ def test_write_read_and_views() -> None:
     with FrameRing(2, 64) as ring:
         slot = ring.acquire()
         ref = slot.write(np.arange(4, dtype=np.float32).reshape(2, 2))
-        assert (ref.region, ref.byte_size, ref.datatype, ref.shape, ref.slot) == (ring.name, 16, "FP32", (2, 2), slot)
+        assert (ref.region, ref.byte_size, ref.datatype, ref.shape, ref.slot) == (
+            ring.name,
+            16,
+            "FP32",
+            (2, 2),
+            slot,
+        )
         assert ring.read(slot, "FP32", (2, 2), 16).tolist() == [[0, 1], [2, 3]]
         view = slot.ndarray((4,), np.int32)
         view[:] = 7

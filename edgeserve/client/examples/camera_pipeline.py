@@ -59,7 +59,9 @@ def model_input(client: ZmqClient, model: str, height: int, width: int) -> tuple
     spec = meta["inputs"][0]
     dims = [int(d) for d in spec["shape"]]
     if len(dims) != 4:
-        raise SystemExit(f"model '{model}' input '{spec['name']}' has shape {dims}; this example feeds images")
+        raise SystemExit(
+            f"model '{model}' input '{spec['name']}' has shape {dims}; this example feeds images"
+        )
     nchw = dims[1] == 3
     wanted = [1, 3, height, width] if nchw else [1, height, width, 3]
     shape = tuple(w if d == -1 else d for d, w in zip(dims, wanted, strict=True))
@@ -87,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=120)
     parser.add_argument("--fps", type=float, default=30.0, help="0 = as fast as slots come back, no drops")
     parser.add_argument("--inflight", type=int, default=4, help="ring slots = frames in flight at most")
-    parser.add_argument("--output-ring", type=int, default=0, metavar="BYTES",
-                        help="put the first output into slots of this size (default: inline)")  # fmt: skip
+    parser.add_argument(
+        "--output-ring",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="put the first output into slots of this size (default: inline)",
+    )
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--quiet", action="store_true", help="only the summary")
     args = parser.parse_args(argv)
@@ -111,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.video
             else synthetic_frames(height, width, args.frames)
         )
-        print(f"{args.model}: input '{name}' {datatype} {list(shape)}, {args.inflight} slots of {ring.slot_size} "
-              f"bytes in shm '{ring.key}'; {'video ' + args.video if args.video else 'synthetic frames'}")  # fmt: skip
+        print(
+            f"{args.model}: input '{name}' {datatype} {list(shape)}, {args.inflight} slots of "
+            f"{ring.slot_size} bytes in shm '{ring.key}'; "
+            f"{'video ' + args.video if args.video else 'synthetic frames'}"
+        )
 
         in_flight: dict[ZmqFuture, tuple[int, float]] = {}
         latencies: list[float] = []
@@ -162,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - started
 
     total = len(latencies) + dropped + rejected + failed
-    print(f"\n{total} frames in {elapsed:.2f} s: {len(latencies)} results, {dropped} dropped (ring full), "
-          f"{rejected} dropped (server queue full), {failed} failed")  # fmt: skip
+    print(
+        f"\n{total} frames in {elapsed:.2f} s: {len(latencies)} results, {dropped} dropped (ring full), "
+        f"{rejected} dropped (server queue full), {failed} failed"
+    )
     if latencies:
         ordered = sorted(latencies)
         p50 = ordered[len(ordered) // 2] * 1e3

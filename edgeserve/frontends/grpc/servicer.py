@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.grpc")
 
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
-Handler = Callable[[Any, Context], Awaitable[Any]]
+Handler = Callable[[Any, Context], Coroutine[Any, Any, Any]]
 
 SHM_OWNER = ""  # regions registered over the Triton protocol (ZMQ rings have their client as owner)
 

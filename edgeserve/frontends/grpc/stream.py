@@ -110,7 +110,11 @@ class StreamHandler:
                         log.exception("decoding stream request %s failed", msg.id)
                         deliver(meta, internal(f"internal error decoding the request: {exc}"))
                         continue
-                    self.dataplane.submit(request, make_callback(meta))
+                    try:
+                        self.dataplane.submit(request, make_callback(meta))
+                    except Exception as exc:  # submit answers through the callback; this is a bug path
+                        log.exception("submitting stream request %s failed", msg.id)
+                        deliver(meta, internal(f"internal error submitting the request: {exc}"))
             finally:
                 answers.put_nowait(_READER_DONE)
 

@@ -26,7 +26,7 @@ import socket
 import stat
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -35,6 +35,11 @@ log = logging.getLogger("edgeserve.zmq")
 
 HEARTBEAT_IVL_MS = 2000  # ZMTP heartbeats find a dead TCP peer that never sent FIN
 HEARTBEAT_TIMEOUT_MS = 6000
+# Plain ints: pyzmq's enum constants make `events & POLLIN` an enum operation costing microseconds.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_DONTWAIT = int(zmq.DONTWAIT)
+MAX_MESSAGE_BYTES = 1 << 30  # per frame; a bigger one drops the connection (use shared memory)
 DRAIN_BATCH = 64  # messages handled per loop callback before yielding to the rest of the loop
 
 
@@ -69,8 +74,13 @@ def prepare_ipc(endpoint: str) -> str | None:
 
 
 class Router:
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[list[Any]], None],
-                 on_disconnect: Callable[[], None], sndhwm: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[list[Any]], None],
+        on_disconnect: Callable[[], None],
+        sndhwm: int,
+    ) -> None:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._on_message = on_message
@@ -83,6 +93,7 @@ class Router:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock: zmq.Socket[Any] | None = sock
@@ -106,7 +117,7 @@ class Router:
     def start(self) -> None:
         assert self._sock is not None and self._monitor is not None
         for sock, callback in ((self._sock, self._drain), (self._monitor, self._drain_monitor)):
-            fd = sock.getsockopt(zmq.FD)
+            fd = sock.fileno()
             self._loop.add_reader(fd, callback)
             self._fds.append(fd)
         self._wake()  # anything that arrived before the readers were added; re-arms ZMQ_FD
@@ -141,10 +152,10 @@ class Router:
             if sock is None:
                 return None
             try:
-                sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+                sock.send_multipart(frames, flags=_DONTWAIT, copy=False)
             except zmq.ZMQError as exc:
                 error = exc
-            readable = sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            readable = cast(int, sock.getsockopt(_EVENTS)) & _POLLIN
         if readable:
             self._wake()
         return error
@@ -165,9 +176,9 @@ class Router:
         for _ in range(DRAIN_BATCH):
             with self._lock:
                 sock = self._sock
-                if sock is None or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if sock is None or not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                     return
-                msg = sock.recv_multipart(zmq.DONTWAIT, copy=False)
+                msg = sock.recv_multipart(_DONTWAIT, copy=False)
             try:
                 self._on_message(msg)
             except Exception:  # a bug in one message must not stop the frontend
@@ -179,8 +190,8 @@ class Router:
         if monitor is None:
             return
         disconnected = False
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(monitor.recv_multipart(zmq.DONTWAIT))
+        while cast(int, monitor.getsockopt(_EVENTS)) & _POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(_DONTWAIT))
             disconnected = disconnected or event["event"] == zmq.EVENT_DISCONNECTED
         if disconnected:
             self._on_disconnect()

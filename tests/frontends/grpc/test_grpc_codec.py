@@ -13,7 +13,7 @@ from edgeserve.protocol.inference import InferResponse, OutputTensor, ShmRef
 
 
 def make_request(inputs: list[tuple[str, str, list[int], bytes | None]], **kwargs: object) -> bytes:
-    msg = service_pb2.ModelInferRequest(model_name="m", id="r1", **kwargs)  # type: ignore[arg-type]
+    msg = service_pb2.ModelInferRequest(model_name="m", id="r1", **kwargs)
     for name, datatype, shape, data in inputs:
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         if data is not None:

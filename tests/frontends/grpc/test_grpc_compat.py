@@ -459,7 +459,7 @@ def test_bad_input_gets_the_right_status_and_the_server_keeps_serving(
             try:
                 channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(payload, timeout=30)
             except grpc.RpcError as exc:
-                return exc.code()  # type: ignore[no-any-return]
+                return exc.code()
         return grpc.StatusCode.OK
 
     for garbage in (b"\x0a\xff\xff", b"\xff" * 16, b"\x3a\xff\xff\xff\xff\x0f", b"\x0a\x02\xc3\x28"):
@@ -494,4 +494,25 @@ def test_admin_rpcs_from_loopback_with_token_set(server_factory: ServerFactory, 
     assert client.is_server_live()
     client.unregister_system_shared_memory()
     client.update_log_settings({"log_info": True})
+    client.close()
+
+
+def test_shared_memory_key_prefix_restriction(server_factory: ServerFactory, tmp_path: Path) -> None:
+    server = server_factory(
+        build_repository(tmp_path), env={"EDGESERVE_SHM_KEY_PREFIXES": "edgeserve_allowed_"}
+    )
+    client = grpc_client(server)
+    suffix = uuid.uuid4().hex[:10]
+    allowed = shm.create_shared_memory_region("ok", f"/edgeserve_allowed_{suffix}", 64)
+    other = shm.create_shared_memory_region("no", f"/edgeserve_other_{suffix}", 64)
+    try:
+        client.register_system_shared_memory("ok", f"/edgeserve_allowed_{suffix}", 64)
+        with pytest.raises(InferenceServerException) as info:
+            client.register_system_shared_memory("no", f"/edgeserve_other_{suffix}", 64)
+        assert status_of(info) == "StatusCode.PERMISSION_DENIED"
+        assert set(client.get_system_shared_memory_status().regions) == {"ok"}
+        client.unregister_system_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(allowed)
+        shm.destroy_shared_memory_region(other)
     client.close()

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 
-Client = grpcclient.InferenceServerClient
+Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
 Inproc = tuple[InProcessServer, FakeRepository]
 
 
@@ -155,7 +155,7 @@ def test_unregister_while_input_in_flight_is_safe(client: Client, region: Any) -
 )
 def test_unregister_while_output_in_flight_is_safe(client: Client, region: Any) -> None:
     _result, error = _unregister_during_request(client, region, shm_output=True)
-    assert error is None, error
+    assert error is None, f"{error.status()}: {error.message()}"
     assert int(shm.get_contents_as_numpy(region, np.int32, [1], offset=512)[0]) == 300
 
 
@@ -196,6 +196,29 @@ def test_key_prefix_restriction_and_foreign_regions(tmp_path: Path, region: Any)
         client.unregister_system_shared_memory("ring")
         assert open_plane_registry.names() == ["ring"]
         open_plane_registry.close()
+        client.close()
+    finally:
+        server.close()
+        repo.pool.shutdown(wait=False)
+
+
+@pytest.mark.xfail(
+    reason="protocol.datatypes.deserialize_bytes allocates the object array for the declared shape before "
+    "checking the data can hold it: a huge BYTES shape over shm is INTERNAL (MemoryError), or a large "
+    "allocation; the lead is asked to refuse count > nbytes // 4 first (the raw gRPC path already does)",
+    strict=False,
+)
+def test_huge_bytes_shape_in_shared_memory_is_invalid_arg(tmp_path: Path, region: Any) -> None:
+    plane, repo = make_plane(tmp_path)
+    server = InProcessServer(plane)
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        client.register_system_shared_memory("data", region._shm_key, 64)
+        tensor = grpcclient.InferInput("TEXT", [2**40], "BYTES")
+        tensor.set_shared_memory("data", 64)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("echo", [tensor])
+        assert status_of(info) == "StatusCode.INVALID_ARGUMENT"
         client.close()
     finally:
         server.close()

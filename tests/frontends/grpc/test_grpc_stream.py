@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import numpy as np
@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from grpc_fakes import FakeRepository, InProcessServer, client_for, serve_inproc
 from tritonclient.grpc import service_pb2
 
-Client = grpcclient.InferenceServerClient
+Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
 Inproc = tuple[InProcessServer, FakeRepository]
 
 

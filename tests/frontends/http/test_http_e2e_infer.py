@@ -90,8 +90,9 @@ def test_openvino_backend_equals_openvino_called_directly(
     config = (
         'backend: "openvino"\nparameters { key: "INFERENCE_PRECISION_HINT" value { string_value: "f32" } }\n'
     )
-    write_model(repo, "mlp_ov", "mlp", config=config)
-    write_model(repo, "conv_ov", "conv", config=config)
+    # Big enough (> 64 KiB of weights) that no profile's size floor for OpenVINO could apply.
+    write_model(repo, "mlp_ov", "mlp", config=config, hidden=1024)
+    write_model(repo, "conv_ov", "conv", config=config, out_channels=768)
     server = server_factory(repo)
     cli = client(server)
     config_json = cli.get_model_config("mlp_ov")
@@ -106,7 +107,7 @@ def test_openvino_backend_equals_openvino_called_directly(
     want = compiled({"INPUT0": x})[compiled.output(0)]
     np.testing.assert_allclose(mlp_infer(cli, x, model="mlp_ov"), want, rtol=1e-5, atol=1e-6)
 
-    image = rng.standard_normal((2, 3, 24, 32)).astype(np.float32)
+    image = rng.standard_normal((2, 3, 16, 24)).astype(np.float32)
     compiled = core.compile_model(
         str(repo / "conv_ov/1/model.onnx"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
     )

@@ -22,11 +22,16 @@ from test_zmq_frontend import assert_same, sample
 from edgeserve.client import ClientError, ShmTensor, ZmqClient
 
 PRODUCER = Path(__file__).with_name("zmq_producer.py")
-E2E_TYPES = list(ONNX_TYPES)  # BF16 is not served by the ONNX Runtime backend; its wire path is in test_zmq_frontend
+E2E_TYPES = list(
+    ONNX_TYPES
+)  # BF16 is not served by the ONNX Runtime backend; its wire path is in test_zmq_frontend
 ORT = 'backend: "onnxruntime"\n'
-QUEUED_CONV = ORT + """max_batch_size: 1
+QUEUED_CONV = (
+    ORT
+    + """max_batch_size: 1
 dynamic_batching { default_queue_policy { max_queue_size: 1 } }
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +64,20 @@ def test_round_trip_every_datatype(server: RunningServer) -> None:
 
 def run_producer(server: RunningServer, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, str(PRODUCER), server.zmq_endpoint, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(PRODUCER), server.zmq_endpoint, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_four_producers_x_200_frames_results_match_frames(server: RunningServer) -> None:
-    producers = [run_producer(server, "id_int32", str(p), "200", *(["out_ring"] if p % 2 else []))
-                 for p in range(4)]  # fmt: skip
+    producers = [
+        run_producer(server, "id_int32", str(p), "200", *(["out_ring"] if p % 2 else [])) for p in range(4)
+    ]
     reports = []
     for proc in producers:
         out, err = proc.communicate(timeout=240)
@@ -143,8 +155,11 @@ def test_one_region_registry_for_every_frontend(server: RunningServer) -> None:
             # a region registered over gRPC is usable over ZeroMQ (and not this client's to remove)
             listed = {r["name"]: r for r in client.regions()}
             assert listed["xfe_grpc"]["mine"] is False
-            result = client.infer("id_fp32", {"INPUT0": ShmTensor("xfe_grpc", 64, 0, "FP32", (1, 16))},
-                                  {"OUTPUT0": ShmTensor("xfe_grpc", 64, 512)})  # fmt: skip
+            result = client.infer(
+                "id_fp32",
+                {"INPUT0": ShmTensor("xfe_grpc", 64, 0, "FP32", (1, 16))},
+                {"OUTPUT0": ShmTensor("xfe_grpc", 64, 512)},
+            )
             assert result.shm_outputs["OUTPUT0"]["shape"] == [1, 16]
             assert_same(triton_shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=512), data)
             with pytest.raises(ClientError) as info:

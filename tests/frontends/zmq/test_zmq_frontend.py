@@ -27,8 +27,22 @@ from edgeserve.client import AsyncZmqClient, ClientError, FrameRing, ShmTensor, 
 from edgeserve.frontends.zmq import wire
 from edgeserve.protocol.datatypes import BF16_DTYPE
 
-DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-             "FP16", "FP32", "FP64", "BYTES", "BF16"]  # fmt: skip
+DATATYPES = [
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+]
 
 
 def sample(datatype: str, shape: tuple[int, ...] = (2, 5), seed: int = 0) -> np.ndarray:
@@ -36,8 +50,9 @@ def sample(datatype: str, shape: tuple[int, ...] = (2, 5), seed: int = 0) -> np.
     if datatype == "BOOL":
         return rng.integers(0, 2, shape).astype(bool)
     if datatype == "BYTES":
-        return np.array([f"s{seed}-{i}".encode() * (i % 3 + 1) for i in range(int(np.prod(shape)))],
-                        dtype=object).reshape(shape)  # fmt: skip
+        return np.array(
+            [f"s{seed}-{i}".encode() * (i % 3 + 1) for i in range(int(np.prod(shape)))], dtype=object
+        ).reshape(shape)
     if datatype == "BF16":
         assert BF16_DTYPE is not None
         return rng.standard_normal(shape).astype(np.float32).astype(BF16_DTYPE)
@@ -60,9 +75,16 @@ def server(sockdir: Path) -> Iterator[RunningFrontend]:
     models = [identity_model(f"id_{dt.lower()}", dt) for dt in DATATYPES]
     models.append(identity_model("gated", "FP32"))
     models.append(identity_model("tiny_queue", "FP32", max_queue=1, workers=1))
-    models.append(make_model("mean", lambda x: {"MEAN": x["IMAGE"].reshape(x["IMAGE"].shape[0], -1).mean(1,
-                             keepdims=True).astype(np.float32)}, [("IMAGE", "UINT8", [-1, -1, 3])],
-                             [("MEAN", "FP32", [1])]))  # fmt: skip
+    models.append(
+        make_model(
+            "mean",
+            lambda x: {
+                "MEAN": x["IMAGE"].reshape(x["IMAGE"].shape[0], -1).mean(1, keepdims=True).astype(np.float32)
+            },
+            [("IMAGE", "UINT8", [-1, -1, 3])],
+            [("MEAN", "FP32", [1])],
+        )
+    )
     with running_frontend(models, f"ipc://{sockdir}/fe.zmq", max_inflight_per_client=64) as running:
         yield running
 
@@ -116,8 +138,11 @@ def test_round_trip_every_datatype_inline_ring_and_region(client: ZmqClient, dat
         ref = slot.write(data)  # serialise (BYTES too) through a slot, then copy into the region
         segment.buf[: ref.byte_size] = slot.buffer[: ref.byte_size]
         slot.release()
-        result = client.infer(model, {"INPUT0": ShmTensor(key, ref.byte_size, 0, ref.datatype, ref.shape)},
-                              {"OUTPUT0": ShmTensor(key, 2048, 2048)})  # fmt: skip
+        result = client.infer(
+            model,
+            {"INPUT0": ShmTensor(key, ref.byte_size, 0, ref.datatype, ref.shape)},
+            {"OUTPUT0": ShmTensor(key, 2048, 2048)},
+        )
         desc = result.shm_outputs["OUTPUT0"]
         assert desc["datatype"] == datatype and desc["shape"] == list(data.shape)
         assert bytes(segment.buf[2048 : 2048 + ref.byte_size]) == bytes(segment.buf[: ref.byte_size])
@@ -169,7 +194,9 @@ def test_async_client_round_trip_and_pipelining(server: RunningFrontend) -> None
             data = sample("FP32", (1, 16))
             result = await client.infer("id_fp32", {"INPUT0": data}, {"OUTPUT0": ring}, ring=ring)
             assert_same(result.as_numpy("OUTPUT0"), data)
-            futures = [await client.submit("id_int64", {"INPUT0": np.full((1, 3), i, np.int64)}) for i in range(50)]
+            futures = [
+                await client.submit("id_int64", {"INPUT0": np.full((1, 3), i, np.int64)}) for i in range(50)
+            ]
             results = await asyncio.gather(*futures)
             assert [r.as_numpy("OUTPUT0")[0, 0] for r in results] == list(range(50))
             with pytest.raises(ClientError) as info:
@@ -184,8 +211,13 @@ def test_req_socket_works_one_at_a_time(server: RunningFrontend) -> None:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.connect(server.endpoint)
     try:
-        header = {"v": 1, "op": "infer", "id": "r1", "model": "id_uint8",
-                  "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 3]}]}  # fmt: skip
+        header = {
+            "v": 1,
+            "op": "infer",
+            "id": "r1",
+            "model": "id_uint8",
+            "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 3]}],
+        }
         sock.send_multipart([wire.dumps(header), bytes([1, 2, 3])])
         assert sock.poll(5000)
         reply_header, payload = sock.recv_multipart()
@@ -228,7 +260,11 @@ def test_malformed_messages_get_clear_errors(server: RunningFrontend) -> None:
     reply, _ = raw_call(server, [wire.dumps({**base, "inputs": one}), b"\0" * 8, b"extra"])
     assert reply["status"] == "INVALID_ARG" and "2 tensor frame(s)" in reply["message"]
     reply, _ = raw_call(server, [wire.dumps({**base, "inputs": one}), b"\0" * 7])
-    assert reply["status"] == "INVALID_ARG" and "got 7 bytes" in reply["message"] and "expected 8" in reply["message"]
+    assert (
+        reply["status"] == "INVALID_ARG"
+        and "got 7 bytes" in reply["message"]
+        and "expected 8" in reply["message"]
+    )
     bad_shape = [{"name": "INPUT0", "datatype": "FP32", "shape": [1, -2]}]
     reply, _ = raw_call(server, [wire.dumps({**base, "inputs": bad_shape}), b""])
     assert reply["status"] == "INVALID_ARG" and "non-negative" in reply["message"]
@@ -256,12 +292,22 @@ def test_bad_references_give_clear_errors(client: ZmqClient) -> None:
         assert info.value.status == status, info.value
         assert text in info.value.message, info.value.message
 
-    fails(ShmTensor("no-such-region", 16, 0, **fp32), "NOT_FOUND", "Unable to find shared memory region: 'no-such-region'")
+    fails(
+        ShmTensor("no-such-region", 16, 0, **fp32),
+        "NOT_FOUND",
+        "Unable to find shared memory region: 'no-such-region'",
+    )
     fails(ShmTensor(ring.name, 16, ring.byte_size + 8, **fp32), "INVALID_ARG", "Invalid offset")
     fails(ShmTensor(ring.name, ring.byte_size, 8, **fp32), "INVALID_ARG", "Invalid offset + byte size")
-    fails(ShmTensor(ring.name, 12, 0, **fp32), "INVALID_ARG", "got 12 bytes for shape [1, 4] of FP32, expected 16")
+    fails(
+        ShmTensor(ring.name, 12, 0, **fp32),
+        "INVALID_ARG",
+        "got 12 bytes for shape [1, 4] of FP32, expected 16",
+    )
     slot = ring.acquire()
-    fails(ShmTensor(ring.name, 16, 60, slot=slot, **fp32), "INVALID_ARG", "past the end of the slot (64 bytes)")
+    fails(
+        ShmTensor(ring.name, 16, 60, slot=slot, **fp32), "INVALID_ARG", "past the end of the slot (64 bytes)"
+    )
     fails(slot.tensor((1, 4), np.float32, byte_size=20), "INVALID_ARG", "expected 16")
     slot = ring.acquire()
     forged = type(slot)(ring, 5, 1)  # slot index past the ring
@@ -333,7 +379,9 @@ def test_output_slot_reused_is_never_written(server: RunningFrontend, client: Zm
     assert bytes(out.buffer[:16]) == b"\xab" * 16
 
 
-def test_timeout_is_a_clear_error_and_the_slot_is_quarantined(server: RunningFrontend, client: ZmqClient) -> None:
+def test_timeout_is_a_clear_error_and_the_slot_is_quarantined(
+    server: RunningFrontend, client: ZmqClient
+) -> None:
     ring = client.create_ring(slots=2, slot_size=64)
     event = gate(server, "gated")
     try:
@@ -351,7 +399,10 @@ def test_timeout_is_a_clear_error_and_the_slot_is_quarantined(server: RunningFro
     finally:
         ungate(server, "gated", event)
     # The late reply is drained and discarded on the next call.
-    assert client.infer("id_fp32", {"INPUT0": np.ones((1, 4), np.float32)}).as_numpy("OUTPUT0").shape == (1, 4)
+    assert client.infer("id_fp32", {"INPUT0": np.ones((1, 4), np.float32)}).as_numpy("OUTPUT0").shape == (
+        1,
+        4,
+    )
 
 
 # -- backpressure ------------------------------------------------------------------------------------
@@ -393,8 +444,12 @@ def test_a_client_that_never_reads_does_not_block_others(server: RunningFrontend
     hog.setsockopt(zmq.RCVHWM, 10)
     hog.connect(server.endpoint)
     try:
-        header = {"v": 1, "op": "infer", "model": "id_uint8",
-                  "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 65536]}]}  # fmt: skip
+        header = {
+            "v": 1,
+            "op": "infer",
+            "model": "id_uint8",
+            "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 65536]}],
+        }
         payload = bytes(65536)
         for i in range(600):
             hog.send_multipart([wire.dumps({**header, "id": i}), payload])
@@ -487,14 +542,18 @@ def test_ipc_endpoint_folder_stale_socket_and_in_use(sockdir: Path) -> None:
         assert path.exists()
         with ZmqClient(running.endpoint, timeout=5) as client:
             assert client.ping()["status"] == "OK"
-        with pytest.raises(RuntimeError, match="in use by another running process"):
-            with running_frontend([identity_model("m", "FP32")], f"ipc://{path}"):
-                pass
+        with (
+            pytest.raises(RuntimeError, match="in use by another running process"),
+            running_frontend([identity_model("m", "FP32")], f"ipc://{path}"),
+        ):
+            pass
     assert not path.exists()  # removed at stop
     path.write_text("not a socket")
-    with pytest.raises(RuntimeError, match="exists and is not a socket"):
-        with running_frontend([identity_model("m", "FP32")], f"ipc://{path}"):
-            pass
+    with (
+        pytest.raises(RuntimeError, match="exists and is not a socket"),
+        running_frontend([identity_model("m", "FP32")], f"ipc://{path}"),
+    ):
+        pass
 
 
 def test_tcp_endpoint_with_any_port() -> None:
@@ -515,3 +574,91 @@ def test_ring_header_generation_words_are_where_the_layout_says(client: ZmqClien
     assert raw[:8] == b"ESRING\x00\x01"
     assert struct.unpack_from("<Q", raw, ring.layout.generation_offset(slot.index))[0] == slot.gen
     assert ring.slot_size == 128 and ring.layout.data_offset == 4096
+
+
+def test_large_ring_generation_words_past_the_first_page(client: ZmqClient) -> None:
+    ring = client.create_ring(slots=600, slot_size=64)  # 600 generation words: past the first page
+    assert ring.layout.generation_offset(599) + 8 > 4096
+    slots = [ring.acquire() for _ in range(600)]
+    last = slots[-1]
+    data = np.arange(4, dtype=np.float32).reshape(1, 4)
+    result = client.infer("id_fp32", {"INPUT0": last.write(data)}, {"OUTPUT0": slots[-2]})
+    assert_same(result.as_numpy("OUTPUT0"), data)
+    stale = last.write(data)
+    ring._gens[last.index] += 1
+    with pytest.raises(ClientError, match=r"slot 599 of ring .* was reused before the request was read"):
+        client.infer("id_fp32", {"INPUT0": stale})
+
+
+def test_async_client_timeout(server: RunningFrontend) -> None:
+    event = gate(server, "gated")
+
+    async def main() -> None:
+        async with AsyncZmqClient(server.endpoint, timeout=5.0) as client:
+            ring = await client.create_ring(slots=1, slot_size=64)
+            with pytest.raises(ClientError) as info:
+                await client.infer("gated", {"INPUT0": np.ones((1, 4), np.float32)}, ring=ring, timeout=0.2)
+            assert info.value.status == "DEADLINE_EXCEEDED"
+            slot = ring.try_acquire()  # the quarantined slot is the only one: reused, new generation
+            assert slot is not None and slot.gen == 2
+            slot.release()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ungate(server, "gated", event)
+
+
+def test_camera_pipeline_example(server: RunningFrontend, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgeserve.client.examples import camera_pipeline
+
+    argv = [
+        "--endpoint",
+        server.endpoint,
+        "--model",
+        "mean",
+        "--size",
+        "48x64",
+        "--frames",
+        "12",
+        "--fps",
+        "200",
+    ]
+    assert camera_pipeline.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mean: input 'IMAGE' UINT8 [1, 48, 64, 3]" in out
+    assert "frame     0 " in out and "result float32[1, 1]" in out
+    assert "12 frames in" in out and "0 failed" in out
+    assert (
+        camera_pipeline.main([*argv[:-4], "--frames", "30", "--fps", "0", "--inflight", "2", "--quiet"]) == 0
+    )
+    assert "30 frames in" in capsys.readouterr().out
+
+
+def test_client_survives_a_server_restart(sockdir: Path) -> None:
+    endpoint = f"ipc://{sockdir}/restart.zmq"
+    data = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with running_frontend([identity_model("m", "FP32")], endpoint) as first:
+        client = ZmqClient(first.endpoint, timeout=3)
+        ring = client.create_ring(slots=2, slot_size=64)
+        assert_same(client.infer("m", {"INPUT0": data}, ring=ring).as_numpy("OUTPUT0"), data)
+    try:
+        with running_frontend([identity_model("m", "FP32")], endpoint) as second:
+            assert ring.name not in region_names(second)  # a new server: an empty registry
+
+            def answers() -> bool:
+                try:
+                    return client.ping(timeout=0.5)["status"] == "OK"
+                except ClientError:
+                    return False
+
+            assert wait_until(answers)
+            with pytest.raises(ClientError) as info:
+                client.infer("m", {"INPUT0": data}, ring=ring)
+            assert info.value.status == "NOT_FOUND" and ring.name in info.value.message
+            # the next request registers the ring again, and works
+            assert_same(client.infer("m", {"INPUT0": data}, ring=ring).as_numpy("OUTPUT0"), data)
+            assert ring.name in region_names(second) and ring.free == 2
+            client.close()
+    finally:
+        client.close()

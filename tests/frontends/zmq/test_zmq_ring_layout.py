@@ -43,8 +43,12 @@ def test_parse_round_trip_and_corruption() -> None:
 def test_locate_bounds() -> None:
     layout = RingLayout.plan(2, 128)
     assert layout.locate("r", 1, 8, 16) == 4096 + 128 + 8
-    for slot, offset, size, text in [(2, 0, 1, "out of range"), (-1, 0, 1, "out of range"),
-                                      (0, 120, 16, "past the end of the slot"), (0, -1, 1, "negative")]:  # fmt: skip
+    for slot, offset, size, text in [
+        (2, 0, 1, "out of range"),
+        (-1, 0, 1, "out of range"),
+        (0, 120, 16, "past the end of the slot"),
+        (0, -1, 1, "negative"),
+    ]:
         with pytest.raises(InferenceError, match=text):
             layout.locate("r", slot, offset, size)
 
@@ -57,15 +61,31 @@ def test_decoder_names_the_bad_field() -> None:
         ({"model": "m", "inputs": {}}, "field 'inputs' must be list"),
         ({"model": "m", "inputs": [1]}, "inputs[0] must be an object"),
         ({"model": "m", "inputs": [{"name": "a", "datatype": "FP32"}]}, "missing field 'shape'"),
-        ({"model": "m", "inputs": [{"name": "a", "datatype": "FP32", "shape": [True]}]}, "non-negative integers"),
+        (
+            {"model": "m", "inputs": [{"name": "a", "datatype": "FP32", "shape": [True]}]},
+            "non-negative integers",
+        ),
         ({"model": "m", "priority": "high", "inputs": []}, "field 'priority' must be int"),
         ({"model": "m", "parameters": {"x": [1]}, "inputs": []}, "parameter 'x' must be"),
-        ({"model": "m", "inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "shm": 5}]}, "'shm' must be an object"),
-        ({"model": "m", "inputs": [{"name": "a", "datatype": "FP32", "shape": [1],
-                                    "shm": {"region": "r", "byte_size": -4}}]}, "must not be negative"),
+        (
+            {"model": "m", "inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "shm": 5}]},
+            "'shm' must be an object",
+        ),
+        (
+            {
+                "model": "m",
+                "inputs": [
+                    {"name": "a", "datatype": "FP32", "shape": [1], "shm": {"region": "r", "byte_size": -4}}
+                ],
+            },
+            "must not be negative",
+        ),
         ({"model": "m", "inputs": [], "outputs": [{"name": 1}]}, "field 'name' must be str"),
-        ({"model": "m", "inputs": [{"name": "a", "datatype": "FP99", "shape": [1]}]}, "unknown datatype 'FP99'"),
-    ]  # fmt: skip
+        (
+            {"model": "m", "inputs": [{"name": "a", "datatype": "FP99", "shape": [1]}]},
+            "unknown datatype 'FP99'",
+        ),
+    ]
     for header, text in cases:
         frames = [b"\0\0\0\0"] if header["inputs"] and isinstance(header["inputs"], list) else []
         with pytest.raises(InferenceError) as info:
@@ -76,5 +96,36 @@ def test_decoder_names_the_bad_field() -> None:
 
 def test_shm_ref_wire_form() -> None:
     assert wire.shm_ref("r", 16) == {"region": "r", "byte_size": 16}
-    assert wire.shm_ref("r", 16, 8, slot=2, gen=5) == {"region": "r", "byte_size": 16, "offset": 8, "slot": 2, "gen": 5}
+    assert wire.shm_ref("r", 16, 8, slot=2, gen=5) == {
+        "region": "r",
+        "byte_size": 16,
+        "offset": 8,
+        "slot": 2,
+        "gen": 5,
+    }
     assert wire.loads(wire.dumps({"v": 1, "id": "é"})) == {"v": 1, "id": "é"}
+
+
+def test_registry_owner_rule_used_by_the_zmq_frontend() -> None:
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    registry = SharedMemoryRegistry()
+    try:
+        registry.register("a-ring", segment.name, 0, 4096, owner="zmq:aa")
+        registry.register("triton", segment.name, 0, 4096)  # gRPC/HTTP: no owner
+        with pytest.raises(InferenceError) as info:
+            registry.unregister("a-ring", owner="zmq:bb")
+        assert info.value.status == Status.PERMISSION_DENIED
+        with pytest.raises(InferenceError):
+            registry.unregister("triton", owner="zmq:bb")
+        registry.unregister("unknown", owner="zmq:bb")  # unknown names stay fine
+        assert registry.names(owner="zmq:aa") == ["a-ring"]
+        registry.unregister("", owner="zmq:aa")  # a client's bye / disconnect
+        assert registry.names() == ["triton"]
+        registry.unregister("triton")  # the Triton API (no owner) may remove any region
+        assert registry.names() == []
+    finally:
+        registry.close()
+        segment.close()
+        segment.unlink()

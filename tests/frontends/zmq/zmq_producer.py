@@ -59,7 +59,10 @@ def main(argv: list[str]) -> int:
                 collect(done)
         for done in client.as_completed(list(in_flight), timeout=60):
             collect(done)
-    print(json.dumps({"producer": producer, "ok": ok, "mismatched": mismatched, "errors": errors[:5]}), flush=True)
+    print(
+        json.dumps({"producer": producer, "ok": ok, "mismatched": mismatched, "errors": errors[:5]}),
+        flush=True,
+    )
     return 0
 
 
