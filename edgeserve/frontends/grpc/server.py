@@ -65,7 +65,6 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", max_message_bytes),
         # grpcio sets SO_REUSEPORT by default: a second server on the same port would silently share it.
         ("grpc.so_reuseport", 0),
-        *([("grpc.http2.lookahead_bytes", int(__import__("os").environ["XLA"]))] if __import__("os").environ.get("XLA") else []),
         # Triton's keepalive defaults (grpc_server.h)
         ("grpc.keepalive_time_ms", 7_200_000),
         ("grpc.keepalive_timeout_ms", 20_000),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from es_server import ROOT, RunningServer, start_server
 from onnx_models import ONNX_TYPES, write_model
-from test_zmq_frontend import assert_same, sample
+from zmq_harness import assert_same, sample
 
 from edgeserve.client import ClientError, ShmTensor, ZmqClient
 

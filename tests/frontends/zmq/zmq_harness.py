@@ -24,6 +24,7 @@ from edgeserve.config import Settings
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.zmq.server import ZmqFrontend
 from edgeserve.protocol import datatypes
+from edgeserve.protocol.datatypes import BF16_DTYPE
 from edgeserve.protocol.errors import not_found, unavailable
 from edgeserve.scheduling.job import Job
 from edgeserve.server.dataplane import DataPlane
@@ -205,3 +206,73 @@ def running_frontend(
         loop.close()
         for model in models:
             model.scheduler.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- helpers shared by the zmq tests -------------------------------------------------------------------
+DATATYPES = [
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+]
+
+
+def sample(datatype: str, shape: tuple[int, ...] = (2, 5), seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if datatype == "BOOL":
+        return rng.integers(0, 2, shape).astype(bool)
+    if datatype == "BYTES":
+        return np.array(
+            [f"s{seed}-{i}".encode() * (i % 3 + 1) for i in range(int(np.prod(shape)))], dtype=object
+        ).reshape(shape)
+    if datatype == "BF16":
+        assert BF16_DTYPE is not None
+        return rng.standard_normal(shape).astype(np.float32).astype(BF16_DTYPE)
+    dtype = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}.get(datatype)
+    if dtype is not None:
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(np.dtype(datatype.lower()))
+    return rng.integers(info.min, info.max, shape, dtype=np.dtype(datatype.lower()), endpoint=True)
+
+
+def gate(server: RunningFrontend, model: str) -> threading.Event:
+    event = threading.Event()
+    server.dataplane.repository.get(model).scheduler.gate = event  # type: ignore[attr-defined]
+    return event
+
+
+def ungate(server: RunningFrontend, model: str, event: threading.Event) -> None:
+    event.set()
+    server.dataplane.repository.get(model).scheduler.gate = None  # type: ignore[attr-defined]
+
+
+def assert_same(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    if want.dtype == object:
+        assert got.tolist() == want.tolist()
+    else:
+        assert got.dtype == want.dtype
+        assert got.tobytes() == want.tobytes()
+
+
+def region_names(server: RunningFrontend) -> set[str]:
+    return {r.name for r in server.call(server.registry.status)}
+
+
+def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
