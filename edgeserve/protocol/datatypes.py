@@ -167,6 +167,10 @@ def serialize_bytes(array: npt.NDArray[Any]) -> bytes:
 def deserialize_bytes(buffer: Any, count: int, what: str = "tensor") -> npt.NDArray[Any]:
     """Parse `count` length-prefixed elements; the buffer must hold exactly that."""
     view = memoryview(buffer).cast("B")
+    if count > view.nbytes // 4:  # each element needs its 4-byte length: refuse before allocating
+        raise invalid_arg(
+            f"{what}: shape declares {count} BYTES elements but the data holds at most {view.nbytes // 4}"
+        )
     out = np.empty(count, dtype=np.object_)
     pos = 0
     end = view.nbytes

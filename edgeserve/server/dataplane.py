@@ -170,6 +170,7 @@ class DataPlane:
             on_done(unavailable("server is shutting down"))
             return
         leases: list[ShmLease] = []
+        output_leases: dict[str, ShmLease] = {}
         served: ServedModelLike | None = None
         try:
             served = self.repository.get(request.model_name, request.model_version)
@@ -185,6 +186,13 @@ class DataPlane:
                     )
             inputs, batch_size = validation.validated_inputs(request, served.config, label)
             output_names = validation.requested_output_names(request, served.config, label)
+            # Output regions are resolved now, as Triton does: a bad reference fails before the model
+            # runs, and an unregister while the request is in flight cannot pull the region away.
+            for wanted in request.outputs or ():
+                if wanted.shm is not None:
+                    lease = self.shm.acquire(wanted.shm)
+                    leases.append(lease)
+                    output_leases[wanted.name] = lease
         except InferenceError as exc:
             for lease in leases:
                 lease.release()
@@ -207,7 +215,7 @@ class DataPlane:
                     error = result if isinstance(result, InferenceError) else internal(str(result))
                     on_done(error)
                 else:
-                    on_done(self._response(request, model, result, output_names, batch_size))
+                    on_done(self._response(request, model, result, output_names, output_leases))
             except InferenceError as exc:
                 on_done(exc)
             except Exception as exc:
@@ -239,7 +247,7 @@ class DataPlane:
         served: ServedModelLike,
         outputs: Arrays,
         names: list[str],
-        batch_size: int,
+        output_leases: dict[str, ShmLease],
     ) -> InferResponse:
         config = served.config
         requested = {o.name: o for o in (request.outputs or [])}
@@ -264,24 +272,13 @@ class DataPlane:
                 array = validation.classify(array, wanted.classification, labels, config.max_batch_size > 0)
                 datatype = "BYTES"
             if wanted is not None and wanted.shm is not None:
-                self._write_shm(name, array, datatype, wanted.shm)
+                _write_shm(name, array, datatype, output_leases[name])
                 response.outputs.append(
                     OutputTensor(name, datatype, tuple(array.shape), None, shm=wanted.shm)
                 )
             else:
                 response.outputs.append(OutputTensor(name, datatype, tuple(array.shape), array))
         return response
-
-    def _write_shm(self, name: str, array: Any, datatype: str, ref: Any) -> None:
-        payload = datatypes.to_wire_bytes(array, datatype)
-        size = memoryview(payload).nbytes
-        with self.shm.acquire(ref) as lease:
-            if size > ref.byte_size:
-                raise internal(
-                    f"shared memory size specified with the request for output '{name}' ({ref.byte_size} "
-                    f"bytes) should be at least {size} bytes to hold the results"
-                )
-            lease.view[:size] = payload
 
     def _labels_for(self, served: ServedModelLike, filename: str) -> list[str] | None:
         if not filename:
@@ -329,3 +326,15 @@ class DataPlane:
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_control()
         await self.repository.unload(name, unload_dependents)
+
+
+def _write_shm(name: str, array: Any, datatype: str, lease: ShmLease) -> None:
+    payload = datatypes.to_wire_bytes(array, datatype)
+    size = memoryview(payload).nbytes
+    capacity = lease.view.nbytes
+    if size > capacity:
+        raise internal(
+            f"shared memory size specified with the request for output '{name}' ({capacity} bytes) "
+            f"should be at least {size} bytes to hold the results"
+        )
+    lease.view[:size] = payload

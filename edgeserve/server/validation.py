@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 
+@functools.lru_cache(maxsize=64)
 def config_datatype(data_type: int) -> str:
+    """TYPE_* enum value -> protocol datatype (cached: it is on every request's path)."""
     from tritonclient.grpc import model_config_pb2
 
     return datatypes.config_to_protocol(model_config_pb2.DataType.Name(data_type))

@@ -67,7 +67,8 @@ def test_bytes_codec_roundtrip_and_layout() -> None:
     [
         (struct.pack("<I", 5) + b"ab", 1, "past the end"),
         (struct.pack("<I", 1) + b"a" + b"zz", 1, "trailing"),
-        (struct.pack("<I", 1) + b"a", 2, "ends before element 1"),
+        (struct.pack("<I", 1) + b"a" + b"xyz", 2, "ends before element 1"),
+        (struct.pack("<I", 1) + b"a", 1000, "declares 1000 BYTES elements"),
     ],
 )
 def test_bytes_codec_rejects_malformed(wire: bytes, count: int, fragment: str) -> None:

@@ -148,11 +148,6 @@ def test_unregister_while_input_in_flight_is_safe(client: Client, region: Any) -
     assert error is None and int(result.as_numpy("OUT")[0, 0]) == 300
 
 
-@pytest.mark.xfail(
-    reason="DataPlane looks output shm regions up when the response is built, not at submit (as Triton "
-    "does): unregistering during the request makes the answer NOT_FOUND; the lead is asked to lease them",
-    strict=False,
-)
 def test_unregister_while_output_in_flight_is_safe(client: Client, region: Any) -> None:
     _result, error = _unregister_during_request(client, region, shm_output=True)
     assert error is None, f"{error.status()}: {error.message()}"
@@ -202,12 +197,6 @@ def test_key_prefix_restriction_and_foreign_regions(tmp_path: Path, region: Any)
         repo.pool.shutdown(wait=False)
 
 
-@pytest.mark.xfail(
-    reason="protocol.datatypes.deserialize_bytes allocates the object array for the declared shape before "
-    "checking the data can hold it: a huge BYTES shape over shm is INTERNAL (MemoryError), or a large "
-    "allocation; the lead is asked to refuse count > nbytes // 4 first (the raw gRPC path already does)",
-    strict=False,
-)
 def test_huge_bytes_shape_in_shared_memory_is_invalid_arg(tmp_path: Path, region: Any) -> None:
     plane, repo = make_plane(tmp_path)
     server = InProcessServer(plane)
