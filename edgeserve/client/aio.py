@@ -1,4 +1,3 @@
-# mypy: disable-error-code="attr-defined"
 """asyncio ZeroMQ client: `await client.infer(...)`, or `await client.submit(...)` for pipelining."""
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-# mypy: disable-error-code="attr-defined, name-defined"
 """Synchronous, pipelined ZeroMQ client: send many requests, collect replies as they complete.
 
 One client per thread (ZeroMQ sockets are not thread-safe); no background thread: replies are

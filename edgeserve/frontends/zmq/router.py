@@ -1,4 +1,3 @@
-# mypy: disable-error-code="attr-defined, name-defined"
 # (pyproject's follow_imports=skip for zmq.* hides pyzmq's own types; see README.md here)
 """The frontend's ROUTER socket, driven by reader callbacks on the server's event loop.
 

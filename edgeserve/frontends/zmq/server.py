@@ -1,4 +1,3 @@
-# mypy: disable-error-code="attr-defined"
 # (pyproject's follow_imports=skip for zmq.* hides pyzmq's own types; see edgeserve/frontends/zmq/README.md)
 """ZeroMQ frontend: one ROUTER socket (ipc:// and tcp:// endpoints) on the server's event loop.
 
