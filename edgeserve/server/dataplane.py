@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgeserve import TRITON_COMPAT_VERSION, __version__
+from edgeserve import __version__
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
@@ -105,12 +105,7 @@ class DataPlane:
         return self.repository.all_ready() if self.strict_readiness else True
 
     def server_metadata(self) -> dict[str, Any]:
-        return {
-            "name": "edgeserve",
-            "version": __version__,
-            "extensions": list(EXTENSIONS),
-            "triton_compatible_version": TRITON_COMPAT_VERSION,
-        }
+        return {"name": "edgeserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.repository.is_ready(name, version)

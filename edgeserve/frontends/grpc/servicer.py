@@ -109,10 +109,8 @@ class InferenceServicer:
 
     async def ServerMetadata(self, request: Any, context: Context) -> Any:
         meta = self.dataplane.server_metadata()
-        # Triton clients parse the version: report the protocol-compatible Triton version.
-        version = meta.get("triton_compatible_version") or meta["version"]
         return service_pb2.ServerMetadataResponse(
-            name=meta["name"], version=version, extensions=list(meta["extensions"])
+            name=meta["name"], version=meta["version"], extensions=list(meta["extensions"])
         )
 
     async def ModelMetadata(self, request: Any, context: Context) -> Any:
