@@ -151,7 +151,7 @@ HEADER = "\n".join(
 def fmt_row(r: Result, ratio: str = "") -> str:
     cpu = "/".join(f"{r.cpu.get(k, 0):.0f}%" for k in ("bench", "server"))
     errors = f"{r.errors}" if not r.first_error else f"{r.errors} ({r.first_error[:60]})"
-    numbers = f"{r.throughput:>7.1f} | {r.p50_ms:>7.2f} | {r.p99_ms:>7.2f}"
+    numbers = f"{r.throughput:>7.0f} | {r.p50_ms:>7.3f} | {r.p99_ms:>7.3f}"
     return f"| {r.label:<22} | {r.clients:>7} | {numbers} | {cpu:>13} | {ratio:>5} | {errors} |"
 
 
@@ -163,7 +163,7 @@ def main() -> int:
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     parser.add_argument("--seconds", type=float, default=10.0, help="time per side and row (all slices)")
     parser.add_argument(
-        "--slices", type=int, default=4, help="alternating in-process / edgeserve slices per row"
+        "--slices", type=int, default=5, help="alternating in-process / edgeserve slices per row"
     )
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
@@ -221,9 +221,10 @@ def main() -> int:
     import onnxruntime
 
     print(
-        f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime "
-        f"{onnxruntime.__version__}, {args.seconds:.0f}s per phase. CPU = share of all cores used by this "
-        "load-generator process / by the server process; ratio = edgeserve / in-process throughput.\n"
+        f"\n{platform.machine()}, {os.cpu_count()} CPUs, onnxruntime {onnxruntime.__version__}; per row "
+        f"{args.seconds:.0f} s per side in {args.slices} alternating slices. CPU = share of all cores "
+        "used by this process (the load generator; for in-process rows, the runtime itself) / by the server "
+        "process. ratio = edgeserve / in-process throughput.\n"
     )
     print(HEADER)
     for row in rows:

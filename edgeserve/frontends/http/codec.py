@@ -203,10 +203,6 @@ def decode_request(
                     f"{what}: binary_data_size {size} runs past the end of the request body "
                     f"({len(body) - cursor} bytes of binary data left)"
                 )
-            if datatype == "BYTES" and datatypes.element_count(shape) * 4 > size:
-                raise invalid_arg(
-                    f"{what}: {size} bytes cannot hold the {list(shape)} BYTES elements of its shape"
-                )
             tensor.data = datatypes.from_buffer(view[cursor : cursor + size], datatype, shape, what)
             cursor += size
         request.inputs.append(tensor)
