@@ -76,6 +76,10 @@ class Backend(Protocol):
     def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> Instance: ...
 
 
+# BackendOptions.parameters key set when the model config names the backend itself: a backend may then
+# accept trade-offs (e.g. OpenVINO's 32-bit INT64) it would otherwise refuse so that a fallback runs it.
+PINNED_PARAMETER = "pinned_backend"
+
 # name -> module holding BACKEND; the order is the default preference when nothing else decides.
 BACKEND_MODULES: dict[str, str] = {
     "tensorrt": "edgeserve.backends.tensorrt",

@@ -8,6 +8,7 @@ inference precision is bf16, which silently changes results; `fp32` asks for "f3
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.backends.base import (
+    PINNED_PARAMETER,
+    Array,
+    BackendOptions,
+    ModelIO,
+    TensorSpec,
+    ensure_contiguous,
+)
 from edgeserve.protocol.datatypes import BF16_DTYPE
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -38,13 +46,26 @@ _core: Any = None
 _core_lock = threading.Lock()
 
 
+def openvino_module() -> Any:
+    """`import openvino`, once, with its usage telemetry blocked.
+
+    An appliance must not phone home, and the telemetry forks a process from whichever loader thread
+    imports openvino first, which has hung the server while other threads held locks.
+    """
+    with _core_lock:
+        if "openvino" not in sys.modules:
+            sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+        import openvino
+
+        return openvino
+
+
 def core() -> Any:
     """One process-wide ov.Core (it is thread safe and caches plugins)."""
     global _core
+    ov = openvino_module()
     with _core_lock:
         if _core is None:
-            import openvino as ov
-
             _core = ov.Core()
         return _core
 
@@ -145,7 +166,7 @@ class OpenVinoInstance:
 
     def _feed(self, name: str, array: Array) -> Any:
         if self._input_types.get(name) == "BF16":
-            import openvino as ov
+            ov = openvino_module()
 
             tensor = ov.Tensor(ov.Type.bf16, ov.Shape(list(array.shape)))
             tensor.data.view(np.uint16)[...] = ensure_contiguous(array).view(np.uint16)
@@ -188,7 +209,7 @@ class OpenVinoBackend:
 
     def unavailable_reason(self) -> str | None:
         try:
-            import openvino  # noqa: F401
+            openvino_module()
         except ImportError as exc:
             return f"openvino is not installed: {exc}"
         return None
@@ -219,6 +240,15 @@ class OpenVinoBackend:
                 'backend; use backend: "onnxruntime"',
             )
         device, fallback = self._device(options.device)
+        wide = [t.name for t in (*io.inputs, *io.outputs) if t.datatype in ("INT64", "UINT64")]
+        if wide and device.startswith("CPU") and options.parameters.get(PINNED_PARAMETER) != self.name:
+            # The CPU plugin computes 64-bit integers in 32 bits: 2**40 comes back as 0. Refusing lets
+            # the plan fall back to a backend that keeps them; a config that names openvino accepts it.
+            raise InferenceError(
+                Status.UNSUPPORTED,
+                f"{model_path}: INT64 tensors {', '.join(wide)} would be computed in 32 bits by openvino's "
+                'CPU plugin; set backend: "openvino" in config.pbtxt to accept that',
+            )
         if fallback:
             fallback += "; running on CPU"
             log.warning("%s: CPU fallback: %s", model_path, fallback)

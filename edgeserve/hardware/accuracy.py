@@ -80,9 +80,9 @@ def sample_feeds(specs: Sequence[tuple[str, np.dtype[Any], Sequence[int]]], coun
 
 
 def _openvino_runner(path: Path, option: PlanOption, feeds: Feeds) -> tuple[list[list[Array]], str | None]:
-    import openvino as ov
+    from edgeserve.backends.openvino import core as openvino_core
 
-    core = ov.Core()
+    core = openvino_core()
     model = core.read_model(str(path))
     hints = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
     device = option.device.replace(":", ".")
@@ -104,9 +104,9 @@ def _openvino_runner(path: Path, option: PlanOption, feeds: Feeds) -> tuple[list
 
 
 def _openvino_specs(path: Path) -> list[tuple[str, np.dtype[Any], list[int]]]:
-    import openvino as ov
+    from edgeserve.backends.openvino import core as openvino_core
 
-    model = ov.Core().read_model(str(path))
+    model = openvino_core().read_model(str(path))
     specs = []
     for i, port in enumerate(model.inputs):
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgeserve.backends.base import BackendOptions
+from edgeserve.backends.base import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
 from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
 from edgeserve.hardware.probes import HardwareInfo
@@ -290,8 +290,8 @@ class Planner:
                 return f"bf16 needs compute capability 8.0+ (this GPU is sm {cc})"
         return None
 
-    def _size_reason(self, option: PlanOption, cand: Candidate, size: int) -> str | None:
-        if cand.min_model_bytes and size < cand.min_model_bytes:
+    def _size_reason(self, option: PlanOption, cand: Candidate, size: int, pinned: bool) -> str | None:
+        if cand.min_model_bytes and size < cand.min_model_bytes and not pinned:
             return (
                 f"model is {size / 1024:.1f} KiB, under the profile's {cand.min_model_bytes // 1024} KiB "
                 f"floor for {option.backend}: its fixed per-call cost would outweigh the gain"
@@ -323,7 +323,7 @@ class Planner:
             wanted = pins.filename or " or ".join(ARTIFACTS.get(option.backend, ()))
             return f"no {wanted} in {version_dir.name}/", None, ""
         reason = self._precision_reason(option, pins) or self._size_reason(
-            option, cand, artifact_bytes(artifact)
+            option, cand, artifact_bytes(artifact), pinned=pins.backend == option.backend
         )
         if reason:
             return reason, artifact, ""
@@ -410,10 +410,10 @@ class Planner:
                 f"no option can run it here ({target}): {why}",
             )
         return ModelPlan(
-            name, version, chosen, self.backend_options(chosen.option, config), tuple(verdicts), pins
+            name, version, chosen, self.backend_options(chosen.option, config, pins), tuple(verdicts), pins
         )
 
-    def backend_options(self, option: PlanOption, config: Any) -> BackendOptions:
+    def backend_options(self, option: PlanOption, config: Any, pins: Pins | None = None) -> BackendOptions:
         runtime = self.settings.runtime
         instances = sum(max(int(g.count), 1) for g in getattr(config, "instance_group", [])) or 1
         threads, _ = self.threads(instances)
@@ -424,6 +424,8 @@ class Planner:
         if option.backend == "openvino" and self.profile.streams:
             params["NUM_STREAMS"] = str(self.profile.streams)
         params.update(parameters(config))
+        if pins is not None and pins.backend == option.backend:
+            params[PINNED_PARAMETER] = option.backend
         hint = params.get("performance_hint", runtime.openvino_performance_hint).upper()
         cache = runtime.cache_dir
         if cache is None and option.backend == "tensorrt":

@@ -16,7 +16,14 @@ from typing import Any, Protocol
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from edgeserve.backends.base import BACKEND_MODULES, PLATFORM_BACKEND, Backend, BackendOptions, get_backend
+from edgeserve.backends.base import (
+    BACKEND_MODULES,
+    PINNED_PARAMETER,
+    PLATFORM_BACKEND,
+    Backend,
+    BackendOptions,
+    get_backend,
+)
 from edgeserve.config import Settings
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository.autocomplete import instance_count
@@ -81,7 +88,7 @@ class DefaultSelector:
         self.settings = settings
         self.cpus = cpus if cpus is not None else cpu_budget()
 
-    def options(self, backend_name: str, config: Any) -> BackendOptions:
+    def options(self, backend_name: str, config: Any, pinned: bool = False) -> BackendOptions:
         runtime = self.settings.runtime
         threads = runtime.cpu_threads or max(1, self.cpus // instance_count(config))
         gpu = _gpu_device(config)
@@ -90,6 +97,8 @@ class DefaultSelector:
             "ort_allow_spinning": "true" if runtime.ort_allow_spinning else "false",
         }
         params.update({k: v.string_value for k, v in config.parameters.items()})
+        if pinned:
+            params[PINNED_PARAMETER] = backend_name
         providers = ("CUDAExecutionProvider",) if gpu and backend_name == "onnxruntime" else ()
         return BackendOptions(
             device=gpu or "CPU",
@@ -117,7 +126,7 @@ class DefaultSelector:
             names = config.default_model_filename or ", ".join(backend.artifacts)
             problem = f"no model file for backend '{name}' (looked for {names})"
             raise RepositoryError(str(version_dir), "", problem, Status.NOT_FOUND)
-        return BackendChoice(name, artifact, self.options(name, config), why)
+        return BackendChoice(name, artifact, self.options(name, config, pinned=True), why)
 
     def choose(self, model_name: str, model_dir: Path, version_dir: Path, config: Any) -> BackendChoice:
         where = str(model_dir / "config.pbtxt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from onnx_models import build_add_sub, build_conv_dynamic_hw, build_identity, bu
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends import openvino as ovb
-from edgeserve.backends.base import BackendOptions, ModelIO, TensorSpec
+from edgeserve.backends.base import PINNED_PARAMETER, BackendOptions, ModelIO, TensorSpec
 from edgeserve.protocol.datatypes import BF16_DTYPE
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -76,10 +77,24 @@ def test_add_sub_in_many_datatypes(tmp_path: Path, datatype: str) -> None:
     # No wrap-around: OpenVINO saturates integer overflow where ONNX Runtime wraps.
     a = (np.arange(48) + 2).astype(dtype).reshape(3, 16)
     b = np.full((3, 16), 2, dtype=dtype)
-    out = BACKEND.load(path, None, FP32).infer({"INPUT0": a, "INPUT1": b})
+    # INT64 runs only when the config names openvino itself (see the test below).
+    options = replace(FP32, parameters={PINNED_PARAMETER: "openvino"}) if datatype == "INT64" else FP32
+    out = BACKEND.load(path, None, options).infer({"INPUT0": a, "INPUT1": b})
     assert out["OUTPUT0"].dtype == dtype
     np.testing.assert_array_equal(out["OUTPUT0"], a + b)
     np.testing.assert_array_equal(out["OUTPUT1"], a - b)
+
+
+def test_int64_models_are_refused_unless_the_config_names_openvino(tmp_path: Path) -> None:
+    path = build_add_sub(tmp_path / "add_sub.onnx", "INT64")
+    with pytest.raises(InferenceError) as info:
+        BACKEND.load(path, None, FP32)
+    assert info.value.status is Status.UNSUPPORTED
+    assert "computed in 32 bits" in info.value.message and 'backend: "openvino"' in info.value.message
+    pinned = BACKEND.load(path, None, replace(FP32, parameters={PINNED_PARAMETER: "openvino"}))
+    big = np.full((1, 16), 2**40, dtype=np.int64)
+    # Why it is refused: the CPU plugin really does lose the upper bits.
+    assert not np.array_equal(pinned.infer({"INPUT0": big, "INPUT1": big})["OUTPUT0"], big + big)
 
 
 def test_requested_outputs_subset(tmp_path: Path) -> None:
