@@ -21,6 +21,7 @@ from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_
 from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
 from edgeserve.scheduling.job import Arrays, Job
 from edgeserve.server import validation
+from edgeserve.server.logsettings import LogSettings
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -94,6 +95,7 @@ class DataPlane:
         self.live_flag = True
         self.shutting_down = False
         self._labels: dict[tuple[str, str], list[str] | None] = {}
+        self._log_settings = LogSettings()
 
     # -- health and metadata ------------------------------------------------------------------
     def live(self) -> bool:
@@ -287,6 +289,12 @@ class DataPlane:
                 log.warning("label file %s of model %s is unreadable", path, served.name)
                 self._labels[key] = None
         return self._labels[key]
+
+    def log_settings(self, updates: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's log settings; `updates` (all or nothing) change the real logging levels/format."""
+        if updates:
+            return self._log_settings.update(updates)
+        return self._log_settings.get()
 
     # -- statistics and repository --------------------------------------------------------------
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:

@@ -15,8 +15,9 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
-from edgeserve.frontends.grpc import codec, logsettings, wire
+from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ log = logging.getLogger("edgeserve.grpc")
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
 Handler = Callable[[Any, Context], Coroutine[Any, Any, Any]]
 
-SHM_OWNER = ""  # regions registered over the Triton protocol (ZMQ rings have their client as owner)
 
 
 def grpc_code(error: InferenceError) -> grpc.StatusCode:
@@ -182,38 +182,27 @@ class InferenceServicer:
         return service_pb2.RepositoryModelUnloadResponse()
 
     # -- shared memory --------------------------------------------------------------------------
-    def _own_regions(self) -> set[str]:
-        return set(self.dataplane.shm.names(owner=SHM_OWNER))
-
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        shm = self.dataplane.shm
-        if request.name and request.name not in self._own_regions():
-            raise not_found(f"Unable to find system shared memory region: '{request.name}'")
-        own = self._own_regions()
         response = service_pb2.SystemSharedMemoryStatusResponse()
-        for info in shm.status(request.name):
-            if info.name in own:
-                entry = response.regions[info.name]
-                entry.name, entry.key, entry.offset, entry.byte_size = (
-                    info.name,
-                    info.key,
-                    info.offset,
-                    info.byte_size,
-                )
+        for info in self.dataplane.shm.status(request.name, owner=TRITON_OWNER):
+            entry = response.regions[info.name]
+            entry.name, entry.key, entry.offset, entry.byte_size = (
+                info.name,
+                info.key,
+                info.offset,
+                info.byte_size,
+            )
         return response
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
         self.policy.check(context, admin=True)
-        self.dataplane.shm.register(request.name, request.key, request.offset, request.byte_size, SHM_OWNER)
+        shm = self.dataplane.shm
+        shm.register(request.name, request.key, request.offset, request.byte_size, TRITON_OWNER)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
         self.policy.check(context, admin=True)
-        if not request.name:
-            self.dataplane.shm.unregister("", owner=SHM_OWNER)
-        elif request.name in self._own_regions():
-            self.dataplane.shm.unregister(request.name)
-        # an unknown name (or another client's ZMQ ring) is silently fine, as in Triton
+        self.dataplane.shm.unregister_triton(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
@@ -237,7 +226,7 @@ class InferenceServicer:
         raise unsupported("the trace extension is not supported by edgeserve")
 
     async def LogSettings(self, request: Any, context: Context) -> Any:
-        updates: dict[str, logsettings.SettingValue] = {}
+        updates: dict[str, Any] = {}
         for key, value in request.settings.items():
             kind = value.WhichOneof("parameter_choice")
             if kind is None:
@@ -245,8 +234,7 @@ class InferenceServicer:
             updates[key] = getattr(value, kind)
         if updates:
             self.policy.check(context, admin=True)
-        apply = getattr(self.dataplane, "log_settings", None) or logsettings.log_settings
-        current = apply(updates or None)
+        current = self.dataplane.log_settings(updates or None)
         response = service_pb2.LogSettingsResponse()
         for key, setting in current.items():
             target = response.settings[key]

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from edgeserve.frontends.http import codec
-from edgeserve.frontends.http.admin import LogSettings, config_to_json
+from edgeserve.frontends.http.admin import config_to_json
+from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, unavailable, unsupported
 
 if TYPE_CHECKING:
@@ -125,7 +126,6 @@ class Routes:
     def __init__(self, dataplane: DataPlane, max_input_bytes: int) -> None:
         self.dataplane = dataplane
         self.max_input_bytes = max_input_bytes
-        self.log_settings = LogSettings()
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -290,7 +290,8 @@ class Routes:
                     Status.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'"
                 )
             return web.json_response([])
-        return web.json_response([info.as_dict() for info in self.dataplane.shm.status(region)])
+        regions = self.dataplane.shm.status(region, owner=TRITON_OWNER)
+        return web.json_response([info.as_dict() for info in regions])
 
     async def shm_register(self, request: web.Request) -> web.Response:
         if self._is_cuda(request):
@@ -306,21 +307,21 @@ class Routes:
             raise invalid_arg("shared memory register request needs 'byte_size'")
         offset = codec.json_int(body.get("offset", 0), "'offset'")
         byte_size = codec.json_int(body["byte_size"], "'byte_size'")
-        self.dataplane.shm.register(region, key, offset, byte_size)
+        self.dataplane.shm.register(region, key, offset, byte_size, TRITON_OWNER)
         return _empty(200)
 
     async def shm_unregister(self, request: web.Request) -> web.Response:
         if not self._is_cuda(request):
-            self.dataplane.shm.unregister(request.match_info.get("region", ""))
+            self.dataplane.shm.unregister_triton(request.match_info.get("region", ""))
         return _empty(200)
 
     # logging, trace, metrics
     async def get_logging(self, request: web.Request) -> web.Response:
-        return web.json_response(self.log_settings.get())
+        return web.json_response(self.dataplane.log_settings())
 
     async def update_logging(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.max_input_bytes)
-        return web.json_response(self.log_settings.update(body))
+        return web.json_response(self.dataplane.log_settings(body))
 
     async def get_trace(self, request: web.Request) -> web.Response:
         return web.json_response({

@@ -21,6 +21,9 @@ from edgeserve.protocol.inference import ShmRef
 log = logging.getLogger("edgeserve.shm")
 
 SHM_DIR = "/dev/shm"
+# Owner of regions registered over the Triton protocol (HTTP/gRPC); ZMQ rings are owned by their client,
+# so a Triton "unregister all" leaves the camera rings of ZMQ producers alone.
+TRITON_OWNER = ""
 _RESERVED_PREFIX = "triton_python_backend_shm_region_"
 
 
@@ -179,14 +182,22 @@ class SharedMemoryRegistry:
         for region in retired:
             log.info("shm region unregistered name=%s in_flight=%d", region.info.name, region.refs)
 
-    def status(self, name: str = "") -> list[RegionInfo]:
+    def status(self, name: str = "", owner: str | None = None) -> list[RegionInfo]:
+        """Regions (of `owner`, if given: the Triton-protocol APIs list only their own)."""
         with self._lock:
             if name:
                 region = self._regions.get(name)
-                if region is None:
+                if region is None or (owner is not None and region.owner != owner):
                     raise not_found(f"Unable to find system shared memory region: '{name}'")
                 return [region.info]
-            return [r.info for r in self._regions.values()]
+            return [r.info for r in self._regions.values() if owner is None or r.owner == owner]
+
+    def unregister_triton(self, name: str = "") -> None:
+        """Triton-protocol unregister: its own regions only; another client's ZMQ ring is left alone
+        (silently, as Triton treats unknown names)."""
+        if name and name not in self.names(owner=TRITON_OWNER):
+            return
+        self.unregister(name, owner=TRITON_OWNER)
 
     def names(self, owner: str | None = None) -> list[str]:
         with self._lock:

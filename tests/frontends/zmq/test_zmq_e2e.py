@@ -171,8 +171,9 @@ def test_one_region_registry_for_every_frontend(server: RunningServer) -> None:
             slot = ring.acquire()
             slot.write(data)
             start = ring.layout.slot_offset(slot.index)
-            status = {r["name"] for r in http.get_system_shared_memory_status()}
-            assert ring.name in status
+            assert ring.name in {r["name"] for r in client.regions()}
+            # the Triton-protocol status lists only Triton-protocol regions (its "unregister all" too)
+            assert ring.name not in {r["name"] for r in http.get_system_shared_memory_status()}
             for module, triton in ((grpcclient, grpc), (httpclient, http)):
                 inp = module.InferInput("INPUT0", [1, 16], "FP32")
                 inp.set_shared_memory(ring.name, 64, offset=start)
@@ -183,7 +184,8 @@ def test_one_region_registry_for_every_frontend(server: RunningServer) -> None:
                 slot.buffer[128:192] = bytes(64)
             slot.release()
         # the ring went with the client's bye, for every frontend
-        assert ring.name not in {r["name"] for r in http.get_system_shared_memory_status()}
+        with ZmqClient(server.zmq_endpoint, timeout=10) as observer:
+            assert ring.name not in {r["name"] for r in observer.regions()}
     finally:
         grpc.unregister_system_shared_memory("xfe_grpc")
         triton_shm.destroy_shared_memory_region(handle)
