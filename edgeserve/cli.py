@@ -18,7 +18,7 @@ from edgeserve import __version__
 def _run(args: argparse.Namespace) -> int:
     from edgeserve.config import ConfigError, load_settings
     from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server
+    from edgeserve.server.app import Server, StartupError
 
     overrides: dict[str, dict[str, Any]] = {"server": {}, "http": {}, "grpc": {}, "zmq": {}, "logging": {}}
     if args.model_repository:
@@ -47,8 +47,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"edgeserve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.logging.level, settings.logging.format)
-    server = Server(settings)
-    asyncio.run(server.serve_forever())
+    try:
+        server = Server(settings)
+        asyncio.run(server.serve_forever())
+    except (OSError, StartupError) as exc:  # e.g. a port already in use: one line, not a traceback
+        print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -338,8 +338,11 @@ class ModelRepository:
             log.exception("model %s version %d failed", name, version)
             raise internal(f"model {name} version {version}: {exc}") from exc
         extra = f" ({served.fallback_reason})" if served.fallback_reason else ""
-        log.info("model %s version %d ready in %.2fs backend=%s instances=%d%s", name, version, seconds,
-                 served.backend_name, len(served.instances), extra)  # fmt: skip
+        options = prepared.choice.options
+        log.info("model %s version %d ready in %.2fs backend=%s device=%s precision=%s threads=%d "
+                 "instances=%d%s", name, version, seconds, served.backend_name, options.device,
+                 options.precision, options.threads, len(served.instances), extra)  # fmt: skip
+        log.info("model %s version %d plan: %s", name, version, served.choice_reason)
         return served
 
     async def _retire(self, name: str, models: list[ServedModel], drain: bool) -> None:

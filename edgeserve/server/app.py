@@ -14,6 +14,10 @@ from edgeserve.server.dataplane import DataPlane
 log = logging.getLogger("edgeserve.server")
 
 
+class StartupError(Exception):
+    """The server cannot start (a port in use, a bad certificate...): one line for the operator."""
+
+
 class Frontend(Protocol):
     name: str
 
@@ -65,9 +69,18 @@ class Server:
 
     async def start(self) -> None:
         """Frontends first (live answers, ready is false), then the models (ready once all warmed up)."""
+        repository = self.settings.server.model_repository
+        if not repository.is_dir():
+            raise StartupError(
+                f"model repository {repository} is not a folder; set --model-repository or "
+                "[server] model_repository (run `edgeserve samples` for the sample models)"
+            )
         self.frontends = self._build_frontends()
         for frontend in self.frontends:
-            await frontend.start()
+            try:
+                await frontend.start()
+            except Exception as exc:
+                raise StartupError(f"{frontend.name} frontend: {exc}") from exc
         await self.repository.start()
         log.info("server ready=%s models=%d", self.dataplane.ready(), len(self.repository.served()))
 
