@@ -5,8 +5,10 @@ throughput and p50 latency, error vs ONNX Runtime fp32, and the runtime plan's c
     python benchmarks/bench_backends.py [--seconds 3] [--iterations 300] [--models mlp,ppocr_det]
 
 One process, options run back to back per model (the machine is noisy: compare ratios within a run).
-The plan is computed for each model's config with its backend/platform pin removed (the sample configs
-pin onnxruntime), so the mark shows what the device profile + accuracy guard would pick on their own.
+Every option runs one request at a time on one instance with the plan's thread budget for one instance
+(the whole box), so rows compare runtimes, not instance layouts. The plan is computed for each model's
+config with any backend/platform pin removed (the sample configs carry none now), so the mark shows
+what the device profile + accuracy guard pick on their own; its own instance x thread layout is printed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from common import machine_facts  # noqa: E402
 
 from edgeserve.backends.base import BackendOptions, get_backend  # noqa: E402
-from edgeserve.config import Settings  # noqa: E402
+from edgeserve.config import load_settings  # noqa: E402
 from edgeserve.hardware.selector import PlanSelector  # noqa: E402
 from edgeserve.repository.config import ModelConfig, parse_pbtxt  # noqa: E402
 
@@ -71,11 +75,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "backends.json")
     args = parser.parse_args()
 
-    settings = Settings()
-    settings.server.state_dir = ROOT / "models" / ".cache"
+    settings = load_settings()  # as `edgeserve run` here: defaults + EDGESERVE_* environment
+    settings.server.state_dir = ROOT / "models" / ".cache"  # accuracy guard cache (git-ignored)
     selector = PlanSelector(settings)
     hw = selector.hardware
     threads = selector.planner.threads()[0]
+    print(f"{machine_facts()}", flush=True)
     print(f"machine: {hw.cpu.summary()}; profile {selector.profile.name}; {threads} threads", flush=True)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
@@ -93,7 +98,11 @@ def main() -> int:
         plan = selector.plan(name, version_dir, unpinned)
         chosen = (plan.chosen.option.backend, plan.chosen.option.precision) if plan.chosen else None
         guard = [v.reason for v in plan.verdicts if v.reason.startswith("accuracy guard")]
-        print(f"{name}: plan -> {chosen} ({'; '.join(guard) or 'no guard needed'})", flush=True)
+        layout = (
+            f"{sum(max(int(g.count), 1) for g in config.instance_group) or 1} instance(s) x "
+            f"{plan.options.threads if plan.options else '?'} thread(s)"
+        )
+        print(f"{name}: plan -> {chosen}, {layout} ({'; '.join(guard) or 'no guard needed'})", flush=True)
         x = np.random.default_rng(0).random(SHAPES[name], dtype=np.float32)
         reference: list[np.ndarray] | None = None
         for backend_name, precision in options_here(threads, hw.cpu.bf16):

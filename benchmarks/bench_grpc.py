@@ -1,21 +1,27 @@
-"""Side by side, in one run: the same ONNX model called in-process (onnxruntime) vs edgeserve over gRPC
-unary (ModelInfer), gRPC streaming (ModelStreamInfer) and HTTP, with 1 and 8 concurrent clients, and
-(where `nvidia-pytriton` installs) a real Triton server (PyTriton 0.7.0) serving the same model through
-the same clients.
+"""Side by side, in one run: the same ONNX model on the same runtime, called in-process vs edgeserve over
+gRPC unary (ModelInfer), gRPC streaming (ModelStreamInfer) and HTTP, with 1 and 8 concurrent clients,
+and (where `nvidia-pytriton` installs) a real Triton server (PyTriton 0.7.0) serving the same model on the
+same runtime through the same clients.
 
-    python benchmarks/bench_grpc.py                           # mlp and ppocr_det 1x3x320x320, 1 and 8 clients
+    python benchmarks/bench_grpc.py                           # mlp and ppocr_det 1x3x320x320, onnxruntime
+    python benchmarks/bench_grpc.py --backend plan            # the runtime plan's choice everywhere
     python benchmarks/bench_grpc.py --models mlp --seconds 4 --clients 1,4,8
     python benchmarks/bench_grpc.py --no-pytriton             # edgeserve only
     python benchmarks/bench_grpc.py --rounds 3                # A B C .. x3 interleaved, median kept
 
-- in-process: one `onnxruntime.InferenceSession` with edgeserve's session options, N threads.
-- edgeserve: `python -m edgeserve run` on the sample repository (models/, its config.pbtxt: dynamic
-  batching etc.), free loopback ports. Clients are tritonclient's asyncio clients in this process,
-  N concurrent tasks on one event loop: gRPC unary = N channels with one request in flight each,
-  gRPC stream = N streams with one request in flight each, HTTP = one aiohttp pool.
+- runtime (--backend, default onnxruntime): edgeserve serves a temporary copy of the sample repository
+  whose configs pin that backend (`plan`: models/ as it is); in-process and PyTriton run the backend and
+  options edgeserve chooses for that config (common.InProcess: edgeserve's backend instances, as many as
+  the config's instance_group). The server's choice is read back from its model config and must match.
+- in-process: those instances called from N threads, one call per instance at a time.
+- edgeserve: `python -m edgeserve run` on that repository (dynamic batching etc. as configured), free
+  loopback ports. Clients are tritonclient's asyncio clients in this process, N concurrent tasks on one
+  event loop: gRPC unary = N channels with one request in flight each, gRPC stream = N streams with one
+  request in flight each, HTTP = one aiohttp pool.
 - PyTriton: a real `tritonserver` (bundled in the nvidia-pytriton wheel) whose Python model runs the
-  same ONNX file in the same onnxruntime (same session options), dynamic batching with the same
-  max batch size and queue delay as the edgeserve config. It is installed into a throwaway venv
+  same instances (same backend, options, count), with max_batch_size, preferred batch sizes and
+  max_queue_delay_microseconds read from the model's config.pbtxt (max_batch_size 0: bound without
+  batching, the model's own batch axis in the tensor shapes). It is installed into a throwaway venv
   (`--pytriton-venv`, created on first use with `--system-site-packages`) and run as a separate
   process from that venv; if it cannot be installed or started, the reason is printed and it is skipped.
 
@@ -31,13 +37,10 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,29 +48,22 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Result, free_port, progress, run_async, run_threads
-
-sys.path.insert(0, str(ROOT))  # edgeserve, when it is not installed
-
-PYTRITON_VERSION = "0.7.0"
-DEFAULT_VENV = Path.home() / ".cache" / "edgeserve-bench" / "pytriton-venv"
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: str
-    input_name: str
-    output_name: str
-    shape: tuple[int, ...]
-    max_requests: int  # per phase; the time limit usually ends it first
-    max_batch_size: int  # as in models/<model>/config.pbtxt (PyTriton gets the same)
-    queue_delay_us: int
-
-
-WORKLOADS = {
-    "mlp": Workload("mlp", "INPUT0", "OUTPUT0", (1, 16), 100_000, 8, 500),
-    "ppocr_det": Workload("ppocr_det", "x", "sigmoid_0.tmp_0", (1, 3, 320, 320), 5_000, 4, 2000),
-}
+import pytriton_peer
+from common import (
+    ROOT,
+    WORKLOADS,
+    InProcess,
+    Result,
+    Workload,
+    add_backend_argument,
+    bench_repository,
+    free_port,
+    machine_facts,
+    progress,
+    run_async,
+    run_threads,
+    served_backend,
+)
 
 
 # -- processes ----------------------------------------------------------------------------------------
@@ -152,136 +148,6 @@ def start_edgeserve(repository: Path, works: list[Workload]) -> Service:
     service = Service("edgeserve", process, http_port, grpc_port, log_path)
     service.wait_ready(240, [w.model for w in works])
     return service
-
-
-def pytriton_python(venv: Path, install: bool) -> tuple[str | None, str]:
-    """(python of a venv where `import pytriton` works, or None; why not)."""
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", "import pytriton, onnxruntime, numpy"]
-    if python.exists() and subprocess.run(check, capture_output=True, timeout=120).returncode == 0:
-        return str(python), ""
-    if not install:
-        return None, f"no PyTriton venv at {venv} and --no-pytriton-install given"
-    progress(f"installing nvidia-pytriton=={PYTRITON_VERSION} into a throwaway venv at {venv} (once) ...")
-    try:
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        pip = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"nvidia-pytriton=={PYTRITON_VERSION}"],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    except (subprocess.SubprocessError, OSError) as exc:
-        return None, f"creating the venv failed: {exc}"
-    if pip.returncode != 0:
-        return None, f"pip install nvidia-pytriton=={PYTRITON_VERSION} failed: {pip.stderr.strip()[-300:]}"
-    if subprocess.run(check, capture_output=True, timeout=120).returncode != 0:
-        return None, "nvidia-pytriton installed but `import pytriton, onnxruntime, numpy` fails in its venv"
-    return str(python), ""
-
-
-def start_pytriton(python: str, repository: Path, works: list[Workload]) -> Service:
-    http_port, grpc_port = free_port(), free_port()
-    log_path = Path(tempfile.gettempdir()) / f"pytriton-bench-{grpc_port}.log"
-    base = subprocess.run(
-        [python, "-c", "import sys, sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout.strip()
-    libdir = base or str(sysconfig.get_config_var("LIBDIR"))
-    env = {
-        **os.environ,
-        "LD_LIBRARY_PATH": ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p),
-    }
-    cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        "--serve-pytriton",
-        "--model-repository",
-        str(repository),
-        "--models",
-        ",".join(w.model for w in works),
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    service = Service("pytriton", process, http_port, grpc_port, log_path)
-    service.wait_ready(300, [w.model for w in works])
-    return service
-
-
-def serve_pytriton(args: argparse.Namespace) -> int:
-    """Runs inside the PyTriton venv: a real tritonserver whose Python models call onnxruntime."""
-    import onnxruntime as ort
-    from pytriton.decorators import batch
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-    from pytriton.triton import Triton, TritonConfig
-
-    sys.path.insert(0, str(ROOT))
-    try:
-        from edgeserve.backends.base import BackendOptions
-        from edgeserve.backends.onnxruntime import session_options
-
-        options = session_options(BackendOptions())
-    except Exception as exc:  # a different numpy in this venv, say: same defaults by hand
-        print(f"edgeserve session options unavailable ({exc}); using onnxruntime defaults without spinning")
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-
-    workspace = Path(tempfile.gettempdir()) / f"pytriton-ws-{os.getpid()}-{time.time_ns()}"  # must not exist
-    config = TritonConfig(
-        http_address="127.0.0.1",
-        http_port=args.http_port,
-        grpc_address="127.0.0.1",
-        grpc_port=args.grpc_port,
-        allow_metrics=False,
-        exit_timeout_secs=10,
-    )
-    with Triton(config=config, workspace=str(workspace)) as triton:
-        for name in args.models.split(","):
-            work = WORKLOADS[name]
-            session = ort.InferenceSession(
-                str(Path(args.model_repository) / name / "1" / "model.onnx"),
-                options,
-                providers=["CPUExecutionProvider"],
-            )
-
-            def make(session: Any = session, work: Workload = work) -> Callable[..., dict[str, np.ndarray]]:
-                @batch  # type: ignore[untyped-decorator]
-                def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
-                    (out,) = session.run([work.output_name], {work.input_name: inputs[work.input_name]})
-                    return {work.output_name: out}
-
-                return infer  # type: ignore[no-any-return]
-
-            dims = (-1,) * (len(work.shape) - 2) if len(work.shape) > 2 else ()
-            in_shape = (work.shape[1], *dims) if dims else work.shape[1:]
-            triton.bind(
-                model_name=name,
-                infer_func=make(),
-                inputs=[Tensor(name=work.input_name, dtype=np.float32, shape=in_shape)],
-                outputs=[
-                    Tensor(name=work.output_name, dtype=np.float32, shape=(-1,) * (len(work.shape) - 1))
-                ],
-                config=ModelConfig(
-                    max_batch_size=work.max_batch_size,
-                    batcher=DynamicBatcher(max_queue_delay_microseconds=work.queue_delay_us),
-                ),
-            )
-        print("pytriton serving", args.models, flush=True)
-        triton.serve()
-    return 0
 
 
 # -- CPU accounting over process trees -----------------------------------------------------------------
@@ -449,7 +315,7 @@ def check_outputs(service: Service, work: Workload, want: np.ndarray, x: np.ndar
         got = client.infer(work.model, [tensor]).as_numpy(work.output_name)
         client.close()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{service.name} {name}")
-    progress(f"{work.model}: {service.name} gRPC and HTTP outputs equal in-process onnxruntime")
+    progress(f"{work.model}: {service.name} gRPC and HTTP outputs equal the in-process output")
 
 
 def remote_phase(
@@ -528,107 +394,124 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median is kept")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    add_backend_argument(parser)
     parser.add_argument("--no-pytriton", action="store_true", help="leave the PyTriton peer out")
     parser.add_argument("--no-pytriton-install", action="store_true", help="use the venv only if it exists")
-    parser.add_argument("--pytriton-venv", type=Path, default=DEFAULT_VENV)
-    # internal: the PyTriton server process
-    parser.add_argument("--serve-pytriton", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--http-port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--pytriton-venv", type=Path, default=pytriton_peer.DEFAULT_VENV)
     args = parser.parse_args()
-    if args.serve_pytriton:
-        return serve_pytriton(args)
 
     works = [WORKLOADS[m] for m in args.models.split(",")]
-    client_counts = [int(c) for c in args.clients.split(",")]
     from edgeserve.samples import prepare
 
     prepare(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
-    import onnxruntime as ort
+    facts = machine_facts()
+    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+        report = run(args, works, repository)
 
-    from edgeserve.backends.base import BackendOptions
-    from edgeserve.backends.onnxruntime import session_options
+    print(
+        f"\n{facts}. --backend {args.backend}: {'; '.join(report['runtimes'])}. "
+        f"{args.seconds:.0f}s per phase after {args.warmup:.0f}s warm-up, {args.rounds} round(s) (median "
+        "kept). CPU = share of all cores used by this load generator / by the server's process tree. "
+        "vs in-process = throughput / in-process throughput in the same row group."
+    )
+    print(f"PyTriton peer: {report['skipped'] or '; '.join(report['peer'])}")
+    print()
+    print(HEADER)
+    for row in report["rows"]:
+        print(row)
+    print("\nRatios:")
+    for line in report["ratios"]:
+        print(f"- {line}")
+    return 0
 
-    progress(f"starting edgeserve on {args.model_repository} with {', '.join(w.model for w in works)}")
-    services = [start_edgeserve(args.model_repository, works)]
-    skipped = ""
-    if args.no_pytriton:
-        skipped = "--no-pytriton given"
-    else:
-        python, skipped = pytriton_python(args.pytriton_venv, not args.no_pytriton_install)
-        if python is not None:
-            progress("starting PyTriton (real tritonserver) with the same models ...")
-            try:
-                services.append(start_pytriton(python, args.model_repository, works))
-            except Exception as exc:
-                skipped = f"PyTriton did not start: {exc}"
-    if skipped:
-        progress(f"PyTriton peer skipped: {skipped}")
 
-    rows: list[str] = []
-    ratios: list[str] = []
+def run(args: argparse.Namespace, works: list[Workload], repository: Path) -> dict[str, Any]:
+    """Start the servers on `repository`, measure every row, stop them; the report's parts."""
+    client_counts = [int(c) for c in args.clients.split(",")]
+    report: dict[str, Any] = {"rows": [], "ratios": [], "runtimes": [], "peer": [], "skipped": ""}
+    progress(f"starting edgeserve on {repository} ({args.backend}) with {', '.join(w.model for w in works)}")
+    services = [start_edgeserve(repository, works)]
+    inprocs: dict[str, InProcess] = {}
     try:
+        for work in works:
+            inproc = inprocs[work.model] = InProcess(repository, work.model)
+            served = served_backend(f"http://{services[0].http_url}", work.model)
+            if served != inproc.backend:
+                raise SystemExit(
+                    f"{work.model}: edgeserve runs {served}, the in-process side {inproc.backend}"
+                )
+            report["runtimes"].append(f"{work.model}: {inproc.label} on every side")
+        if args.no_pytriton:
+            report["skipped"] = "skipped: --no-pytriton given"
+        else:
+            python, why = pytriton_peer.pytriton_python(args.pytriton_venv, not args.no_pytriton_install)
+            specs = [pytriton_peer.peer_spec(repository, w, inprocs[w.model]) for w in works]
+            report["peer"] = [pytriton_peer.describe_peer(spec) for spec in specs]
+            if python is not None:
+                progress("starting PyTriton (real tritonserver) with the same models and runtime ...")
+                try:
+                    process, http_port, grpc_port, log = pytriton_peer.start(python, specs)
+                    service = Service("pytriton", process, http_port, grpc_port, log)
+                    services.append(service)
+                    service.wait_ready(300, [w.model for w in works])
+                except Exception as exc:
+                    why = f"PyTriton did not start: {exc}"
+            if why:
+                report["skipped"] = f"skipped: {why}"
+                progress(f"PyTriton peer {report['skipped']}")
         meter = TreeMeter(
             {"bench": (os.getpid(), False), **{s.name: (s.process.pid, True) for s in services}}
         )
         for work in works:
-            path = args.model_repository / work.model / "1" / "model.onnx"
-            session = ort.InferenceSession(
-                str(path), session_options(BackendOptions()), providers=["CPUExecutionProvider"]
-            )
-            x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
-            (want,) = session.run([work.output_name], {work.input_name: x})
-            for service in services:
-                check_outputs(service, work, want, x)
-
-            def in_process(session: Any = session, work: Workload = work, x: np.ndarray = x) -> None:
-                session.run([work.output_name], {work.input_name: x})
-
-            for clients in client_counts:
-                tag = f"{work.model} {'x'.join(map(str, work.shape))}, {clients} client(s)"
-                runs: dict[str, list[Result]] = {}
-                for round_no in range(args.rounds):  # A B C .. A B C: noise hits every phase alike
-                    suffix = f" (round {round_no + 1}/{args.rounds})" if args.rounds > 1 else ""
-                    progress(f"{tag}: in-process{suffix} ...")
-                    run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                    r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds,
-                                    meter)  # type: ignore[arg-type]  # fmt: skip
-                    runs.setdefault("in-process", []).append(r)
-                    for service in services:
-                        for transport in TRANSPORTS:
-                            label = f"{service.name} {transport}"
-                            remote_phase("warmup", transport, service, work, x, clients, args.warmup, None)
-                            r = remote_phase(label, transport, service, work, x, clients, args.seconds, meter)
-                            runs.setdefault(label, []).append(r)
-                            progress(f"{tag}: {label}{suffix} {r.throughput:.0f}/s, errors {r.errors}")
-                chosen = {label: median_run(results) for label, results in runs.items()}
-                base = chosen["in-process"]
-                for label, r in chosen.items():
-                    server_key = label.split(" ", 1)[0] if label != "in-process" else "edgeserve"
-                    rows.append(fmt_row(work.model, r, base.throughput, server_key))
-                ratios.append(ratio_line(tag, chosen))
+            measure(args, work, inprocs[work.model], services, client_counts, meter, report)
     finally:
         for service in services:
             service.stop()
+        for inproc in inprocs.values():
+            inproc.close()
+    return report
 
-    import platform
 
-    print(
-        f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"onnxruntime {ort.__version__}, {args.seconds:.0f}s per phase after {args.warmup:.0f}s warm-up. "
-        "CPU = share of all cores used by this load generator / by the server's process tree. "
-        "vs in-process = throughput / in-process throughput in the same row group."
-    )
-    if skipped:
-        print(f"PyTriton peer skipped: {skipped}")
-    print()
-    print(HEADER)
-    for row in rows:
-        print(row)
-    print("\nRatios:")
-    for line in ratios:
-        print(f"- {line}")
-    return 0
+def measure(
+    args: argparse.Namespace,
+    work: Workload,
+    inproc: InProcess,
+    services: list[Service],
+    client_counts: list[int],
+    meter: TreeMeter,
+    report: dict[str, Any],
+) -> None:
+    x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
+    want = inproc.infer({work.input_name: x})[work.output_name]
+    for service in services:
+        check_outputs(service, work, want, x)
+
+    def in_process() -> None:
+        inproc.infer({work.input_name: x})
+
+    for clients in client_counts:
+        tag = f"{work.model} {'x'.join(map(str, work.shape))}, {clients} client(s)"
+        runs: dict[str, list[Result]] = {}
+        for round_no in range(args.rounds):  # A B C .. A B C: noise hits every phase alike
+            suffix = f" (round {round_no + 1}/{args.rounds})" if args.rounds > 1 else ""
+            progress(f"{tag}: in-process{suffix} ...")
+            run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
+            r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds,
+                            meter)  # type: ignore[arg-type]  # fmt: skip
+            runs.setdefault("in-process", []).append(r)
+            for service in services:
+                for transport in TRANSPORTS:
+                    label = f"{service.name} {transport}"
+                    remote_phase("warmup", transport, service, work, x, clients, args.warmup, None)
+                    r = remote_phase(label, transport, service, work, x, clients, args.seconds, meter)
+                    runs.setdefault(label, []).append(r)
+                    progress(f"{tag}: {label}{suffix} {r.throughput:.0f}/s, errors {r.errors}")
+        chosen = {label: median_run(results) for label, results in runs.items()}
+        base = chosen["in-process"]
+        for label, r in chosen.items():
+            server_key = label.split(" ", 1)[0] if label != "in-process" else "edgeserve"
+            report["rows"].append(fmt_row(work.model, r, base.throughput, server_key))
+        report["ratios"].append(ratio_line(tag, chosen))
 
 
 if __name__ == "__main__":

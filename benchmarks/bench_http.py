@@ -1,14 +1,18 @@
-"""Side by side, in one run: the same ONNX model called in-process (onnxruntime) vs through edgeserve's
-HTTP frontend (KServe V2, binary tensors), with 1 and 8 concurrent clients.
+"""Side by side, in one run: the same ONNX model on the same runtime, called in-process vs through
+edgeserve's HTTP frontend (KServe V2, binary tensors), with 1 and 8 concurrent clients.
 
-    python benchmarks/bench_http.py                      # mlp and ppocr_det 1x3x320x320
+    python benchmarks/bench_http.py                      # mlp and ppocr_det 1x3x320x320, onnxruntime
+    python benchmarks/bench_http.py --backend plan       # the runtime plan's choice on both sides
     python benchmarks/bench_http.py --models mlp --seconds 5 --clients 1,4,8
 
-In-process = one `onnxruntime.InferenceSession` with the session options edgeserve's backend uses
-(no spinning threads), called back to back from N threads. edgeserve = `edgeserve run` serving the
-sample repository (models/, its config.pbtxt: dynamic batching etc.) on a free loopback port, driven
-by N concurrent aiohttp requests from one event loop in this process. Phases alternate A B per row.
-Loopback only; every loop is bounded by a request count and a time limit.
+Runtime (--backend, default onnxruntime): edgeserve serves a temporary copy of the sample repository
+whose configs pin that backend (`plan`: models/ as it is, the plan's choice), and the in-process side
+runs the same runtime with the same options, built from the choice the server makes (common.InProcess:
+edgeserve's backend instances, as many as the config's instance_group, shared by N caller threads).
+The server's chosen backend is read back from its model config and must match.
+edgeserve = `edgeserve run` (configs as committed apart from the pin: dynamic batching etc.) on a free
+loopback port, driven by N concurrent aiohttp requests from one event loop in this process. Phases
+alternate A B per row. Loopback only; every loop is bounded by a request count and a time limit.
 """
 
 from __future__ import annotations
@@ -17,43 +21,29 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from common import ROOT, CpuMeter, Result, merge, progress, run_async, run_threads, start_server  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Workload:
-    model: str
-    input_name: str
-    output_name: str
-    shape: tuple[int, ...]
-    max_requests: int  # per phase; the time limit usually ends it first
-
-
-WORKLOADS = {
-    "mlp": Workload("mlp", "INPUT0", "OUTPUT0", (1, 16), 100_000),
-    "ppocr_det": Workload("ppocr_det", "x", "sigmoid_0.tmp_0", (1, 3, 320, 320), 5_000),
-    "ppocr_cls": Workload("ppocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 50_000),
-    "ppocr_rec": Workload("ppocr_rec", "x", "softmax_11.tmp_0", (1, 3, 48, 320), 10_000),
-}
-
-
-def ort_session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    from edgeserve.backends.base import BackendOptions
-    from edgeserve.backends.onnxruntime import session_options
-    from edgeserve.repository.selection import cpu_budget
-
-    # The options edgeserve's onnxruntime backend uses, with its thread count (one per usable CPU).
-    options = session_options(BackendOptions(threads=cpu_budget() or os.cpu_count() or 1))
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+from common import (  # noqa: E402
+    ROOT,
+    WORKLOADS,
+    CpuMeter,
+    InProcess,
+    Result,
+    Workload,
+    add_backend_argument,
+    bench_repository,
+    machine_facts,
+    merge,
+    progress,
+    run_async,
+    run_threads,
+    served_backend,
+    start_server,
+)
 
 
 def http_body(work: Workload, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
@@ -128,16 +118,20 @@ def http_phase(
     )
 
 
-def check_outputs(base: str, work: Workload, session: Any, x: np.ndarray) -> None:
+def check_same_runtime(base: str, work: Workload, inproc: InProcess, x: np.ndarray) -> None:
+    """Before timing: the server runs the in-process side's backend and returns its output."""
     import urllib.request
 
+    served = served_backend(base, work.model)
+    if served != inproc.backend:
+        raise SystemExit(f"{work.model}: edgeserve runs {served}, the in-process side {inproc.backend}")
     body, headers = http_body(work, x)
     request = urllib.request.Request(f"{base}/v2/models/{work.model}/infer", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=60) as response:
         got = decode_http(response.read(), int(response.headers["Inference-Header-Content-Length"]))
-    (want,) = session.run([work.output_name], {work.input_name: x})
+    want = inproc.infer({work.input_name: x})[work.output_name]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    progress(f"{work.model}: edgeserve output equals in-process onnxruntime (shape {list(got.shape)})")
+    progress(f"{work.model}: edgeserve ({served}) output equals in-process {inproc.label}")
 
 
 HEADER = "\n".join(
@@ -167,6 +161,7 @@ def main() -> int:
     )
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    add_backend_argument(parser)
     args = parser.parse_args()
     works = [WORKLOADS[m] for m in args.models.split(",")]
     client_counts = [int(c) for c in args.clients.split(",")]
@@ -174,62 +169,76 @@ def main() -> int:
     from edgeserve.samples import prepare
 
     prepare(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
-    progress(f"starting edgeserve on {args.model_repository} with {', '.join(w.model for w in works)}")
-    server = start_server(args.model_repository, [w.model for w in works])
+    facts = machine_facts()
     rows: list[str] = []
-    try:
-        meter = CpuMeter({"bench": os.getpid(), "server": server.process.pid})
-        for work in works:
-            session = ort_session(args.model_repository / work.model / "1" / "model.onnx")
-            x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
-            check_outputs(server.base, work, session, x)
-
-            def in_process(session: Any = session, work: Workload = work, x: np.ndarray = x) -> None:
-                session.run([work.output_name], {work.input_name: x})
-
-            for clients in client_counts:
-                label = f"{work.model} {'x'.join(map(str, work.shape))}"
-                progress(
-                    f"{label}: {clients} client(s): warm-up, then {args.slices} x (in-process, edgeserve)"
-                )
-                run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                http_phase("warmup", server.base, work, x, clients, work.max_requests, args.warmup, None)
-                slice_s = args.seconds / args.slices
-                budget = max(1, work.max_requests // args.slices)
-                parts_a: list[Result] = []
-                parts_b: list[Result] = []
-                for _ in range(args.slices):  # A B A B: the box is noisy, only interleaved ratios mean much
-                    parts_a.append(
-                        run_threads(f"{work.model} in-process", in_process, clients, budget, slice_s, meter)
-                    )
-                    parts_b.append(
-                        http_phase(
-                            f"{work.model} edgeserve", server.base, work, x, clients, budget, slice_s, meter
-                        )
-                    )
-                a, b = merge(parts_a), merge(parts_b)
-                ratio = b.throughput / a.throughput if a.throughput else float("nan")
-                rows += [fmt_row(a), fmt_row(b, f"{ratio:.2f}")]
-                progress(
-                    f"{label}: {clients} client(s): in-process {a.throughput:.0f}/s, edgeserve "
-                    f"{b.throughput:.0f}/s, ratio {ratio:.2f}"
-                )
-    finally:
-        server.stop()
-    import platform
-
-    import onnxruntime
+    runtimes: list[str] = []
+    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+        progress(
+            f"starting edgeserve on {repository} ({args.backend}) with {', '.join(w.model for w in works)}"
+        )
+        server = start_server(repository, [w.model for w in works])
+        try:
+            meter = CpuMeter({"bench": os.getpid(), "server": server.process.pid})
+            for work in works:
+                inproc = InProcess(repository, work.model)
+                x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
+                check_same_runtime(server.base, work, inproc, x)
+                runtimes.append(f"{work.model}: {inproc.label} on both sides")
+                rows += measure(server.base, work, inproc, x, client_counts, meter, args)
+                inproc.close()
+        finally:
+            server.stop()
 
     print(
-        f"\n{platform.machine()}, {os.cpu_count()} CPUs, onnxruntime {onnxruntime.__version__}; per row "
-        f"{args.seconds:.0f} s per side in {args.slices} alternating slices. CPU = share of all cores "
-        "used by this process (the load generator; for in-process rows, the runtime itself) / by the server "
-        "process. ratio = edgeserve / in-process throughput.\n"
+        f"\n{facts}. --backend {args.backend}: {'; '.join(runtimes)}. Per row {args.seconds:.0f} s per side "
+        f"in {args.slices} alternating slices. CPU = share of all cores used by this process (the load "
+        "generator; for in-process rows, the runtime itself) / by the server process. "
+        "ratio = edgeserve / in-process throughput.\n"
     )
     print(HEADER)
     for row in rows:
         print(row)
     return 0
+
+
+def measure(
+    base: str,
+    work: Workload,
+    inproc: InProcess,
+    x: np.ndarray,
+    client_counts: list[int],
+    meter: CpuMeter,
+    args: argparse.Namespace,
+) -> list[str]:
+    rows: list[str] = []
+
+    def in_process() -> None:
+        inproc.infer({work.input_name: x})
+
+    for clients in client_counts:
+        label = f"{work.model} {'x'.join(map(str, work.shape))}"
+        progress(f"{label}: {clients} client(s): warm-up, then {args.slices} x (in-process, edgeserve)")
+        run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
+        http_phase("warmup", base, work, x, clients, work.max_requests, args.warmup, None)
+        slice_s = args.seconds / args.slices
+        budget = max(1, work.max_requests // args.slices)
+        parts_a: list[Result] = []
+        parts_b: list[Result] = []
+        for _ in range(args.slices):  # A B A B: the box is noisy, only interleaved ratios mean much
+            parts_a.append(
+                run_threads(f"{work.model} in-process", in_process, clients, budget, slice_s, meter)
+            )
+            parts_b.append(
+                http_phase(f"{work.model} edgeserve", base, work, x, clients, budget, slice_s, meter)
+            )
+        a, b = merge(parts_a), merge(parts_b)
+        ratio = b.throughput / a.throughput if a.throughput else float("nan")
+        rows += [fmt_row(a), fmt_row(b, f"{ratio:.2f}")]
+        progress(
+            f"{label}: {clients} client(s): in-process {a.throughput:.0f}/s, edgeserve "
+            f"{b.throughput:.0f}/s, ratio {ratio:.2f}"
+        )
+    return rows
 
 
 if __name__ == "__main__":

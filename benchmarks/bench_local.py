@@ -1,7 +1,8 @@
 """The local fast path, side by side in one run: the same model and inputs (a 600 KB frame in, a 4 KB
 result out) called
 
-    inproc       in-process: edgeserve's ONNX Runtime backend instance, called directly
+    inproc       in-process: the runtime the server runs (--backend, default onnxruntime), with the
+                 server's own choice of options (common.InProcess), called directly
     zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
                  written there by the producer (as a camera/decoder writing into the slot does)
     zmq_shm_copy the same, but the producer copies each frame into its slot per request
@@ -16,10 +17,15 @@ CPU share of the load generator, and the issue's two targets checked (PASS/FAIL)
 
     python benchmarks/bench_local.py                 # 1 and 4 clients, 3 s per phase, 2 rounds
     python benchmarks/bench_local.py --seconds 1 --rounds 1 --clients 1
+    python benchmarks/bench_local.py --backend openvino   # both sides on OpenVINO
 
 Phases run A B C D E F, then again (rounds), and the figures pool the rounds. The in-process call
 and zmq_shm both start from a frame already in memory (a numpy array; a ring slot); zmq_shm_copy
-and grpc_shm add the producer's copy of the frame into shared memory per request.
+and grpc_shm add the producer's copy of the frame into shared memory per request. The model's config
+pins --backend (`plan`: no pin, the runtime plan chooses; for this 12 KB model that is onnxruntime);
+the in-process side loads what the server's selector chooses for that config, and the server's choice
+is read back and must match. With N in-process clients, N threads share the one instance, one call at
+a time, first come first served (as the server's worker does).
 Each remote client is its own process. Loopback only; every loop is bounded by
 a request count and a time limit; only the processes started here are stopped, by pid.
 """
@@ -44,16 +50,23 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, CpuMeter, free_port, percentile, progress
-
-sys.path.insert(0, str(ROOT))
+from common import (
+    ROOT,
+    CpuMeter,
+    InProcess,
+    add_backend_argument,
+    free_port,
+    machine_facts,
+    percentile,
+    progress,
+    served_backend,
+)
 
 MODEL = "frame_pool"
 SHAPE = (1, 3, 224, 224)  # FP32: 602,112 bytes
 OUT = 1024  # FP32 [1,1024]: 4 KB
 MODES = ("inproc", "zmq_shm", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
-CONFIG = """backend: "onnxruntime"
-max_batch_size: 4
+CONFIG = """max_batch_size: 4
 input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [3, 224, 224] }]
 output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [1024] }]
 instance_group [{ kind: KIND_CPU, count: 1 }]
@@ -89,25 +102,6 @@ def frame() -> np.ndarray:
 
 
 # -- the clients (each remote client runs in its own process) ------------------------------------------
-def _inproc_instance(repo: Path) -> Any:
-    """The backend instance the server builds for this model: same selector, options, runtime."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    from edgeserve.backends.base import get_backend
-    from edgeserve.config import Settings
-
-    try:
-        from edgeserve.hardware.selector import PlanSelector as Selector
-    except ImportError:  # before the hardware-aware selector existed
-        from edgeserve.repository.selection import DefaultSelector as Selector  # type: ignore[assignment]
-
-    config = text_format.Parse(CONFIG, model_config_pb2.ModelConfig(name=MODEL))
-    choice = Selector(Settings()).choose(MODEL, repo / MODEL, repo / MODEL / "1", config)
-    progress(f"in-process: {choice.backend_name} {choice.options} ({choice.reason})")
-    return get_backend(choice.backend_name).load(choice.model_path, config, choice.options)
-
-
 class Caller:
     """One client of one mode: `call()` does one round trip and returns OUTPUT0."""
 
@@ -309,7 +303,12 @@ def start_server(repo: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], di
                 f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2
             ) as response:
                 if response.status == 200:
-                    return proc, {"zmq": endpoint, "grpc": f"127.0.0.1:{grpc_port}"}, log_path
+                    target = {
+                        "zmq": endpoint,
+                        "grpc": f"127.0.0.1:{grpc_port}",
+                        "http": f"http://127.0.0.1:{http_port}",
+                    }
+                    return proc, target, log_path
         except OSError:
             pass
         time.sleep(0.2)
@@ -428,6 +427,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="A B C D E repeated this many times")
     parser.add_argument("--clients", default="1,4", help="comma-separated client counts")
     parser.add_argument("--modes", default=",".join(MODES))
+    add_backend_argument(parser)
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
@@ -437,8 +437,10 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="es-bench-"))
     repo = workdir / "models"
     build_model(repo / MODEL / "1" / "model.onnx")
-    (repo / MODEL / "config.pbtxt").write_text(CONFIG)
-    progress(f"starting edgeserve (model {MODEL}, workdir {workdir})")
+    pin = "" if args.backend == "plan" else f'backend: "{args.backend}"\n'
+    (repo / MODEL / "config.pbtxt").write_text(pin + CONFIG)
+    facts = machine_facts()
+    progress(f"starting edgeserve (model {MODEL}, {args.backend}, workdir {workdir})")
     proc, target, _log = start_server(repo, workdir)
     try:
         skipped: dict[str, str] = {}
@@ -446,7 +448,12 @@ def main() -> int:
         if why:
             skipped = {m: why for m in modes if m.startswith("grpc")}
             modes = [m for m in modes if m not in skipped]
-        target["instance"] = _inproc_instance(repo)
+        inproc = InProcess(repo, MODEL)
+        served = served_backend(target.pop("http"), MODEL)
+        if served != inproc.backend:
+            raise SystemExit(f"edgeserve runs {served}, the in-process side {inproc.backend}")
+        progress(f"runtime on both sides: {inproc.label}")
+        target["instance"] = inproc
         check_outputs(modes, target)
         inproc_target = {"instance": target.pop("instance")}
         phases = []
@@ -463,6 +470,7 @@ def main() -> int:
                         + (f", errors: {last['errors'][:1]}" if last["errors"] else "")
                     )
         rows = summarise(phases, modes, clients)
+        print(f"\n{facts}; --backend {args.backend}: {inproc.label} on both sides")
         targets = report(rows, skipped)
         out_dir = ROOT / "benchmarks" / "results"
         out_dir.mkdir(exist_ok=True)
@@ -475,6 +483,8 @@ def main() -> int:
                     "targets": targets,
                     "skipped": skipped,
                     "cpus": os.cpu_count(),
+                    "machine": facts,
+                    "runtime": inproc.label,
                 },
                 indent=2,
             )

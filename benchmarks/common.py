@@ -1,5 +1,8 @@
 """Shared helpers for the side-by-side benchmarks: percentiles, a server process on free loopback
-ports, bounded client loops (threads or asyncio), the CPU share of each side, progress lines.
+ports, bounded client loops (threads or asyncio), the CPU share of each side, progress lines, and what
+keeps a comparison fair: a benchmark repository pinned to one runtime (`bench_repository`), the same
+runtime called in-process with the server's own choice of options (`InProcess`), the model's config
+read for peers (`read_config`), and the machine facts printed with every table (`machine_facts`).
 
 Every loop is bounded by a request count and a time limit and stops by itself; only the processes
 started here are stopped, by their process id. The server is started by tests/es_server.py, the same
@@ -8,25 +11,39 @@ helper the end-to-end tests use.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import collections
+import contextlib
+import functools
+import importlib.metadata
+import json
 import math
+import os
+import platform
+import re
+import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # es_server; edgeserve when it is not installed
 from es_server import RunningServer, free_port  # noqa: E402
 from es_server import start_server as _start_server  # noqa: E402
 
-__all__ = ["ROOT", "CpuMeter", "Result", "RunningServer", "free_port", "merge", "percentile", "progress",
-           "run_async", "run_threads", "start_server"]  # fmt: skip
+__all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
+           "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
+           "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_backend",
+           "start_server"]  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -220,3 +237,193 @@ def start_server(repository: Path, models: list[str], extra_args: list[str] | No
     for model in models:
         args += ["--load-model", model]
     return _start_server(repository, tmp, args=args + (extra_args or []), timeout=timeout)
+
+
+# -- workloads ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    input_name: str
+    output_name: str
+    shape: tuple[int, ...]  # the request's full shape (batch 1 for batching models)
+    max_requests: int  # per phase; the time limit usually ends it first
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", "INPUT0", "OUTPUT0", (1, 16), 100_000),
+    "ppocr_det": Workload("ppocr_det", "x", "sigmoid_0.tmp_0", (1, 3, 320, 320), 5_000),
+    "ppocr_cls": Workload("ppocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 50_000),
+    "ppocr_rec": Workload("ppocr_rec", "x", "softmax_11.tmp_0", (1, 3, 48, 320), 10_000),
+}
+
+
+# -- one runtime on both sides -----------------------------------------------------------------------------
+BACKENDS = ("onnxruntime", "openvino", "plan")
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="onnxruntime",
+        help="runtime on both sides: serve a copy of the repository pinned to it (config `backend:`) and "
+        "call the same runtime in-process; `plan` = the repository as it is, the runtime plan's choice, "
+        "called in-process as chosen (default: onnxruntime)",
+    )
+
+
+def read_config(path: Path) -> Any:
+    """A config.pbtxt as tritonclient's ModelConfig message (text format, as Triton reads it)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+
+
+_PIN = re.compile(r"^(backend|platform)\s*:")  # top-level fields only: they start a line in these configs
+
+
+@contextlib.contextmanager
+def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[Path]:
+    """The repository one run serves. `plan`: `source` itself. Otherwise a temporary one (removed
+    afterwards): per model, its version folders with the model files symlinked from `source` and its
+    config.pbtxt copied with any `backend:`/`platform:` line replaced by `backend: "<backend>"`, so the
+    server runs the runtime the in-process baseline runs, whatever the plan would pick."""
+    if backend == "plan":
+        yield source
+        return
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    root = Path(tempfile.mkdtemp(prefix=f"edgeserve-bench-{backend}-"))
+    try:
+        for model in models:
+            src, dst = source / model, root / model
+            for version in sorted(p for p in src.iterdir() if p.is_dir() and p.name.isdigit()):
+                (dst / version.name).mkdir(parents=True)
+                for item in version.iterdir():
+                    (dst / version.name / item.name).symlink_to(item.resolve())
+            lines = (src / "config.pbtxt").read_text(encoding="utf-8").splitlines()
+            text = "\n".join(line for line in lines if not _PIN.match(line))
+            text += f'\n# pinned by benchmarks/common.py bench_repository\nbackend: "{backend}"\n'
+            (dst / "config.pbtxt").write_text(text, encoding="utf-8")
+            pinned = read_config(dst / "config.pbtxt")
+            if pinned.backend != backend or pinned.platform:
+                raise RuntimeError(f"{dst / 'config.pbtxt'}: pinning to {backend} failed")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def plan_selector() -> Any:
+    """The selector the server builds (edgeserve.hardware.selector.PlanSelector over load_settings():
+    the same settings file-less defaults and EDGESERVE_* environment as `edgeserve run` here)."""
+    from edgeserve.config import load_settings
+    from edgeserve.hardware.selector import PlanSelector
+
+    return PlanSelector(load_settings())
+
+
+class _Pool:
+    """Instances shared by caller threads: a free one is handed out most recently used first (its
+    threads and caches are warm, as with one client on the server); waiting callers are served first
+    come, first served (a plain queue.Queue lets one thread win again and again: seconds of p99)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._free = list(items)
+        self._waiters: collections.deque[tuple[list[Any], threading.Event]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Any:
+        with self._lock:
+            if self._free and not self._waiters:
+                return self._free.pop()
+            slot: list[Any] = []
+            waiter = (slot, threading.Event())
+            self._waiters.append(waiter)
+        waiter[1].wait()
+        return slot[0]
+
+    def release(self, item: Any) -> None:
+        with self._lock:
+            if self._waiters:
+                slot, event = self._waiters.popleft()
+                slot.append(item)
+                event.set()
+            else:
+                self._free.append(item)
+
+
+class InProcess:
+    """The model's runtime called in this process, as the server runs it: edgeserve's backend instances
+    (thin wrappers over `InferenceSession.run` / an OpenVINO infer request), built from the same choice
+    `edgeserve run` makes for this config (PlanSelector: backend, precision, threads, parameters), as
+    many as its instance_group asks. Caller threads share them, one call per instance at a time (as the
+    server's workers do), so both sides have the same instances and threads to work with."""
+
+    def __init__(self, repository: Path, model: str) -> None:
+        from edgeserve.backends.base import get_backend
+        from edgeserve.repository.autocomplete import instance_count
+
+        model_dir = repository / model
+        config = read_config(model_dir / "config.pbtxt")
+        if not config.name:
+            config.name = model
+        version_dir = max((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+                          key=lambda p: int(p.name))  # fmt: skip
+        choice = plan_selector().choose(model, model_dir, version_dir, config)
+        backend = get_backend(choice.backend_name)
+        self.backend = choice.backend_name
+        self.options = choice.options
+        self.model_path = choice.model_path
+        self.instances = [backend.load(choice.model_path, config, choice.options)
+                          for _ in range(instance_count(config))]  # fmt: skip
+        self._pool = _Pool(self.instances)
+
+    @property
+    def label(self) -> str:
+        params = self.options.parameters  # the ORT backend takes Triton's thread parameter over `threads`
+        threads = params.get("intra_op_thread_count") if self.backend == "onnxruntime" else None
+        return (f"{self.backend} {self.options.precision}, {len(self.instances)} instance(s) x "
+                f"{threads or self.options.threads} thread(s)")  # fmt: skip
+
+    def infer(self, feed: Mapping[str, Any]) -> dict[str, Any]:
+        instance = self._pool.acquire()
+        try:
+            result: dict[str, Any] = instance.infer(feed)
+            return result
+        finally:
+            self._pool.release(instance)
+
+    def close(self) -> None:
+        for instance in self.instances:
+            instance.close()
+
+
+def served_backend(http_base: str, model: str) -> str:
+    """The backend a running edgeserve chose for `model` (its model config's `backend` field)."""
+    with urllib.request.urlopen(f"{http_base}/v2/models/{model}/config", timeout=30) as response:
+        return str(json.loads(response.read()).get("backend", ""))
+
+
+def machine_facts() -> str:
+    """One line for the report: CPU, what it has for bf16, load, runtimes, date."""
+    model, flags = platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    bf16 = ", ".join(f for f in wanted if f in flags) or "no AVX-512"
+    if "amx_tile" not in flags:
+        bf16 += ", no AMX"
+    versions = [f"Python {platform.python_version()}"]
+    for name in ("onnxruntime", "openvino"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return (f"{time.strftime('%Y-%m-%d %H:%M')}; {os.cpu_count()} vCPU {model} ({bf16}); "
+            f"{'; '.join(versions)}; load average {load}")  # fmt: skip
