@@ -3,6 +3,7 @@ throughput and p50 latency, error vs ONNX Runtime fp32, and the runtime plan's c
 
     python -m edgeserve samples            # once: models/mlp, ppocr_det, ppocr_cls, ppocr_rec
     python benchmarks/bench_backends.py [--seconds 3] [--iterations 300] [--models mlp,ppocr_det]
+    python benchmarks/bench_backends.py --render benchmarks/results/backends.json   # table of a past run
 
 One process, options run back to back per model (the machine is noisy: compare ratios within a run).
 Every option runs one request at a time on one instance with the plan's thread budget for one instance
@@ -64,6 +65,40 @@ def measure(
     return len(times) / total, statistics.median(times) * 1e3, len(times)
 
 
+def verdicts(plan: Any) -> dict[tuple[str, str], str]:
+    """(backend, precision) -> the plan's word on it, short: chosen / guard rejects / rejected / fallback."""
+    out: dict[tuple[str, str], str] = {}
+    for v in plan.verdicts:
+        key = (v.option.backend, v.option.precision)
+        if v is plan.chosen:
+            out[key] = "chosen"
+        elif v.ok:
+            out[key] = "fallback"
+        elif v.reason.startswith("accuracy guard"):
+            out[key] = "guard rejects (" + v.reason.split("error ", 1)[-1].split(" ", 1)[0] + ")"
+        elif not v.checked:
+            out[key] = "not tried (after the choice)"
+        else:
+            out[key] = "rejected: " + v.reason.split(":", 1)[0]
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model (input) | backend / precision | calls/s | p50 ms | error vs ORT fp32 | plan |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    previous = ""
+    for r in rows:
+        model = f"{r['model']} {list(SHAPES[r['model']])}" if r["model"] != previous else ""
+        previous = r["model"]
+        verdict = r.get("verdict", "")
+        plan = "**✔ chosen**" if r["plan"] else verdict
+        lines.append(f"| {model} | {r['backend']} {r['precision']} | {r['per_s']:,.1f} | {r['p50_ms']:.3f} | "
+                     f"{r['rel_error']:.1e} | {plan} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,16 +108,26 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="time budget per option")
     parser.add_argument("--iterations", type=int, default=300, help="max timed calls per option")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "backends.json")
+    parser.add_argument("--render", type=Path, help="print the markdown table of a saved run and exit")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        print(saved.get("facts", saved.get("machine", "")))
+        for line in saved.get("plans", []):
+            print(line)
+        print(markdown(saved["rows"]))
+        return 0
 
     settings = load_settings()  # as `edgeserve run` here: defaults + EDGESERVE_* environment
     settings.server.state_dir = ROOT / "models" / ".cache"  # accuracy guard cache (git-ignored)
     selector = PlanSelector(settings)
     hw = selector.hardware
     threads = selector.planner.threads()[0]
-    print(f"{machine_facts()}", flush=True)
+    facts = machine_facts()
+    print(facts, flush=True)
     print(f"machine: {hw.cpu.summary()}; profile {selector.profile.name}; {threads} threads", flush=True)
     rows: list[dict[str, Any]] = []
+    plans: list[str] = []
     for name in args.models.split(","):
         version_dir = args.repository / name / "1"
         path = version_dir / "model.onnx"
@@ -102,7 +147,9 @@ def main() -> int:
             f"{sum(max(int(g.count), 1) for g in config.instance_group) or 1} instance(s) x "
             f"{plan.options.threads if plan.options else '?'} thread(s)"
         )
-        print(f"{name}: plan -> {chosen}, {layout} ({'; '.join(guard) or 'no guard needed'})", flush=True)
+        plans.append(f"{name}: plan -> {chosen}, {layout} ({'; '.join(guard) or 'no guard needed'})")
+        print(plans[-1], flush=True)
+        said = verdicts(plan)
         x = np.random.default_rng(0).random(SHAPES[name], dtype=np.float32)
         reference: list[np.ndarray] | None = None
         for backend_name, precision in options_here(threads, hw.cpu.bf16):
@@ -123,9 +170,13 @@ def main() -> int:
             print(f"  {backend_name:12} {precision:5} {per_s:9.1f}/s  p50 {p50:8.3f} ms  n={n:4d}  "
                   f"max rel err vs ORT fp32 {error:.1e} {mark}", flush=True)  # fmt: skip
             rows.append({"model": name, "backend": backend_name, "precision": precision, "per_s": per_s,
-                         "p50_ms": p50, "n": n, "rel_error": error, "plan": bool(mark)})  # fmt: skip
+                         "p50_ms": p50, "n": n, "rel_error": error, "plan": bool(mark),
+                         "verdict": said.get((backend_name, precision), "")})  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": hw.cpu.summary(), "threads": threads, "rows": rows}, indent=1))
+    saved = {"machine": hw.cpu.summary(), "facts": facts, "threads": threads, "plans": plans, "rows": rows}
+    args.out.write_text(json.dumps(saved, indent=1))
+    print()
+    print(markdown(rows))
     print(f"results: {args.out}")
     return 0
 
