@@ -381,25 +381,21 @@ def report(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any
     def row(mode: str, n: int) -> dict[str, Any] | None:
         return next((r for r in rows if r["mode"] == mode and r["clients"] == n and r["requests"]), None)
 
-    print(f"\n600 KB frame in (FP32 {list(SHAPE)}), 4 KB out; one request in flight per client")
-    print(
-        f"{'mode':12} {'clients':>7} {'requests':>8} {'rt/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'x grpc':>7} {'+p50 ms':>8} {'client cpu':>10} {'server cpu':>10}"
-    )
+    print(f"\n600 KB frame in (FP32 {list(SHAPE)}), 4 KB out; one request in flight per client\n")
+    print("| mode | clients | round trips/s | p50 ms | p99 ms | x gRPC unary | p50 added to in-process "
+          "| CPU load gen / server |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         grpc, inproc = row("grpc_plain", r["clients"]), row("inproc", r["clients"])
         ratio = f"{r['rps'] / grpc['rps']:.1f}" if grpc and grpc["rps"] else "-"
-        extra = f"{r['p50_ms'] - inproc['p50_ms']:+.3f}" if inproc and r["mode"] != "inproc" else "-"
-        print(
-            f"{r['mode']:12} {r['clients']:>7} {r['requests']:>8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} "
-            f"{r['p99_ms']:>8.3f} {ratio:>7} {extra:>8} {r['client_cpu_pct']:>9.0f}% "
-            f"{r['server_cpu_pct']:>9.0f}%"
-        )
+        extra = f"{r['p50_ms'] - inproc['p50_ms']:+.3f} ms" if inproc and r["mode"] != "inproc" else "—"
+        print(f"| {r['mode']} | {r['clients']} | {r['rps']:,.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+              f"{ratio} | {extra} | {r['client_cpu_pct']:.0f}% / {r['server_cpu_pct']:.0f}% |")  # fmt: skip
         for error in r["errors"]:
             print(f"    error: {error}")
     for mode, why in skipped.items():
         print(f"{mode}: skipped: {why}")
-    print("(CPU is % of the whole machine; client = the load generator processes)")
+    print("\n(CPU is % of the whole machine: the load generator processes / the server)")
     zmq, grpc, inproc = row("zmq_shm", 1), row("grpc_plain", 1), row("inproc", 1)
     targets: dict[str, Any] = {}
     if zmq and grpc:
@@ -428,7 +424,14 @@ def main() -> int:
     parser.add_argument("--clients", default="1,4", help="comma-separated client counts")
     parser.add_argument("--modes", default=",".join(MODES))
     add_backend_argument(parser)
+    parser.add_argument("--render", type=Path, help="print the table and targets of a saved run and exit")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        print(f"{saved.get('machine', '')}; --backend {saved['args'].get('backend', 'onnxruntime')}: "
+              f"{saved.get('runtime', '')} on both sides; args {saved['args']}")  # fmt: skip
+        report(saved["rows"], saved["skipped"])
+        return 0
     clients = [int(c) for c in args.clients.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
