@@ -44,6 +44,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ class Caller:
     def __init__(self, mode: str, target: dict[str, Any]) -> None:
         self.mode = mode
         self.x = frame()
-        self.close = lambda: None
+        self.close: Callable[[], None] = lambda: None
         if mode == "inproc":
             self.call = self._inproc_call(target)
         elif mode.startswith("zmq"):
