@@ -129,7 +129,10 @@ def test_default_selector_explicit_backend_and_platform(tmp_path: Path) -> None:
     assert choice.backend_name == "onnxruntime" and choice.fallbacks == ()
     assert choice.options.threads == 2  # 8 CPUs shared by 3 instances
     assert choice.options.parameters == {
-        "ort_memory_arena": "true", "ort_allow_spinning": "false", "k": "v", "pinned_backend": "onnxruntime"
+        "ort_memory_arena": "true",
+        "ort_allow_spinning": "false",
+        "k": "v",
+        "pinned_backend": "onnxruntime",
     }
     assert (
         selector.choose("m", model_dir, version_dir, _config('platform: "openvino"')).backend_name

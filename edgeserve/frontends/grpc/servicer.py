@@ -29,7 +29,6 @@ Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints
 Handler = Callable[[Any, Context], Coroutine[Any, Any, Any]]
 
 
-
 def grpc_code(error: InferenceError) -> grpc.StatusCode:
     return grpc.StatusCode[error.grpc_status_name]
 
