@@ -1,5 +1,5 @@
-"""The real DataPlane and GrpcFrontend over an in-memory repository whose models are numpy functions
-run on worker threads: tests of the gRPC layer that do not depend on the repository or backends.
+"""The real DataPlane and GrpcFrontend over the in-memory repository of `fake_plane`: tests of the gRPC
+layer that do not depend on the repository or backends.
 
 `InProcessServer` runs the frontend on an event loop in a background thread so the synchronous
 `tritonclient.grpc` client can drive it from the test thread.
@@ -10,128 +10,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format, text_format
-from tritonclient.grpc.model_config_pb2 import ModelConfig
+from fake_plane import FakeRepository, fake_plane
 
-from edgeserve.backends.base import ModelIO
 from edgeserve.config import Settings
 from edgeserve.frontends.grpc.server import GrpcFrontend
-from edgeserve.frontends.shm.registry import SharedMemoryRegistry
-from edgeserve.protocol.errors import internal, not_found
-from edgeserve.scheduling.job import Job
-from edgeserve.scheduling.stats import ModelStats
 from edgeserve.server.dataplane import DataPlane
-
-Fn = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-class FakeScheduler:
-    def __init__(self, fn: Fn, stats: ModelStats, pool: ThreadPoolExecutor) -> None:
-        self.fn = fn
-        self.stats = stats
-        self.pool = pool
-        self.jobs: list[Job] = []  # what reached the scheduler (priority, timeout checks)
-
-    def submit(self, job: Job) -> None:
-        self.jobs.append(job)
-        self.pool.submit(self._run, job)
-
-    def _run(self, job: Job) -> None:
-        start = time.monotonic_ns()
-        try:
-            outputs = self.fn(job.inputs)
-        except Exception as exc:
-            self.stats.record_fail(time.monotonic_ns() - start, "BACKEND")
-            job.done(internal(f"backend failed: {exc}"))
-            return
-        took = time.monotonic_ns() - start
-        self.stats.record_batch(job.batch_size, 0, took, 0)
-        self.stats.record_success(time.monotonic_ns() - job.arrival_ns, 0, 0, took, 0)
-        job.done(outputs)
-
-
-@dataclass
-class FakeServed:
-    name: str
-    version: int
-    config: ModelConfig
-    scheduler: FakeScheduler
-    stats: ModelStats
-    model_dir: Path
-    io: ModelIO = field(default_factory=lambda: ModelIO((), ()))
-    platform: str = "onnxruntime_onnx"
-    backend_name: str = "onnxruntime"
-
-
-class FakeRepository:
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.models: dict[str, FakeServed] = {}
-        self.loads: list[tuple[str, str | None, dict[str, bytes] | None]] = []
-        self.unloads: list[tuple[str, bool]] = []
-        self.pool = ThreadPoolExecutor(16, thread_name_prefix="fake-model")
-
-    def add(self, name: str, config_text: str, fn: Fn, version: int = 1) -> None:
-        config = text_format.Parse(config_text, ModelConfig())
-        config.name = name
-        config.platform = "onnxruntime_onnx"
-        stats = ModelStats(name, version)
-        self.models[name] = FakeServed(
-            name, version, config, FakeScheduler(fn, stats, self.pool), stats, self.model_dir
-        )
-
-    def get(self, name: str, version: str = "") -> FakeServed:
-        served = self.models.get(name)
-        if served is None:
-            raise not_found(f"Request for unknown model: '{name}' is not found")
-        if version and version != str(served.version):
-            raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
-        return served
-
-    def ready_versions(self, name: str) -> list[FakeServed]:
-        return [self.models[name]] if name in self.models else []
-
-    def is_ready(self, name: str, version: str = "") -> bool:
-        try:
-            self.get(name, version)
-        except Exception:
-            return False
-        return True
-
-    def all_ready(self) -> bool:
-        return True
-
-    def config(self, name: str, version: str = "") -> ModelConfig:
-        return self.get(name, version).config
-
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return [
-            {"name": n, "version": str(s.version), "state": "READY", "reason": ""}
-            for n, s in self.models.items()
-        ]
-
-    def served(self) -> list[FakeServed]:
-        return list(self.models.values())
-
-    async def load(
-        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
-    ) -> None:
-        self.loads.append((name, config_json, files))
-        if config_json is not None:
-            json_format.Parse(config_json, ModelConfig())
-
-    async def unload(self, name: str, unload_dependents: bool = False) -> None:
-        self.unloads.append((name, unload_dependents))
-        if name not in self.models:
-            raise not_found(f"failed to unload '{name}', no version is available")
-
 
 ADD_SUB = """
 max_batch_size: 8
@@ -170,8 +58,7 @@ def make_plane(tmp: Path) -> tuple[DataPlane, FakeRepository]:
     repo.add("simple", ADD_SUB, add_sub)
     repo.add("sleep", SLEEP, sleep_model)
     repo.add("echo", ECHO_BYTES, lambda x: {"ECHO": x["TEXT"]})
-    plane = DataPlane(repo, SharedMemoryRegistry())  # type: ignore[arg-type]
-    return plane, repo
+    return fake_plane(repo), repo
 
 
 class InProcessServer:

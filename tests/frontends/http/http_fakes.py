@@ -1,138 +1,22 @@
-"""A real DataPlane over an in-memory repository whose "models" are numpy functions run on a worker
-thread, so the HTTP routes can be tested without the repository, scheduler or backends; plus the
-HttpFrontend serving it and a raw client."""
+"""A real DataPlane over the in-memory repository of `fake_plane`, so the HTTP routes can be tested
+without the repository, scheduler or backends; plus the HttpFrontend serving it and a raw client."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-from google.protobuf import json_format, text_format
-from tritonclient.grpc.model_config_pb2 import ModelConfig
+from fake_plane import FakeRepository, fake_plane
 
-from edgeserve.backends.base import ModelIO
 from edgeserve.config import Settings
 from edgeserve.frontends.http.server import HttpFrontend
-from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.protocol import datatypes
-from edgeserve.protocol.errors import internal, not_found, unavailable
-from edgeserve.scheduling.job import Job
-from edgeserve.scheduling.stats import ModelStats
 from edgeserve.server.dataplane import DataPlane
-
-Fn = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-class FakeScheduler:
-    def __init__(self, fn: Fn, stats: ModelStats, mode: str = "") -> None:
-        self.fn = fn
-        self.stats = stats
-        self.mode = mode
-        self.pending_count = 0
-
-    def submit(self, job: Job) -> None:
-        if self.mode == "full":
-            raise unavailable("Exceeds maximum queue size")
-
-        def run() -> None:
-            start = time.monotonic_ns()
-            try:
-                if self.mode == "crash":
-                    raise RuntimeError("backend exploded")
-                outputs = self.fn(job.inputs)
-            except Exception as exc:
-                self.stats.record_fail(time.monotonic_ns() - start, "BACKEND")
-                job.done(internal(f"backend failed: {exc}"))
-                return
-            took = time.monotonic_ns() - start
-            self.stats.record_batch(job.batch_size, 0, took, 0)
-            self.stats.record_success(time.monotonic_ns() - job.arrival_ns, 0, 0, took, 0)
-            job.done(outputs)
-
-        threading.Thread(target=run, daemon=True).start()
-
-
-@dataclass
-class FakeServed:
-    name: str
-    version: int
-    config: ModelConfig
-    scheduler: FakeScheduler
-    stats: ModelStats
-    model_dir: Path
-    io: ModelIO = field(default_factory=lambda: ModelIO((), ()))
-    platform: str = "onnxruntime_onnx"
-    backend_name: str = "onnxruntime"
-
-
-class FakeRepository:
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.models: dict[str, FakeServed] = {}
-        self.loads: list[tuple[str, str | None, dict[str, bytes] | None]] = []
-        self.unloads: list[tuple[str, bool]] = []
-
-    def add(self, name: str, config_text: str, fn: Fn, mode: str = "", version: int = 1) -> None:
-        config = text_format.Parse(config_text, ModelConfig())
-        config.name = name
-        stats = ModelStats(name, version)
-        self.models[name] = FakeServed(
-            name, version, config, FakeScheduler(fn, stats, mode), stats, self.model_dir
-        )
-
-    def get(self, name: str, version: str = "") -> FakeServed:
-        served = self.models.get(name)
-        if served is None:
-            raise not_found(f"Request for unknown model: '{name}' is not found")
-        if version and int(version) != served.version:
-            raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
-        return served
-
-    def ready_versions(self, name: str) -> list[FakeServed]:
-        return [self.models[name]] if name in self.models else []
-
-    def is_ready(self, name: str, version: str = "") -> bool:
-        try:
-            self.get(name, version)
-        except Exception:
-            return False
-        return True
-
-    def all_ready(self) -> bool:
-        return True
-
-    def config(self, name: str, version: str = "") -> ModelConfig:
-        return self.get(name, version).config
-
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return [
-            {"name": n, "version": str(s.version), "state": "READY", "reason": ""}
-            for n, s in self.models.items()
-        ]
-
-    def served(self) -> list[FakeServed]:
-        return list(self.models.values())
-
-    async def load(
-        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
-    ) -> None:
-        self.loads.append((name, config_json, files))
-        if config_json is not None:
-            json_format.Parse(config_json, ModelConfig())  # a bad config is the repository's INVALID_ARG
-
-    async def unload(self, name: str, unload_dependents: bool = False) -> None:
-        self.unloads.append((name, unload_dependents))
-        if name not in self.models:
-            raise not_found(f"failed to unload '{name}', no version is available")
-
 
 ADD_SUB = """
 max_batch_size: 8
@@ -168,8 +52,7 @@ def make_plane(tmp: Path) -> tuple[DataPlane, FakeRepository]:
     repo.add("full", ADD_SUB, add_sub, mode="full")
     repo.add("crash", ADD_SUB, add_sub, mode="crash")
     repo.add("wrong", ADD_SUB, lambda x: {"OUTPUT0": np.zeros(1)})  # forgets OUTPUT1
-    plane = DataPlane(repo, SharedMemoryRegistry())  # type: ignore[arg-type]
-    return plane, repo
+    return fake_plane(repo), repo
 
 
 # -- the frontend and a raw client -------------------------------------------------------------------
@@ -222,6 +105,7 @@ async def serving(tmp_path: Path) -> AsyncIterator[Api]:
     finally:
         await session.close()
         await frontend.stop(5)
+        repo.close()
 
 
 def add_sub_request(

@@ -1,4 +1,5 @@
-"""A real ZmqFrontend over the real DataPlane and shm registry, with an in-memory model repository.
+"""A real ZmqFrontend over the real DataPlane and shm registry, with the in-memory model repository of
+`fake_plane`.
 
 The models are plain numpy functions run on a worker thread pool (the scheduler contract: submit
 raises UNAVAILABLE when the queue is full; `job.done` is called on a worker thread). This tests the
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fake_plane import FakeRepository, FakeScheduler, FakeServed, Fn, fake_plane
 from tritonclient.grpc import model_config_pb2
 
 from edgeserve.config import Settings
@@ -25,73 +27,15 @@ from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.zmq.server import ZmqFrontend
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.datatypes import BF16_DTYPE
-from edgeserve.protocol.errors import not_found, unavailable
-from edgeserve.scheduling.job import Job
+from edgeserve.scheduling.stats import ModelStats
 from edgeserve.server.dataplane import DataPlane
-
-Fn = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-class FakeStats:
-    def __init__(self) -> None:
-        self.failures = 0
-
-    def record_fail(self, ns: int) -> None:
-        self.failures += 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {}
-
-
-class FakeScheduler:
-    def __init__(self, fn: Fn, *, max_queue: int = 0, delay_s: float = 0.0, workers: int = 2) -> None:
-        self.fn = fn
-        self.max_queue = max_queue
-        self.delay_s = delay_s
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="fake-model")
-        self.queued = 0
-        self.lock = threading.Lock()
-        self.gate: threading.Event | None = None  # when set, jobs wait for it before running
-
-    def submit(self, job: Job) -> None:
-        with self.lock:
-            if self.max_queue and self.queued >= self.max_queue:
-                raise unavailable("Exceeds maximum queue size")
-            self.queued += 1
-        self.pool.submit(self._run, job)
-
-    def _run(self, job: Job) -> None:
-        try:
-            if self.gate is not None:
-                self.gate.wait(10)
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            outputs = self.fn({k: np.array(v) for k, v in job.inputs.items()})
-        except BaseException as exc:
-            result: Any = exc
-        else:
-            result = outputs
-        finally:
-            with self.lock:
-                self.queued -= 1
-        job.done(result)
 
 
 def tensor_config(name: str, datatype: str, dims: list[int]) -> dict[str, Any]:
     return {"name": name, "data_type": datatypes.protocol_to_config(datatype), "dims": dims}
 
 
-class FakeServed:
-    def __init__(self, name: str, config: model_config_pb2.ModelConfig, scheduler: FakeScheduler) -> None:
-        self.name = name
-        self.version = 1
-        self.config = config
-        self.io = None
-        self.model_dir = Path("/nonexistent")
-        self.platform = "numpy"
-        self.backend_name = "numpy"
-        self.scheduler = scheduler
-        self.stats = FakeStats()
+NO_DIR = Path("/nonexistent")
 
 
 def make_model(
@@ -100,8 +44,12 @@ def make_model(
     inputs: list[tuple[str, str, list[int]]],
     outputs: list[tuple[str, str, list[int]]],
     max_batch: int = 8,
-    **sched: Any,
+    *,
+    max_queue: int = 0,
+    delay_s: float = 0.0,
+    workers: int = 2,
 ) -> FakeServed:
+    """A model with its own pool of `workers` threads; its inputs are copied before `fn` sees them."""
     config = model_config_pb2.ModelConfig(name=name, max_batch_size=max_batch, platform="numpy")
     for n, dt, dims in inputs:
         config.input.add(
@@ -111,7 +59,10 @@ def make_model(
         config.output.add(
             name=n, data_type=model_config_pb2.DataType.Value(datatypes.protocol_to_config(dt)), dims=dims
         )
-    return FakeServed(name, config, FakeScheduler(fn, **sched))
+    stats = ModelStats(name, 1)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="fake-model")
+    scheduler = FakeScheduler(fn, stats, pool, max_queue=max_queue, delay_s=delay_s, copy_inputs=True)
+    return FakeServed(name, 1, config, scheduler, stats, NO_DIR, platform="numpy", backend_name="numpy")
 
 
 def identity_model(name: str, datatype: str, **sched: Any) -> FakeServed:
@@ -122,39 +73,6 @@ def identity_model(name: str, datatype: str, **sched: Any) -> FakeServed:
         [("OUTPUT0", datatype, [-1])],
         **sched,
     )
-
-
-class FakeRepository:
-    def __init__(self, models: list[FakeServed]) -> None:
-        self.models = {m.name: m for m in models}
-
-    def get(self, name: str, version: str = "") -> FakeServed:
-        model = self.models.get(name)
-        if model is None or (version and version != str(model.version)):
-            raise not_found(f"Request for unknown model: '{name}' is not found")
-        return model
-
-    def ready_versions(self, name: str) -> list[FakeServed]:
-        return [self.get(name)]
-
-    def is_ready(self, name: str, version: str = "") -> bool:
-        try:
-            self.get(name, version)
-        except Exception:
-            return False
-        return True
-
-    def all_ready(self) -> bool:
-        return True
-
-    def config(self, name: str, version: str = "") -> Any:
-        return self.get(name, version).config
-
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return [{"name": n, "version": "1", "state": "READY"} for n in self.models]
-
-    def served(self) -> list[FakeServed]:
-        return list(self.models.values())
 
 
 class RunningFrontend:
@@ -189,7 +107,8 @@ def running_frontend(
     for key, value in zmq_settings.items():
         setattr(settings.zmq, key, value)
     registry = SharedMemoryRegistry()
-    dataplane = DataPlane(FakeRepository(models), registry)  # type: ignore[arg-type]
+    repo = FakeRepository(NO_DIR, models)
+    dataplane = fake_plane(repo, registry)
     frontend = ZmqFrontend(dataplane, settings)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="zmq-test-loop", daemon=True)
@@ -204,8 +123,7 @@ def running_frontend(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-        for model in models:
-            model.scheduler.pool.shutdown(wait=False, cancel_futures=True)
+        repo.close()
 
 
 # -- helpers shared by the zmq tests -------------------------------------------------------------------
