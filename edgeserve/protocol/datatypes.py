@@ -71,6 +71,7 @@ _ELEMENT_SIZE: dict[str, int] = {
     "FP64": 8,
     "BF16": 2,
 }
+FIXED_SIZE_DATATYPES: tuple[str, ...] = tuple(_ELEMENT_SIZE)
 
 
 def is_known(datatype: str) -> bool:

@@ -11,21 +11,7 @@ from edgeserve.protocol.errors import InferenceError, Status
 
 @pytest.mark.parametrize(
     "datatype",
-    [
-        "BOOL",
-        "UINT8",
-        "UINT16",
-        "UINT32",
-        "UINT64",
-        "INT8",
-        "INT16",
-        "INT32",
-        "INT64",
-        "FP16",
-        "FP32",
-        "FP64",
-        "BF16",
-    ],
+    list(datatypes.FIXED_SIZE_DATATYPES),
 )
 def test_fixed_size_roundtrip_is_a_view(datatype: str) -> None:
     dtype = datatypes.numpy_dtype(datatype)

@@ -8,6 +8,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
 from edgeserve.frontends.grpc import codec, wire
+from edgeserve.protocol.datatypes import FIXED_SIZE_DATATYPES
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.protocol.inference import InferResponse, OutputTensor, ShmRef
 
@@ -120,21 +121,7 @@ def test_no_outputs_means_all_outputs() -> None:
 
 @pytest.mark.parametrize(
     "datatype",
-    [
-        "BOOL",
-        "UINT8",
-        "UINT16",
-        "UINT32",
-        "UINT64",
-        "INT8",
-        "INT16",
-        "INT32",
-        "INT64",
-        "FP16",
-        "FP32",
-        "FP64",
-        "BF16",
-    ],
+    list(FIXED_SIZE_DATATYPES),
 )
 def test_raw_decoding_per_datatype(datatype: str) -> None:
     from edgeserve.protocol import datatypes

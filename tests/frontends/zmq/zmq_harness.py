@@ -27,6 +27,7 @@ from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.zmq.server import ZmqFrontend
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.datatypes import BF16_DTYPE
+from edgeserve.protocol.datatypes import DATATYPES as DATATYPES_ALL
 from edgeserve.scheduling.stats import ModelStats
 from edgeserve.server.dataplane import DataPlane
 
@@ -127,22 +128,7 @@ def running_frontend(
 
 
 # -- helpers shared by the zmq tests -------------------------------------------------------------------
-DATATYPES = [
-    "BOOL",
-    "UINT8",
-    "UINT16",
-    "UINT32",
-    "UINT64",
-    "INT8",
-    "INT16",
-    "INT32",
-    "INT64",
-    "FP16",
-    "FP32",
-    "FP64",
-    "BYTES",
-    "BF16",
-]
+DATATYPES = list(DATATYPES_ALL)
 
 
 def sample(datatype: str, shape: tuple[int, ...] = (2, 5), seed: int = 0) -> np.ndarray:
