@@ -62,6 +62,9 @@ class ZmqSection:
     enabled: bool = True
     endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])
     max_inflight_per_client: int = 256
+    # Run a request on the ZeroMQ thread itself (no hand-off to a worker) when its model's recent
+    # compute time is under this and an instance is idle; 0 = always hand off.
+    inline_max_us: int = 2000
 
 
 @dataclass
@@ -120,6 +123,8 @@ class Settings:
             fail("http.max_input_bytes", "must be positive")
         if bool(self.grpc.tls_cert) != bool(self.grpc.tls_key):
             fail("grpc.tls_cert", "tls_cert and tls_key must be set together")
+        if self.zmq.inline_max_us < 0:
+            fail("zmq.inline_max_us", "must be 0 (always hand requests to a worker) or a time in µs")
         if self.runtime.cpu_threads < 0:
             fail("runtime.cpu_threads", "must be 0 (auto) or a positive thread count")
         if self.runtime.openvino_performance_hint not in ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"):

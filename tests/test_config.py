@@ -37,6 +37,7 @@ def test_file_env_and_cli_layering(tmp_path: Path) -> None:
         ("[http]\nprot = 1\n", "http.prot: unknown setting"),
         ('[server]\nmodel_control_mode = "poll"\n', "server.model_control_mode"),
         ('[grpc]\ntls_cert = "/a.pem"\n', "tls_cert and tls_key must be set together"),
+        ("[zmq]\ninline_max_us = -1\n", "zmq.inline_max_us: must be 0"),
         ("[http\n", "not valid TOML"),
     ],
 )

@@ -10,6 +10,12 @@ timed-out REJECT job fails promptly.
 Copies: a batch of one job hands the job's arrays to the backend as they are; a batch of several
 concatenates each input once into the batch buffer. Outputs go back to each job as row views.
 
+Inline runs: a frontend on its own thread (ZeroMQ) may run a job itself with `try_run_inline` when
+a worker would do exactly that at once anyway (queue empty, an instance idle, no batching delay)
+and the model's recent compute time is short. That saves the hand-off to the worker thread, the
+largest single cost of a small model's round trip on a 2-vCPU box. The instance is claimed for the
+run, so its worker leaves the queue to the other workers until the claim ends.
+
 Accounting: every request that reaches `submit` ends in exactly one `job.done` call and one stats
 record (`record_fail` for rejections here, including the ones `submit` raises; the caller records
 only the failures it finds before calling `submit`).
@@ -73,7 +79,10 @@ class Scheduler:
         self._idle = threading.Condition(self._lock)  # wait_idle waits here
         self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []  # drain()
         self._threads: list[threading.Thread] = []
-        self._executing = 0  # batches taken from the queue and not yet finished
+        self._executing = 0  # batches taken from the queue (or run inline) and not yet finished
+        self._running: set[int] = set()  # instances whose worker executes a batch
+        self._claimed: set[int] = set()  # instances running an inline job on a frontend's thread
+        self.compute_ewma_ns = 0  # recent compute time per batch; 0 = none measured yet
         self._accepting = True  # False once drain/close began
         self._stopping = False  # workers exit when they find the queue empty
         self._closed = False
@@ -85,7 +94,7 @@ class Scheduler:
                 return
             for index, instance in enumerate(self._instances):
                 thread = threading.Thread(
-                    target=self._worker, args=(instance,), daemon=True,
+                    target=self._worker, args=(index, instance), daemon=True,
                     name=f"edgeserve-{self.model_name}-v{self.version}-{index}",
                 )  # fmt: skip
                 self._threads.append(thread)
@@ -117,6 +126,47 @@ class Scheduler:
                 reason = "REJECTED" if exc.status is Status.UNAVAILABLE and self._accepting else "OTHER"
                 self.stats.record_fail(time.monotonic_ns() - job.arrival_ns, reason)
                 raise
+            self._wake_worker()
+
+    def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
+        """Run `job` on the calling thread if nothing is queued, an instance is idle, the model does
+        not wait for a batch to fill, and its recent compute time is under `max_compute_ns` (the
+        caller is blocked that long). False: nothing happened, `submit` it instead."""
+        ewma = self.compute_ewma_ns
+        if self._delay_ns or not 0 < ewma <= max_compute_ns:
+            return False
+        if self._batching and not job.shape_key:
+            job.shape_key = tuple(sorted((name, a.dtype.str, a.shape[1:]) for name, a in job.inputs.items()))
+        with self._lock:
+            if not self._accepting or self._queue or not self._threads:
+                return False
+            index = next(
+                (i for i in range(len(self._instances)) if i not in self._running and i not in self._claimed),
+                -1,
+            )
+            if index < 0:
+                return False
+            self._claimed.add(index)
+            self._executing += 1
+        now = time.monotonic_ns()
+        job.enqueue_ns = now
+        try:
+            self._execute(self._instances[index], [job], now)
+        finally:
+            with self._lock:
+                self._claimed.discard(index)
+                self._executing -= 1
+                if self._queue:  # queued meanwhile: this instance's worker may be the one to take it
+                    self._work.notify_all()
+                elif self._is_idle():
+                    self._notify_idle()
+        return True
+
+    def _wake_worker(self) -> None:  # lock held
+        # A worker whose instance is claimed goes back to sleep: wake them all so a free one runs.
+        if self._claimed:
+            self._work.notify_all()
+        else:
             self._work.notify()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -178,6 +228,8 @@ class Scheduler:
                 self._notify_idle()
         self._fail(leftover, self._unloading(), "OTHER")
         alive = self._join(join_timeout_s)
+        with self._lock:  # an inline run still holds its instance
+            self._idle.wait_for(lambda: not self._claimed, join_timeout_s)
         for index, instance in enumerate(self._instances):
             if index < len(self._threads) and self._threads[index] in alive:
                 log.warning("%s version %d: instance %d still busy after %.0fs; not closing it",
@@ -202,9 +254,9 @@ class Scheduler:
         return [t for t in self._threads if t.is_alive() and t is not current]
 
     # -- workers ----------------------------------------------------------------------------------
-    def _worker(self, instance: Instance) -> None:
+    def _worker(self, index: int, instance: Instance) -> None:
         while True:
-            jobs, expired, taken_ns = self._next_batch()
+            jobs, expired, taken_ns = self._next_batch(index)
             if jobs is None:
                 return
             try:
@@ -215,9 +267,9 @@ class Scheduler:
             except BaseException:  # a bug here must not leave the executing count wrong
                 log.exception("%s version %d: worker failed", self.model_name, self.version)
             finally:
-                self._after_batch()
+                self._after_batch(index)
 
-    def _next_batch(self) -> tuple[list[Job] | None, list[Job], int]:
+    def _next_batch(self, index: int) -> tuple[list[Job] | None, list[Job], int]:
         """(jobs to run, expired jobs to fail, time taken); jobs None = exit. Either list counts as
         executing (so `wait_idle` waits for its callbacks) until `_after_batch`."""
         with self._lock:
@@ -227,8 +279,8 @@ class Scheduler:
                 if expired:
                     self._executing += 1
                     return [], expired, now
-                if not self._queue:
-                    if self._stopping:
+                if not self._queue or index in self._claimed:
+                    if self._stopping and not self._queue:
                         return None, [], now
                     deadline = self._queue.next_deadline_ns
                     self._work.wait((deadline - now) / _NS_PER_S if deadline else None)
@@ -244,13 +296,15 @@ class Scheduler:
                         continue
                 self._queue.remove(jobs)
                 self._executing += 1
+                self._running.add(index)
                 if self._queue:
-                    self._work.notify()  # another idle worker can take what is left
+                    self._wake_worker()  # another idle worker can take what is left
                 return jobs, [], now
 
-    def _after_batch(self) -> None:
+    def _after_batch(self, index: int) -> None:
         with self._lock:
             self._executing -= 1
+            self._running.discard(index)
             if self._is_idle():
                 self._notify_idle()
 
@@ -261,6 +315,9 @@ class Scheduler:
             infer_start = time.monotonic_ns()
             outputs = instance.infer(inputs)
             infer_end = time.monotonic_ns()
+            ewma = self.compute_ewma_ns
+            spent = infer_end - infer_start
+            self.compute_ewma_ns = spent if ewma == 0 else ewma + (spent - ewma) // 8
             results = self._split(jobs, outputs, rows)
         except BaseException as exc:
             self._fail(jobs, self._backend_error(exc), "BACKEND")

@@ -49,6 +49,7 @@ ResponseCallback = Callable[["InferResponse | InferenceError"], None]
 
 class SchedulerLike(Protocol):
     def submit(self, job: Job) -> None: ...
+    def try_run_inline(self, job: Job, max_compute_ns: int) -> bool: ...
 
 
 class ServedModelLike(Protocol):
@@ -160,9 +161,12 @@ class DataPlane:
         self.submit(request, on_done)
         return await future
 
-    def submit(self, request: InferRequest, on_done: ResponseCallback) -> None:
+    def submit(self, request: InferRequest, on_done: ResponseCallback, *, inline_max_ns: int = 0) -> None:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
-        before queueing) right here, with the response or an InferenceError."""
+        before queueing) right here, with the response or an InferenceError.
+
+        `inline_max_ns` > 0 (a frontend with its own thread, never the event loop): run the request
+        right here when an instance is idle and the model's recent compute time is under it."""
         if self.shutting_down:
             on_done(unavailable("server is shutting down"))
             return
@@ -232,7 +236,8 @@ class DataPlane:
             request_id=request.id,
         )
         try:
-            model.scheduler.submit(job)
+            if not (inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns)):
+                model.scheduler.submit(job)
         except InferenceError as exc:
             for lease in leases:
                 lease.release()
@@ -246,9 +251,8 @@ class DataPlane:
         names: list[str],
         output_leases: dict[str, ShmLease],
     ) -> InferResponse:
-        config = served.config
-        requested = {o.name: o for o in (request.outputs or [])}
-        specs = {o.name: o for o in config.output}
+        specs = validation.compiled(served.config).output_specs
+        requested = {o.name: o for o in request.outputs} if request.outputs else {}
         response = InferResponse(
             model_name=served.name,
             model_version=str(served.version),
@@ -258,15 +262,15 @@ class DataPlane:
             if name not in outputs:
                 raise internal(f"model '{served.name}' did not produce output '{name}'")
             array = outputs[name]
-            datatype = validation.config_datatype(specs[name].data_type)
-            if datatype != "BYTES":
-                want = datatypes.numpy_dtype(datatype)
-                if array.dtype != want:
-                    array = array.astype(want)
+            spec = specs[name]
+            datatype = spec.datatype
+            if spec.dtype is not None and array.dtype != spec.dtype:
+                array = array.astype(spec.dtype)
             wanted = requested.get(name)
             if wanted is not None and wanted.classification > 0:
-                labels = self._labels_for(served, specs[name].label_filename)
-                array = validation.classify(array, wanted.classification, labels, config.max_batch_size > 0)
+                labels = self._labels_for(served, spec.label_filename)
+                batched = served.config.max_batch_size > 0
+                array = validation.classify(array, wanted.classification, labels, batched)
                 datatype = "BYTES"
             if wanted is not None and wanted.shm is not None:
                 _write_shm(name, array, datatype, output_leases[name])

@@ -24,8 +24,56 @@ def config_datatype(data_type: int) -> str:
     return datatypes.config_to_protocol(model_config_pb2.DataType.Name(data_type))
 
 
-def _dims_match(shape: tuple[int, ...], dims: list[int]) -> bool:
+def _dims_match(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
+
+
+class _InputSpec:
+    __slots__ = ("datatype", "dims", "dtype", "optional", "reshape")
+
+    def __init__(self, spec: Any) -> None:
+        self.datatype = config_datatype(spec.data_type)
+        self.dtype = None if self.datatype == "BYTES" else datatypes.numpy_dtype(self.datatype)
+        self.dims = tuple(int(d) for d in spec.dims)
+        self.reshape = tuple(int(d) for d in spec.reshape.shape) if spec.HasField("reshape") else None
+        self.optional = bool(spec.optional)
+
+
+class OutputSpec:
+    __slots__ = ("datatype", "dtype", "label_filename")
+
+    def __init__(self, spec: Any) -> None:
+        self.datatype = config_datatype(spec.data_type)
+        self.dtype = None if self.datatype == "BYTES" else datatypes.numpy_dtype(self.datatype)
+        self.label_filename = str(spec.label_filename)
+
+
+class Compiled:
+    """What a request is checked against, read out of the protobuf once per config (field access
+    on a protobuf message costs about a microsecond each; this is on every request's path)."""
+
+    __slots__ = ("config", "inputs", "max_batch", "output_specs", "outputs")
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config  # keeps the id() of the cache key from being reused
+        self.inputs = {inp.name: _InputSpec(inp) for inp in config.input}
+        self.max_batch = int(config.max_batch_size)
+        self.outputs = [out.name for out in config.output]
+        self.output_specs = {out.name: OutputSpec(out) for out in config.output}
+
+
+_CACHE: dict[int, Compiled] = {}
+_CACHE_MAX = 256
+
+
+def compiled(config: ModelConfig) -> Compiled:
+    """Served configs are never modified once loaded, so a compiled view stays valid."""
+    entry = _CACHE.get(id(config))
+    if entry is None or entry.config is not config:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        entry = _CACHE[id(config)] = Compiled(config)
+    return entry
 
 
 def validated_inputs(
@@ -35,8 +83,9 @@ def validated_inputs(
 
     Every message names the model, the tensor and what was expected.
     """
-    expected = {inp.name: inp for inp in config.input}
-    max_batch = config.max_batch_size
+    spec_of = compiled(config)
+    expected = spec_of.inputs
+    max_batch = spec_of.max_batch
     arrays: dict[str, npt.NDArray[Any]] = {}
     batch_size: int | None = None
     for tensor in request.inputs:
@@ -48,7 +97,7 @@ def validated_inputs(
             )
         if tensor.name in arrays:
             raise invalid_arg(f"input '{tensor.name}' appears more than once in the request")
-        want_type = config_datatype(spec.data_type)
+        want_type = spec.datatype
         if tensor.datatype != want_type:
             raise invalid_arg(
                 f"inference input '{tensor.name}' data-type is '{tensor.datatype}', but model "
@@ -57,12 +106,12 @@ def validated_inputs(
         if tensor.data is None:
             raise invalid_arg(f"input '{tensor.name}' has no data")
         shape = tuple(int(d) for d in tensor.shape)
-        dims = list(spec.reshape.shape) if spec.HasField("reshape") else list(spec.dims)
+        config_dims = spec.dims
         if max_batch > 0:
             if not shape:
                 raise invalid_arg(
                     f"input '{tensor.name}' of model '{model_label}' needs a batch dimension; "
-                    f"expected shape [-1,{','.join(map(str, spec.dims))}]"
+                    f"expected shape [-1,{','.join(map(str, config_dims))}]"
                 )
             this_batch = shape[0]
             if this_batch < 1 or this_batch > max_batch:
@@ -75,44 +124,41 @@ def validated_inputs(
                     f"input '{tensor.name}' has batch size {this_batch}, other inputs have {batch_size}"
                 )
             batch_size = this_batch
-            inner = shape[1:]
-            config_dims = list(spec.dims)
-            if not _dims_match(inner, config_dims):
+            if not _dims_match(shape[1:], config_dims):
                 raise invalid_arg(
                     f"unexpected shape for input '{tensor.name}' for model '{model_label}'. Expected "
                     f"[-1,{','.join(map(str, config_dims))}], got {list(shape)}"
                 )
-        else:
-            config_dims = list(spec.dims)
-            if not _dims_match(shape, config_dims):
-                raise invalid_arg(
-                    f"unexpected shape for input '{tensor.name}' for model '{model_label}'. Expected "
-                    f"{config_dims}, got {list(shape)}"
-                )
+        elif not _dims_match(shape, config_dims):
+            raise invalid_arg(
+                f"unexpected shape for input '{tensor.name}' for model '{model_label}'. Expected "
+                f"{list(config_dims)}, got {list(shape)}"
+            )
         data = tensor.data
-        if tuple(data.shape) != shape:
+        if data.shape != shape:
             data = data.reshape(shape)
-        if spec.HasField("reshape"):
-            target = ((shape[0],) if max_batch > 0 else ()) + tuple(dims)
+        if spec.reshape is not None:
+            target = ((shape[0],) if max_batch > 0 else ()) + spec.reshape
             if -1 not in target and datatypes.element_count(target) != data.size:
                 raise invalid_arg(f"input '{tensor.name}' cannot be reshaped to {list(target)}")
             data = data.reshape(target)
-        if want_type != "BYTES" and data.dtype != datatypes.numpy_dtype(want_type):
-            data = data.view(datatypes.numpy_dtype(want_type))
+        if spec.dtype is not None and data.dtype != spec.dtype:
+            data = data.view(spec.dtype)
         arrays[tensor.name] = data
-    missing = [name for name, spec in expected.items() if name not in arrays and not spec.optional]
-    if missing:
-        raise invalid_arg(
-            f"expected {len(expected)} inputs but got {len(arrays)} inputs for model '{model_label}'. "
-            f"Missing: {', '.join(missing)}"
-        )
+    if len(arrays) != len(expected):
+        missing = [name for name, spec in expected.items() if name not in arrays and not spec.optional]
+        if missing:
+            raise invalid_arg(
+                f"expected {len(expected)} inputs but got {len(arrays)} inputs for model '{model_label}'. "
+                f"Missing: {', '.join(missing)}"
+            )
     return arrays, batch_size if batch_size is not None else 1
 
 
 def requested_output_names(request: InferRequest, config: ModelConfig, model_label: str) -> list[str]:
-    names = [out.name for out in config.output]
-    if request.outputs is None or not request.outputs:
-        return names
+    names = compiled(config).outputs
+    if not request.outputs:
+        return list(names)
     chosen: list[str] = []
     for out in request.outputs:
         if out.name not in names:

@@ -61,20 +61,32 @@ class GatedInstance:
             self.gate.set()
         self.calls: list[dict[str, np.ndarray]] = []  # the arrays exactly as the scheduler passed them
         self.fail_on_call: dict[int, Exception] = {}
+        self.threads: list[str] = []  # the thread each call ran on
+        self.max_active = 0  # most calls inside infer() at once (an instance must never exceed 1)
+        self._active = 0
+        self._count_lock = threading.Lock()
         self._entered = threading.Semaphore(0)
         self.closed = False
 
     def infer(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
-        self.calls.append(dict(inputs))
-        number = len(self.calls)
-        self._entered.release()
-        if not self.gate.wait(WAIT_S):
-            raise TimeoutError("test gate never opened")
-        if number in self.fail_on_call:
-            raise self.fail_on_call[number]
-        return self.inner.infer(inputs, outputs)  # type: ignore[no-any-return]
+        with self._count_lock:
+            self._active += 1
+            self.max_active = max(self.max_active, self._active)
+        try:
+            self.calls.append(dict(inputs))
+            self.threads.append(threading.current_thread().name)
+            number = len(self.calls)
+            self._entered.release()
+            if not self.gate.wait(WAIT_S):
+                raise TimeoutError("test gate never opened")
+            if number in self.fail_on_call:
+                raise self.fail_on_call[number]
+            return self.inner.infer(inputs, outputs)  # type: ignore[no-any-return]
+        finally:
+            with self._count_lock:
+                self._active -= 1
 
     def wait_entered(self, count: int = 1) -> None:
         for _ in range(count):

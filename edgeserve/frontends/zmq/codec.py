@@ -89,14 +89,19 @@ class Decoded:
 
 
 # -- field access with clear errors ----------------------------------------------------------------
+_MISSING: Any = object()
+
+
 def _field(
     obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...
 ) -> Any:
-    if key not in obj:
+    value = obj.get(key, _MISSING)
+    if type(value) is kind:  # the common case: JSON decoders produce exact types
+        return value
+    if value is _MISSING:
         if default is ...:
             raise invalid_arg(f"{where}: missing field '{key}'")
         return default
-    value = obj[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise invalid_arg(f"{where}: field '{key}' must be {names}, got {value!r}")

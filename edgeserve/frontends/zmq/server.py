@@ -1,11 +1,13 @@
 # (pyproject's follow_imports=skip for zmq.* hides pyzmq's own types; see edgeserve/frontends/zmq/README.md)
-"""ZeroMQ frontend: one ROUTER socket (ipc:// and tcp:// endpoints) on the server's event loop.
+"""ZeroMQ frontend: one ROUTER socket (ipc:// and tcp:// endpoints) served by its own thread.
 
 Many requests may be in flight per client (DEALER) socket, up to `zmq.max_inflight_per_client`.
 Requests go to the one data plane with `DataPlane.submit`; its callback runs on a worker thread,
-which builds the reply frames and sends them itself (see router.py). Sends never block: a client
-whose queue is full loses that reply (logged), a client that is gone is forgotten and its
+which builds the reply frames and sends them itself (see router.py), or, for a model that computes
+in under `zmq.inline_max_us` with an instance idle, on the router thread itself. Sends never block:
+a client whose queue is full loses that reply (logged), a client that is gone is forgotten and its
 shared-memory regions are unregistered from the registry every frontend shares.
+Everything here except `_post`/`_reply` (worker threads) runs on the router thread.
 """
 
 from __future__ import annotations
@@ -52,22 +54,18 @@ class ZmqFrontend:
         self.dataplane = dataplane
         self.endpoints = list(settings.zmq.endpoints)
         self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
+        self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
         self.bound: list[str] = []  # resolved endpoints (tcp://...:* gets its port)
         self._peers: dict[bytes, _Peer] = {}
         self._count_lock = threading.Lock()
         self._inflight = 0
         self._router: Router | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
         self._dropped = 0
         self._last_drop_log = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        router = Router(
-            self._loop, self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight)
-        )
+        router = Router(self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight))
         try:
             router.bind(self.endpoints)
         except BaseException:
@@ -75,8 +73,8 @@ class ZmqFrontend:
             raise
         self._router = router
         self.bound = router.bound
+        router.call_later(SWEEP_S, self._sweep)
         router.start()
-        self._sweeper = self._loop.call_later(SWEEP_S, self._sweep)
         log.info("zmq frontend listening on %s", ", ".join(self.bound))
 
     async def stop(self, grace_s: float) -> None:
@@ -85,15 +83,13 @@ class ZmqFrontend:
         deadline = time.monotonic() + max(0.0, grace_s)
         while self._inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        router, self._router = self._router, None
+        if router is not None:  # joins the router thread: the peers are ours from here on
+            await asyncio.get_running_loop().run_in_executor(None, router.close)
         for peer in list(self._peers.values()):
             if peer.owns_regions:
                 self._release_regions(peer, "server stopping")
         self._peers.clear()
-        if self._router is not None:
-            self._router.close()
-            self._router = None
         log.info("zmq frontend stopped (%d request(s) still in flight)", self._inflight)
 
     # -- receive --------------------------------------------------------------------------------
@@ -167,7 +163,7 @@ class ZmqFrontend:
                 decoded.release()
             self._post(peer, reply)
 
-        self.dataplane.submit(decoded.request, on_done)
+        self.dataplane.submit(decoded.request, on_done, inline_max_ns=self.inline_max_ns)
 
     # -- control messages -----------------------------------------------------------------------
     def _control(self, peer: _Peer, op: Any, header: dict[str, Any]) -> None:
@@ -245,9 +241,7 @@ class ZmqFrontend:
                     self._dropped,
                 )
         elif isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._forget, peer, "disconnected")
+            router.call_soon(lambda: self._forget(peer, "disconnected"))
         else:
             log.warning("zmq send to %s failed: %s", peer.ident.hex(), error)
 
@@ -270,15 +264,17 @@ class ZmqFrontend:
             log.info("zmq client %s %s: released its shm regions %s", peer.ident.hex(), why, names)
 
     def _on_disconnect(self) -> None:
-        assert self._loop is not None
-        for delay in PROBE_DELAYS_S:
-            self._loop.call_later(delay, self._probe_owners)
+        router = self._router
+        if router is not None:
+            for delay in PROBE_DELAYS_S:
+                router.call_later(delay, self._probe_owners)
 
     def _sweep(self) -> None:
         for peer in list(self._peers.values()):
             self._maybe_forget(peer)
-        assert self._loop is not None
-        self._sweeper = self._loop.call_later(SWEEP_S, self._sweep)
+        router = self._router
+        if router is not None:
+            router.call_later(SWEEP_S, self._sweep)
 
     def _probe_owners(self) -> None:
         """Find which region owners are gone: ROUTER_MANDATORY fails a send to an unknown identity."""
