@@ -21,7 +21,7 @@ OutputTarget: TypeAlias = "FrameRing | Slot | ShmTensor | None"
 Outputs: TypeAlias = "Sequence[str] | Mapping[str, OutputTarget] | None"
 
 # Inline inputs smaller than this are always sent from a copy (zmq copies small frames anyway).
-_ZERO_COPY_MIN = 65536
+ZERO_COPY_MIN = 65536
 
 
 @dataclass
@@ -74,10 +74,15 @@ class Pending:
 
 
 def _ref(tensor: ShmTensor) -> dict[str, Any]:
-    if tensor.slot is not None:
-        return wire.shm_ref(
-            tensor.region, tensor.byte_size, tensor.offset, tensor.slot.index, tensor.slot.gen
-        )
+    slot = tensor.slot
+    if slot is not None:
+        # wire.shm_ref inlined for the common ring-slot case (the hot path of every request)
+        ref: dict[str, Any] = {"region": tensor.region, "byte_size": int(tensor.byte_size)}
+        if tensor.offset:
+            ref["offset"] = int(tensor.offset)
+        ref["slot"] = int(slot.index)
+        ref["gen"] = int(slot.gen)
+        return ref
     return wire.shm_ref(tensor.region, tensor.byte_size, tensor.offset)
 
 
@@ -97,70 +102,60 @@ def build_infer(
     """The frames of one infer request. Slots taken here are recorded on `pending`; on error they
     are given back before raising."""
     try:
-        return _build_infer(
-            pending, model, inputs, outputs, version, ring, priority, timeout_us, parameters, copy_inputs
-        )
+        header: dict[str, Any] = {"v": wire.VERSION, "op": wire.OP_INFER, "id": pending.id, "model": model}
+        if version:
+            header["version"] = str(version)
+        if priority:
+            header["priority"] = int(priority)
+        if timeout_us:
+            header["timeout_us"] = int(timeout_us)
+        if parameters:
+            header["parameters"] = dict(parameters)
+        frames: list[Any] = [b""]
+        descs: list[dict[str, Any]] = []
+        for name, value in inputs.items():
+            if isinstance(value, ShmTensor):
+                if value.datatype is None or value.shape is None:
+                    raise ClientError(
+                        "INVALID_ARG", f"input '{name}': a shared-memory input needs datatype and shape"
+                    )
+                descs.append(
+                    {"name": name, "datatype": value.datatype, "shape": list(value.shape), "shm": _ref(value)}
+                )
+                if value.slot is not None:
+                    pending.slots.append(value.slot)
+                continue
+            descs.append(_inline(pending, name, value, ring, copy_inputs, frames))
+        header["inputs"] = descs
+        if outputs is not None:
+            header["outputs"] = _outputs(pending, outputs)
+        frames[0] = wire.dumps(header)
+        return frames
     except BaseException:
         pending.release_slots()
         raise
 
 
-def _build_infer(
-    pending: Pending,
-    model: str,
-    inputs: Mapping[str, InputValue],
-    outputs: Outputs,
-    version: str,
-    ring: FrameRing | None,
-    priority: int,
-    timeout_us: int,
-    parameters: Mapping[str, Any] | None,
-    copy_inputs: bool,
-) -> list[Any]:
-    header: dict[str, Any] = {"v": wire.VERSION, "op": wire.OP_INFER, "id": pending.id, "model": model}
-    if version:
-        header["version"] = str(version)
-    if priority:
-        header["priority"] = int(priority)
-    if timeout_us:
-        header["timeout_us"] = int(timeout_us)
-    if parameters:
-        header["parameters"] = dict(parameters)
-    frames: list[Any] = [b""]
-    descs: list[dict[str, Any]] = []
-    for name, value in inputs.items():
-        if isinstance(value, ShmTensor):
-            if value.datatype is None or value.shape is None:
-                raise ClientError(
-                    "INVALID_ARG", f"input '{name}': a shared-memory input needs datatype and shape"
-                )
-            descs.append(
-                {"name": name, "datatype": value.datatype, "shape": list(value.shape), "shm": _ref(value)}
-            )
-            if value.slot is not None:
-                pending.slots.append(value.slot)
-            continue
-        array = np.asarray(value)
-        try:
-            datatype = datatypes.from_numpy(array.dtype)
-        except InferenceError as exc:
-            raise ClientError("INVALID_ARG", f"input '{name}': {exc.message}") from None
-        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": [int(d) for d in array.shape]}
-        if ring is not None:
-            slot = ring.acquire()
-            pending.slots.append(slot)
-            desc["shm"] = _ref(slot.write(array))
-        else:
-            payload = datatypes.to_wire_bytes(array, datatype)
-            if copy_inputs or memoryview(payload).nbytes < _ZERO_COPY_MIN:
-                payload = bytes(payload)
-            frames.append(payload)
-        descs.append(desc)
-    header["inputs"] = descs
-    if outputs is not None:
-        header["outputs"] = _outputs(pending, outputs)
-    frames[0] = wire.dumps(header)
-    return frames
+def _inline(
+    pending: Pending, name: str, value: Any, ring: FrameRing | None, copy_inputs: bool, frames: list[Any]
+) -> dict[str, Any]:
+    """The descriptor of a numpy input: copied into a slot of `ring`, or its bytes appended to `frames`."""
+    array = np.asarray(value)
+    try:
+        datatype = datatypes.from_numpy(array.dtype)
+    except InferenceError as exc:
+        raise ClientError("INVALID_ARG", f"input '{name}': {exc.message}") from None
+    desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": [int(d) for d in array.shape]}
+    if ring is not None:
+        slot = ring.acquire()
+        pending.slots.append(slot)
+        desc["shm"] = _ref(slot.write(array))
+    else:
+        payload = datatypes.to_wire_bytes(array, datatype)
+        if copy_inputs or memoryview(payload).nbytes < ZERO_COPY_MIN:
+            payload = bytes(payload)
+        frames.append(payload)
+    return desc
 
 
 def _outputs(pending: Pending, outputs: Outputs) -> list[dict[str, Any]]:
@@ -235,33 +230,60 @@ def check_status(header: Any) -> None:
         raise ClientError(str(status), str(header.get("message", "")))
 
 
+# (datatype, shape) -> (numpy dtype, byte size) of fixed-size reply tensors
+_VIEW_SPEC: dict[tuple[str, tuple[Any, ...]], tuple[np.dtype[Any], int]] = {}
+_VIEW_SPEC_MAX = 512
+
+
+def _view(buffer: Any, datatype: str, shape: tuple[Any, ...], name: str) -> npt.NDArray[Any]:
+    """datatypes.from_buffer with its per-call lookups memoised; any miss or mismatch takes
+    from_buffer itself, so errors read the same."""
+    spec = _VIEW_SPEC.get((datatype, shape))
+    if spec is not None:
+        dtype, nbytes = spec
+        view = memoryview(buffer)
+        if view.nbytes == nbytes:
+            fast: npt.NDArray[Any] = np.ndarray(shape, dtype, view)  # a view, as from_buffer's, in one call
+            return fast
+    array = datatypes.from_buffer(buffer, datatype, shape, f"output '{name}'")
+    if (
+        spec is None
+        and datatype != "BYTES"
+        and len(_VIEW_SPEC) < _VIEW_SPEC_MAX
+        and all(type(d) is int for d in shape)
+    ):
+        _VIEW_SPEC[datatype, shape] = (array.dtype, array.nbytes)
+    return array
+
+
 def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending) -> InferResult:
     """The result of a reply (outputs copied out of ring slots); raises ClientError for an error reply."""
-    check_status(header)
+    if header.get("status") != wire.STATUS_OK:
+        check_status(header)
+    outputs: dict[str, npt.NDArray[Any]] = {}
+    shm_outputs: dict[str, dict[str, Any]] = {}
     result = InferResult(
         str(header.get("model", "")),
         str(header.get("version", "")),
         header.get("id"),
-        parameters=header.get("parameters") or {},
-        latency_s=time.perf_counter() - pending.sent_at,
+        outputs,
+        shm_outputs,
+        header.get("parameters") or {},
+        time.perf_counter() - pending.sent_at,
     )
     index = 0
     try:
-        for desc in header.get("outputs", []):
+        for desc in header.get("outputs", ()):
             name, datatype, shape = desc["name"], desc["datatype"], tuple(desc["shape"])
             if "shm" in desc:
                 slot = pending.out_slots.get(name)
                 if slot is None:
-                    result.shm_outputs[name] = desc
+                    shm_outputs[name] = desc
                 else:
-                    result.outputs[name] = slot.ring.read(
-                        slot, datatype, shape, int(desc["shm"]["byte_size"])
-                    )
+                    outputs[name] = slot.ring.read(slot, datatype, shape, int(desc["shm"]["byte_size"]))
                 continue
-            frame = frames[index]
+            outputs[name] = _view(frames[index], datatype, shape, name)
             index += 1
-            buffer = frame.buffer if hasattr(frame, "buffer") else frame
-            result.outputs[name] = datatypes.from_buffer(buffer, datatype, shape, f"output '{name}'")
     except InferenceError as exc:
         raise ClientError("INTERNAL", f"malformed reply: {exc.message}") from None
     except (KeyError, IndexError, TypeError) as exc:

@@ -48,10 +48,42 @@ class ShmTensor:
     slot: Slot | None = None
 
 
+# Per-call lookups memoised (they cost microseconds on the hot path); bounded so odd callers
+# cannot grow them without limit.
+_CACHE_MAX = 512
+_DATATYPE_OF: dict[Any, str] = {}
+_TENSOR_SPEC: dict[tuple[Any, str], tuple[tuple[int, ...], int]] = {}
+
+
 def _datatype(dtype: Any) -> str:
+    try:
+        return _DATATYPE_OF[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype spec
+        pass
     if isinstance(dtype, str) and datatypes.is_known(dtype):
-        return dtype
-    return datatypes.from_numpy(np.dtype(dtype))
+        datatype = dtype
+    else:
+        datatype = datatypes.from_numpy(np.dtype(dtype))
+    if len(_DATATYPE_OF) < _CACHE_MAX:
+        with contextlib.suppress(TypeError):
+            _DATATYPE_OF[dtype] = datatype
+    return datatype
+
+
+def _tensor_spec(shape: Any, datatype: str) -> tuple[tuple[int, ...], int]:
+    """(shape as a tuple of ints, byte size) of a fixed-size tensor."""
+    try:
+        return _TENSOR_SPEC[shape, datatype]
+    except (KeyError, TypeError):  # TypeError: a list shape
+        pass
+    spec = (
+        tuple(int(d) for d in shape),
+        int(datatypes.element_count(shape) * datatypes.element_size(datatype)),
+    )
+    # Only all-int tuples: an equal key of floats or numpy ints then maps to the same ints.
+    if type(shape) is tuple and len(_TENSOR_SPEC) < _CACHE_MAX and all(type(d) is int for d in shape):
+        _TENSOR_SPEC[shape, datatype] = spec
+    return spec
 
 
 class Slot:
@@ -84,8 +116,10 @@ class Slot:
         """A reference to what was written with `ndarray()` (an input of a request)."""
         datatype = _datatype(dtype)
         if byte_size is None:
-            byte_size = datatypes.element_count(shape) * datatypes.element_size(datatype)
-        return ShmTensor(self.ring.name, byte_size, 0, datatype, tuple(int(d) for d in shape), self)
+            dims, byte_size = _tensor_spec(shape, datatype)
+        else:
+            dims = tuple(int(d) for d in shape)
+        return ShmTensor(self.ring.name, byte_size, 0, datatype, dims, self)
 
     def write(self, array: npt.NDArray[Any]) -> ShmTensor:
         """Copy `array` into the slot and return its reference."""

@@ -181,6 +181,12 @@ class Router:
             self._wake()  # on the router thread itself the drain loop sees it anyway: cheap
         return error
 
+    def input_waiting(self) -> bool:
+        """More requests are queued on the socket (the caller is then better off not blocking)."""
+        with self._lock:
+            sock = self._sock
+            return sock is not None and bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+
     def _wake(self) -> None:
         if self._wake_pending:
             return

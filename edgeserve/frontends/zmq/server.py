@@ -163,7 +163,10 @@ class ZmqFrontend:
                 decoded.release()
             self._post(peer, reply)
 
-        self.dataplane.submit(decoded.request, on_done, inline_max_ns=self.inline_max_ns)
+        # Inline only while no other request waits: under load the workers (and the batcher) do better.
+        router = self._router
+        inline = self.inline_max_ns if router is not None and not router.input_waiting() else 0
+        self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline)
 
     # -- control messages -----------------------------------------------------------------------
     def _control(self, peer: _Peer, op: Any, header: dict[str, Any]) -> None:
