@@ -5,7 +5,8 @@ result out) called
                  server's own choice of options (common.InProcess), called directly
     zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
                  written there by the producer (as a camera/decoder writing into the slot does)
-    zmq_shm_copy the same, but the producer copies each frame into its slot per request
+    zmq_shm_spin the same, the client busy-waiting up to 1 ms for each reply (ZmqClient(spin_us=1000))
+    zmq_shm_copy the same as zmq_shm, but the producer copies each frame into its slot per request
     zmq_inline   edgeserve over ZeroMQ, the frame inline in the message (zero-copy send)
     grpc_shm     edgeserve over gRPC (tritonclient), the frame in Triton system shared memory
     grpc_plain   edgeserve over gRPC unary ModelInfer (tritonclient), the frame in the message
@@ -19,7 +20,7 @@ CPU share of the load generator, and the issue's two targets checked (PASS/FAIL)
     python benchmarks/bench_local.py --seconds 1 --rounds 1 --clients 1
     python benchmarks/bench_local.py --backend openvino   # both sides on OpenVINO
 
-Phases run A B C D E F, then again (rounds), and the figures pool the rounds. The in-process call
+Phases run in the order above, then again (rounds), and the figures pool the rounds. The in-process call
 and zmq_shm both start from a frame already in memory (a numpy array; a ring slot); zmq_shm_copy
 and grpc_shm add the producer's copy of the frame into shared memory per request. The model's config
 pins --backend (`plan`: no pin, the runtime plan chooses; for this 12 KB model that is onnxruntime);
@@ -34,17 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +50,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     ROOT,
-    CpuMeter,
     InProcess,
     add_backend_argument,
     free_port,
@@ -62,11 +58,9 @@ from common import (
     progress,
     served_backend,
 )
+from local_clients import MODEL, OUT, SHAPE, Caller, run_phase
 
-MODEL = "frame_pool"
-SHAPE = (1, 3, 224, 224)  # FP32: 602,112 bytes
-OUT = 1024  # FP32 [1,1024]: 4 KB
-MODES = ("inproc", "zmq_shm", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
+MODES = ("inproc", "zmq_shm", "zmq_shm_spin", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
 CONFIG = """max_batch_size: 4
 input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [3, 224, 224] }]
 output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [1024] }]
@@ -96,177 +90,6 @@ def build_model(path: Path) -> None:
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
-
-
-def frame() -> np.ndarray:
-    return np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
-
-
-# -- the clients (each remote client runs in its own process) ------------------------------------------
-class Caller:
-    """One client of one mode: `call()` does one round trip and returns OUTPUT0."""
-
-    def __init__(self, mode: str, target: dict[str, Any]) -> None:
-        self.mode = mode
-        self.x = frame()
-        self.close: Callable[[], None] = lambda: None
-        if mode == "inproc":
-            self.call = self._inproc_call(target)
-        elif mode.startswith("zmq"):
-            self.call = self._zmq_call(mode, target["zmq"])
-        else:
-            self.call = self._grpc_call(mode, target["grpc"])
-
-    def _inproc_call(self, target: dict[str, Any]) -> Any:
-        instance = target["instance"]
-        return lambda: instance.infer({"INPUT0": self.x})["OUTPUT0"]
-
-    def _zmq_call(self, mode: str, endpoint: str) -> Any:
-        from edgeserve.client import ZmqClient
-
-        client = ZmqClient(endpoint, timeout=30, copy_inputs=False)
-        self.close = client.close
-        x = self.x
-        if mode == "zmq_inline":
-            return lambda: client.infer(MODEL, {"INPUT0": x}).as_numpy("OUTPUT0")
-        ring = client.create_ring(slots=2, slot_size=x.nbytes)
-        copy = mode == "zmq_shm_copy"
-        slots = [ring.acquire() for _ in range(ring.slots)]
-        for slot in slots:  # zmq_shm: the producer wrote the frame into every slot
-            slot.ndarray(SHAPE, np.float32)[:] = x
-            slot.release()
-
-        def call() -> Any:
-            slot = ring.acquire()
-            if copy:
-                slot.ndarray(SHAPE, np.float32)[:] = x  # the producer copies its frame into the slot
-            return client.infer(MODEL, {"INPUT0": slot.tensor(SHAPE, np.float32)}).as_numpy("OUTPUT0")
-
-        return call
-
-    def _grpc_call(self, mode: str, url: str) -> Any:
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import shared_memory as triton_shm
-
-        client = grpcclient.InferenceServerClient(url)
-        x = self.x
-        output = [grpcclient.InferRequestedOutput("OUTPUT0")]
-        if mode == "grpc_plain":
-
-            def plain() -> Any:
-                inp = grpcclient.InferInput("INPUT0", list(SHAPE), "FP32")
-                inp.set_data_from_numpy(x)
-                return client.infer(MODEL, [inp], outputs=output).as_numpy("OUTPUT0")
-
-            self.close = client.close
-            return plain
-        name = f"bench_{uuid.uuid4().hex[:8]}"
-        handle = triton_shm.create_shared_memory_region(name, "/" + name, x.nbytes)
-        client.register_system_shared_memory(name, "/" + name, x.nbytes)
-
-        def close() -> None:
-            client.unregister_system_shared_memory(name)
-            triton_shm.destroy_shared_memory_region(handle)
-            client.close()
-
-        self.close = close
-
-        def shm() -> Any:
-            triton_shm.set_shared_memory_region(handle, [x])
-            inp = grpcclient.InferInput("INPUT0", list(SHAPE), "FP32")
-            inp.set_shared_memory(name, x.nbytes)
-            return client.infer(MODEL, [inp], outputs=output).as_numpy("OUTPUT0")
-
-        return shm
-
-
-def loop(caller: Caller, seconds: float, max_requests: int, start: float) -> tuple[list[float], float, float]:
-    """Back-to-back calls from `start` (a time.time() shared by all clients) for `seconds`."""
-    for _ in range(20):  # warm-up, outside the measurement
-        caller.call()
-    while time.time() < start:
-        time.sleep(0.0005)
-    latencies: list[float] = []
-    cpu0 = time.process_time()
-    deadline = time.perf_counter() + seconds
-    while len(latencies) < max_requests and time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        caller.call()
-        latencies.append(time.perf_counter() - t0)
-    return latencies, time.time(), time.process_time() - cpu0
-
-
-def _client_process(
-    mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float, queue: Any
-) -> None:
-    try:
-        caller = Caller(mode, target)
-        try:
-            queue.put(("ok", *loop(caller, seconds, max_requests, start)))
-        finally:
-            caller.close()
-    except BaseException as exc:
-        queue.put(("error", repr(exc), 0.0, 0.0))
-
-
-def run_phase(
-    mode: str, clients: int, target: dict[str, Any], seconds: float, server_pid: int
-) -> dict[str, Any]:
-    max_requests = 200_000
-    start = time.time() + (1.5 if mode == "inproc" else 4.0)  # time to connect / load and warm up
-    results: list[tuple[Any, ...]] = []
-    meter_pids = {"server": server_pid}
-    if mode == "inproc":  # N threads of this process share one session (ORT releases the GIL)
-        meter = CpuMeter({"client": os.getpid()})
-        caller = Caller(mode, target)
-        lock = threading.Lock()
-
-        def worker() -> None:
-            out = loop(caller, seconds, max_requests, start)
-            with lock:
-                results.append(("ok", *out))
-
-        threads = [threading.Thread(target=worker) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        while time.time() < start:
-            time.sleep(0.001)
-        meter.start()
-        for thread in threads:
-            thread.join(seconds + 120)
-        cpu = meter.stop()
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [
-            ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, queue))
-            for _ in range(clients)
-        ]
-        for proc in procs:
-            proc.start()
-        meter = CpuMeter({**meter_pids, **{f"client{i}": p.pid for i, p in enumerate(procs) if p.pid}})
-        while time.time() < start:
-            time.sleep(0.001)
-        meter.start()
-        results = [queue.get(timeout=seconds + 120) for _ in procs]
-        cpu = meter.stop()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    errors = [r[1] for r in results if r[0] == "error"]
-    latencies = [lat for r in results if r[0] == "ok" for lat in r[1]]
-    wall = max((r[2] for r in results if r[0] == "ok"), default=start) - start
-    client_cpu = sum(v for k, v in cpu.items() if k.startswith("client"))
-    return {
-        "mode": mode,
-        "clients": clients,
-        "latencies": latencies,
-        "wall": wall,
-        "errors": errors,
-        "client_cpu_pct": client_cpu,
-        "server_cpu_pct": cpu.get("server", 0.0),
-    }
 
 
 # -- the server -----------------------------------------------------------------------------------------

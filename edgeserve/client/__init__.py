@@ -12,8 +12,9 @@ For gRPC and HTTP use `tritonclient` unchanged. Importing this package needs onl
 from edgeserve.client._core import InferResult
 from edgeserve.client.aio import AsyncZmqClient
 from edgeserve.client.errors import ClientError, RingFull
+from edgeserve.client.future import ZmqFuture
 from edgeserve.client.ring import FrameRing, ShmTensor, Slot
-from edgeserve.client.zmq_client import DEFAULT_ENDPOINT, ZmqClient, ZmqFuture
+from edgeserve.client.zmq_client import DEFAULT_ENDPOINT, ZmqClient
 
 __all__ = [
     "DEFAULT_ENDPOINT",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import zmq
@@ -17,6 +17,7 @@ import zmq
 from edgeserve.client import _core
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
+from edgeserve.client.future import ZmqFuture
 from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.frontends.zmq import wire
 
@@ -31,56 +32,13 @@ DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
 _LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
 
 
-class ZmqFuture:
-    """The eventual reply to one request; `result()` receives replies until this one is in."""
-
-    __slots__ = ("_callbacks", "_client", "_done", "_error", "_result", "id")
-
-    def __init__(self, client: ZmqClient, req_id: int) -> None:
-        self._client = client
-        self.id = req_id
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[ZmqFuture], None]] = []
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The result; raises ClientError for a failed request, TimeoutError if `timeout` (seconds)
-        passes first (the request itself stays pending until its own deadline)."""
-        if not self._done:
-            self._client._wait_for(self, timeout)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done:
-            self._client._wait_for(self, timeout)
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[ZmqFuture], None]) -> None:
-        if self._done:
-            fn(self)
-        else:
-            self._callbacks.append(fn)
-
-    def _set(self, result: Any, error: BaseException | None) -> None:
-        self._done = True
-        self._result = result
-        self._error = error
-        callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
-
-
 class ZmqClient:
     """Client for edgeserve's ZeroMQ frontend, numpy in and numpy out.
 
     `timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
     large inline inputs are sent without a copy: do not modify them until their future is done.
+    `spin_us` > 0: busy-wait up to that long for a reply before sleeping. Waking a sleeping thread
+    costs tens of microseconds (more on a VM); spinning trades this thread's CPU for that latency.
     """
 
     def __init__(
@@ -91,8 +49,10 @@ class ZmqClient:
         copy_inputs: bool = True,
         context: zmq.Context[Any] | None = None,
         identity: bytes | None = None,
+        spin_us: int = 0,
     ) -> None:
         self.endpoint = endpoint
+        self.spin_s = max(0, spin_us) / 1e6
         self.timeout = timeout
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
@@ -334,6 +294,10 @@ class ZmqClient:
         if not 0 <= self._rcvtimeo <= wait_ms or wait_ms - self._rcvtimeo > wait_ms >> 4:
             sock.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
+        if self.spin_s:
+            end = min(until, time.monotonic() + self.spin_s)
+            while not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN and time.monotonic() < end:
+                pass
         try:
             frame = sock.recv(0, copy=False)  # one call: no poll first
         except zmq.Again:

@@ -4,6 +4,7 @@ memoised lookups give what the plain ones give, replies parse, bad replies stay 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -143,3 +144,35 @@ def test_a_short_deadline_after_long_ones_is_still_kept(pair: tuple[ZmqClient, P
     waited = time.monotonic() - start
     assert info.value.status == "DEADLINE_EXCEEDED"
     assert 0.2 <= waited < 10.0  # never early; and not the 30 s of the earlier wait
+
+
+def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    peer = Peer(ctx, "inproc://spin")
+    client = ZmqClient("inproc://spin", timeout=5.0, context=ctx, spin_us=1_000_000)
+    want = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def serve(delays: list[float]) -> None:
+        for delay in delays:
+            ident, request, _ = peer.take()
+            time.sleep(delay)
+            peer.reply(ident, {"id": request["id"], "status": "OK", "outputs": OK_OUT}, want.tobytes())
+
+    server = threading.Thread(target=serve, args=([0.0, 0.05],))
+    server.start()
+    try:
+        for _ in range(2):  # answered at once (within the spin), then after 50 ms
+            result = client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)})
+            assert result.as_numpy("OUTPUT0").tolist() == want.tolist()
+        server.join(5)
+        start = time.monotonic()
+        with pytest.raises(ClientError) as info:  # nobody answers: the 1 s spin stops at the deadline
+            client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)}, timeout=0.1)
+        assert info.value.status == "DEADLINE_EXCEEDED"
+        assert 0.1 <= time.monotonic() - start < 0.9
+    finally:
+        peer.take()
+        peer.reply(client.identity, {"id": client._next_id, "status": "OK"})  # close()'s bye
+        client.close()
+        peer.sock.close(linger=0)
+        ctx.term()
