@@ -9,12 +9,14 @@ import threading
 import numpy as np
 from sched_helpers import WAIT_S, make_job, mlp_input
 
+from edgeserve.scheduling.scheduler import Scheduler
+
 BATCHING = "max_batch_size: 8\ndynamic_batching { }\n"
 DELAYED = "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 100 }\n"
 GENEROUS_NS = 10_000_000_000  # any compute time qualifies
 
 
-def measured(scheduler) -> None:  # noqa: ANN001
+def measured(scheduler: Scheduler) -> None:
     """One queued job, so the scheduler knows the model's compute time."""
     job, result = make_job(mlp_input())
     scheduler.submit(job)
@@ -31,7 +33,8 @@ def test_runs_on_the_callers_thread_with_the_same_answer_and_stats(make_schedule
     assert result.calls == 1  # finished before try_run_inline returned
     assert result.thread == threading.current_thread().name
     assert instance.threads == ["edgeserve-mlp-v1-0", threading.current_thread().name]
-    np.testing.assert_allclose(result.outputs()["OUTPUT0"], reference("mlp", job.inputs)["OUTPUT0"], rtol=1e-5)
+    expected = reference("mlp", job.inputs)["OUTPUT0"]
+    np.testing.assert_allclose(result.outputs()["OUTPUT0"], expected, rtol=1e-5)
     stats = scheduler.stats.to_dict()
     assert stats["inference_count"] == 2
     assert stats["execution_count"] == 2

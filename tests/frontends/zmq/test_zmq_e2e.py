@@ -191,3 +191,54 @@ def test_one_region_registry_for_every_frontend(server: RunningServer) -> None:
         triton_shm.destroy_shared_memory_region(handle)
         grpc.close()
         http.close()
+
+
+def model_stats(server: RunningServer, model: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{server.base}/v2/models/{model}/stats", timeout=10) as response:
+        stats: dict[str, Any] = json.loads(response.read())["model_stats"][0]
+    return stats
+
+
+@pytest.mark.parametrize("inline_max_us", ["2000", "0"])
+def test_inline_runs_and_worker_hand_offs_answer_and_count_alike(tmp_path: Path, inline_max_us: str) -> None:
+    """A fast model runs on the ZeroMQ thread (default) or is handed to its worker (0): the same
+    answers, and the statistics count every request once either way, with HTTP traffic alongside."""
+    repo = tmp_path / "models"
+    write_model(
+        repo, "ident", "identity", datatype="FP32", config=ORT + "max_batch_size: 8\ndynamic_batching { }\n"
+    )
+    running = start_server(repo, tmp_path, env={"EDGESERVE_ZMQ_INLINE_MAX_US": inline_max_us})
+    try:
+        with ZmqClient(running.zmq_endpoint, timeout=10) as client:
+            ring = client.create_ring(slots=2, slot_size=4096)
+            for i in range(100):
+                data = sample("FP32", (1, 16), seed=i)
+                slot = ring.acquire()
+                slot.ndarray((1, 16), np.float32)[:] = data
+                result = client.infer("ident", {"INPUT0": slot.tensor((1, 16), np.float32)})
+                assert_same(result.as_numpy("OUTPUT0"), data)
+                if i % 25 == 0:  # the event loop's frontends share the model meanwhile
+                    body = json.dumps(
+                        {
+                            "inputs": [
+                                {
+                                    "name": "INPUT0",
+                                    "datatype": "FP32",
+                                    "shape": [1, 16],
+                                    "data": data.ravel().tolist(),
+                                }
+                            ]
+                        }
+                    ).encode()
+                    request = urllib.request.Request(f"{running.base}/v2/models/ident/infer", body)
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        out = json.loads(response.read())["outputs"][0]["data"]
+                    np.testing.assert_allclose(out, data.ravel())
+        stats = model_stats(running, "ident")
+        assert stats["inference_count"] == 104
+        assert stats["inference_stats"]["success"]["count"] == 104
+        assert stats["inference_stats"]["fail"]["count"] == 0
+        assert stats["inference_stats"]["compute_infer"]["count"] == stats["execution_count"]
+        assert running.alive()
+    finally:
+        running.stop()
