@@ -97,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         help="put the first output into slots of this size (default: inline)",
     )
     parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--spin-us", type=int, default=0, help="busy-wait for each reply before sleeping")
     parser.add_argument("--quiet", action="store_true", help="only the summary")
     args = parser.parse_args(argv)
     height, width = (int(v) for v in args.size.lower().split("x"))
 
-    with ZmqClient(args.endpoint, timeout=args.timeout) as client:
+    with ZmqClient(args.endpoint, timeout=args.timeout, spin_us=args.spin_us) as client:
         try:
             client.ping()
             name, datatype, shape = model_input(client, args.model, height, width)
