@@ -51,7 +51,9 @@ class BackendOptions:
 
 @runtime_checkable
 class Instance(Protocol):
-    """One loaded copy of a model. `infer` is called from one worker thread at a time."""
+    """One loaded copy of a model. `infer` is called one call at a time, but not always from the same
+    thread: usually its worker, sometimes a frontend's thread (`Scheduler.try_run_inline`). So no
+    thread-local state (a CUDA context must be the device's primary one, as the runtime API uses)."""
 
     io: ModelIO
 

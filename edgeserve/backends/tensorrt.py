@@ -71,7 +71,8 @@ def _model_io(trt: Any, engine: Any) -> ModelIO:
 
 
 class TensorRTInstance:
-    """One execution context + stream; infer is called from one worker thread at a time."""
+    """One execution context + stream; infer is called one call at a time (from any thread: the
+    runtime API makes the device's primary context current on each)."""
 
     def __init__(self, trt: Any, engine: Any, path: Path, fallback_reason: str | None = None) -> None:
         self._trt, self._engine, self.path = trt, engine, path
