@@ -4,8 +4,10 @@ result out) called
     inproc       in-process: the runtime the server runs (--backend, default onnxruntime), with the
                  server's own choice of options (common.InProcess), called directly
     zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
-                 written there by the producer (as a camera/decoder writing into the slot does)
-    zmq_shm_spin the same, the client busy-waiting up to 1 ms for each reply (ZmqClient(spin_us=1000))
+                 written there by the producer (as a camera/decoder writing into the slot does);
+                 the client as it comes (it busy-waits up to 300 us for a reply while replies come
+                 that fast; every ZeroMQ mode but the next uses it so)
+    zmq_shm_nospin the same with ZmqClient(spin_us=0): the client sleeps at once while it waits
     zmq_shm_copy the same as zmq_shm, but the producer copies each frame into its slot per request
     zmq_inline   edgeserve over ZeroMQ, the frame inline in the message (zero-copy send)
     grpc_shm     edgeserve over gRPC (tritonclient), the frame in Triton system shared memory
@@ -36,12 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +51,15 @@ from common import (
     ROOT,
     InProcess,
     add_backend_argument,
-    free_port,
     machine_facts,
     percentile,
     progress,
     served_backend,
 )
+from es_server import start_server
 from local_clients import MODEL, OUT, SHAPE, Caller, run_phase
 
-MODES = ("inproc", "zmq_shm", "zmq_shm_spin", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
+MODES = ("inproc", "zmq_shm", "zmq_shm_nospin", "zmq_shm_copy", "zmq_inline", "grpc_shm", "grpc_plain")
 CONFIG = """max_batch_size: 4
 input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [3, 224, 224] }]
 output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [1024] }]
@@ -93,63 +92,6 @@ def build_model(path: Path) -> None:
 
 
 # -- the server -----------------------------------------------------------------------------------------
-def start_server(repo: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
-    http_port, grpc_port = free_port(), free_port()
-    endpoint = f"ipc://{workdir}/edgeserve.zmq"
-    log_path = workdir / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgeserve",
-        "run",
-        "--model-repository",
-        str(repo),
-        "--host",
-        "127.0.0.1",
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--zmq-endpoint",
-        endpoint,
-        "--log-level",
-        "WARNING",
-    ]
-    env = {**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(workdir / "state"), "PYTHONPATH": str(ROOT)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"edgeserve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2
-            ) as response:
-                if response.status == 200:
-                    target = {
-                        "zmq": endpoint,
-                        "grpc": f"127.0.0.1:{grpc_port}",
-                        "http": f"http://127.0.0.1:{http_port}",
-                    }
-                    return proc, target, log_path
-        except OSError:
-            pass
-        time.sleep(0.2)
-    stop_server(proc)
-    raise RuntimeError(f"edgeserve was not ready in 180 s; log: {log_path}")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def grpc_available(url: str) -> str | None:
     try:
         import tritonclient.grpc as grpcclient
@@ -268,7 +210,8 @@ def main() -> int:
     (repo / MODEL / "config.pbtxt").write_text(pin + CONFIG)
     facts = machine_facts()
     progress(f"starting edgeserve (model {MODEL}, {args.backend}, workdir {workdir})")
-    proc, target, _log = start_server(repo, workdir)
+    server = start_server(repo, workdir, args=["--log-level", "WARNING"], timeout=180)
+    target: dict[str, Any] = {"zmq": server.zmq_endpoint, "grpc": server.grpc_url, "http": server.base}
     try:
         skipped: dict[str, str] = {}
         why = grpc_available(target["grpc"])
@@ -289,7 +232,7 @@ def main() -> int:
                 for mode in modes:
                     progress(f"round {rnd + 1}/{args.rounds}: {mode} x{n} for {args.seconds:.0f}s")
                     phase_target = {**target, **inproc_target} if mode == "inproc" else target
-                    phases.append(run_phase(mode, n, phase_target, args.seconds, proc.pid))
+                    phases.append(run_phase(mode, n, phase_target, args.seconds, server.process.pid))
                     last = phases[-1]
                     progress(
                         f"  {len(last['latencies'])} round trips, p50 "
@@ -318,7 +261,7 @@ def main() -> int:
         )
         progress(f"results: {out}")
     finally:
-        stop_server(proc)
+        server.stop()
     return 0
 
 

@@ -17,7 +17,6 @@ from common import CpuMeter
 MODEL = "frame_pool"
 SHAPE = (1, 3, 224, 224)  # FP32: 602,112 bytes
 OUT = 1024  # FP32 [1,1024]: 4 KB
-SPIN_US = 1000  # zmq_shm_spin: the client busy-waits up to this long for its reply
 
 
 def frame() -> np.ndarray:
@@ -45,8 +44,9 @@ class Caller:
 
     def _zmq_call(self, mode: str, endpoint: str) -> Any:
         from edgeserve.client import ZmqClient
+        from edgeserve.client.zmq_client import DEFAULT_SPIN_US
 
-        spin = SPIN_US if mode == "zmq_shm_spin" else 0
+        spin = 0 if mode == "zmq_shm_nospin" else DEFAULT_SPIN_US
         client = ZmqClient(endpoint, timeout=30, copy_inputs=False, spin_us=spin)
         self.close = client.close
         x = self.x

@@ -29,6 +29,7 @@ _RCVTIMEO = int(zmq.RCVTIMEO)
 _SNDMORE = int(zmq.SNDMORE)
 _COPY_MAX = _core.ZERO_COPY_MIN  # smaller frames are sent from a copy: cheaper than a zero-copy Frame
 DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
+DEFAULT_SPIN_US = 500  # covers a fast model's round trip here (0.2-0.3 ms); slower replies: no spinning
 _LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
 
 
@@ -37,8 +38,10 @@ class ZmqClient:
 
     `timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
     large inline inputs are sent without a copy: do not modify them until their future is done.
-    `spin_us` > 0: busy-wait up to that long for a reply before sleeping. Waking a sleeping thread
-    costs tens of microseconds (more on a VM); spinning trades this thread's CPU for that latency.
+    `spin_us`: busy-wait up to that long for a reply before sleeping, while replies have recently
+    come within it (a slow model or a busy server turns spinning off by itself). Waking a sleeping
+    thread costs tens of microseconds (more on a VM): for a fast model that is a third of the round
+    trip. 0 = always sleep (no CPU spent waiting).
     """
 
     def __init__(
@@ -49,10 +52,11 @@ class ZmqClient:
         copy_inputs: bool = True,
         context: zmq.Context[Any] | None = None,
         identity: bytes | None = None,
-        spin_us: int = 0,
+        spin_us: int = DEFAULT_SPIN_US,
     ) -> None:
         self.endpoint = endpoint
         self.spin_s = max(0, spin_us) / 1e6
+        self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
         self.timeout = timeout
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
@@ -148,6 +152,11 @@ class ZmqClient:
             if time.monotonic() >= deadline or self._sock is None:
                 return ring.acquire()  # raises RingFull
             self._pump(min(self._next_wake(None), deadline))
+
+    @property
+    def spinning(self) -> bool:
+        """Whether waiting for a reply busy-waits first (replies have recently come within `spin_us`)."""
+        return self.spin_s > 0.0 and self._reply_s <= self.spin_s
 
     @property
     def in_flight(self) -> int:
@@ -294,7 +303,7 @@ class ZmqClient:
         if not 0 <= self._rcvtimeo <= wait_ms or wait_ms - self._rcvtimeo > wait_ms >> 4:
             sock.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
-        if self.spin_s:
+        if self.spinning:
             end = min(until, time.monotonic() + self.spin_s)
             while not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN and time.monotonic() < end:
                 pass
@@ -338,7 +347,9 @@ class ZmqClient:
                 _core.check_status(header)
                 future._set(header, None)
             else:
-                future._set(_core.parse_infer(header, msg[1:], pending), None)
+                result = _core.parse_infer(header, msg[1:], pending)
+                self._reply_s += (result.latency_s - self._reply_s) * 0.125
+                future._set(result, None)
         except ClientError as exc:
             self._registrations.note(exc)
             future._set(None, exc)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from edgeserve.client import ClientError, ZmqClient, ZmqFuture
-from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
+from edgeserve.client.zmq_client import DEFAULT_ENDPOINT, DEFAULT_SPIN_US
 from edgeserve.protocol import datatypes
 
 
@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         help="put the first output into slots of this size (default: inline)",
     )
     parser.add_argument("--timeout", type=float, default=2.0)
-    parser.add_argument("--spin-us", type=int, default=0, help="busy-wait for each reply before sleeping")
+    parser.add_argument(
+        "--spin-us", type=int, default=DEFAULT_SPIN_US, help="busy-wait for replies (0 = never)"
+    )
     parser.add_argument("--quiet", action="store_true", help="only the summary")
     args = parser.parse_args(argv)
     height, width = (int(v) for v in args.size.lower().split("x"))
