@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+import zmq
 
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing, ShmTensor, Slot
@@ -289,3 +290,14 @@ def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending)
     except (KeyError, IndexError, TypeError) as exc:
         raise ClientError("INTERNAL", f"malformed reply: {exc!r}") from None
     return result
+
+
+def dealer_socket(ctx: Any, endpoint: str, identity: bytes, timeout: float) -> Any:
+    """The client's DEALER socket (for `zmq.Context` or `zmq.asyncio.Context`), connected."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)  # stable across reconnects: keeps our regions
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no server -> send times out instead of queueing forever
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+    sock.connect(endpoint)
+    return sock

@@ -37,12 +37,7 @@ class AsyncZmqClient:
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
         self._ctx = context or zmq.asyncio.Context.instance()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
-        sock.connect(endpoint)
+        sock: zmq.asyncio.Socket = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
         self._sock: zmq.asyncio.Socket | None = sock
         self._next_id = 1
         self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}

@@ -61,13 +61,7 @@ class ZmqClient:
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
         self._ctx = context or zmq.Context.instance()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.identity)  # stable across reconnects: keeps our regions
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no server -> send times out instead of queueing forever
-        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
-        sock.connect(endpoint)
-        self._sock: zmq.Socket[Any] | None = sock
+        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
         self._next_id = 1
         self._pending: dict[int, tuple[ZmqFuture, Pending | None]] = {}
         self._deadlines: list[tuple[float, int]] = []

@@ -48,6 +48,11 @@ log = logging.getLogger("edgeserve.scheduler")
 _NS_PER_S = 1_000_000_000
 
 
+def _shape_key(job: Job) -> tuple[Any, ...]:
+    """Jobs batch together only when every input has the same dtype and per-row shape."""
+    return tuple(sorted((name, a.dtype.str, a.shape[1:]) for name, a in job.inputs.items()))
+
+
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -115,7 +120,7 @@ class Scheduler:
         """Queue `job`. Raises InferenceError (and records the failure) when it cannot be queued:
         UNAVAILABLE when unloading or when the priority level is full, INVALID_ARG for a bad priority."""
         if self._batching:
-            job.shape_key = tuple(sorted((name, a.dtype.str, a.shape[1:]) for name, a in job.inputs.items()))
+            job.shape_key = _shape_key(job)
         with self._lock:
             try:
                 if not self._accepting:
@@ -135,8 +140,6 @@ class Scheduler:
         ewma = self.compute_ewma_ns
         if self._delay_ns or not 0 < ewma <= max_compute_ns:
             return False
-        if self._batching and not job.shape_key:
-            job.shape_key = tuple(sorted((name, a.dtype.str, a.shape[1:]) for name, a in job.inputs.items()))
         with self._lock:
             if not self._accepting or self._queue or not self._threads:
                 return False

@@ -28,23 +28,29 @@ def _dims_match(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
 
 
-class _InputSpec:
-    __slots__ = ("datatype", "dims", "dtype", "optional", "reshape")
+class _Typed:
+    __slots__ = ("datatype", "dtype")
 
     def __init__(self, spec: Any) -> None:
         self.datatype = config_datatype(spec.data_type)
         self.dtype = None if self.datatype == "BYTES" else datatypes.numpy_dtype(self.datatype)
+
+
+class _InputSpec(_Typed):
+    __slots__ = ("dims", "optional", "reshape")
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
         self.dims = tuple(int(d) for d in spec.dims)
         self.reshape = tuple(int(d) for d in spec.reshape.shape) if spec.HasField("reshape") else None
         self.optional = bool(spec.optional)
 
 
-class OutputSpec:
-    __slots__ = ("datatype", "dtype", "label_filename")
+class OutputSpec(_Typed):
+    __slots__ = ("label_filename",)
 
     def __init__(self, spec: Any) -> None:
-        self.datatype = config_datatype(spec.data_type)
-        self.dtype = None if self.datatype == "BYTES" else datatypes.numpy_dtype(self.datatype)
+        super().__init__(spec)
         self.label_filename = str(spec.label_filename)
 
 

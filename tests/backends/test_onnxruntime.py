@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-from onnx_models import build_add_sub, build_conv_dynamic_hw, build_identity, build_mlp
+from onnx import numpy_helper
+from onnx_models import build_add_sub, build_bf16_identity, build_conv_dynamic_hw, build_identity, build_mlp
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends.base import BackendOptions, ModelIO, TensorSpec
@@ -193,14 +193,7 @@ def test_bad_input_and_closed_session(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type_is_a_clear_error(tmp_path: Path) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["y"])], "bf16",
-        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["N"])],
-        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["N"])],
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(tmp_path / "bf16.onnx"))
+    build_bf16_identity(tmp_path / "bf16.onnx")
     with pytest.raises(InferenceError) as err:
         BACKEND.inspect(tmp_path / "bf16.onnx")
     assert "tensor(bfloat16)" in err.value.message and "'x'" in err.value.message

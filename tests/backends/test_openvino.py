@@ -7,10 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
-from onnx_models import build_add_sub, build_conv_dynamic_hw, build_identity, build_mlp
+from onnx_models import build_add_sub, build_bf16_identity, build_conv_dynamic_hw, build_identity, build_mlp
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends import openvino as ovb
@@ -180,14 +178,7 @@ def test_string_tensors_are_refused_with_a_pointer_to_onnxruntime(tmp_path: Path
 
 @pytest.mark.skipif(BF16_DTYPE is None, reason="ml_dtypes is not installed")
 def test_bf16_round_trip(tmp_path: Path) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["y"])], "bf16",
-        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["N"])],
-        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["N"])],
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(tmp_path / "bf16.onnx"))
+    build_bf16_identity(tmp_path / "bf16.onnx")
     instance = BACKEND.load(tmp_path / "bf16.onnx", None, FP32)
     x = np.array([1.5, -2.25, 3e20], dtype=BF16_DTYPE)
     y = instance.infer({"x": x})["y"]

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 from fake_plane import FakeRepository, fake_plane
@@ -119,3 +119,7 @@ def client_for(server: InProcessServer) -> Iterator[Any]:
         yield client
     finally:
         client.close()
+
+
+Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
+Inproc: TypeAlias = tuple[InProcessServer, FakeRepository]

@@ -4,34 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_fakes import FakeRepository, InProcessServer, client_for, make_plane, serve_inproc
+from grpc_fakes import Client, Inproc, InProcessServer, make_plane
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from edgeserve.config import Settings
 from edgeserve.frontends.grpc.auth import AccessPolicy, bearer_token, is_loopback_bind, is_loopback_peer
 from edgeserve.protocol.errors import InferenceError, Status
-
-Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
-Inproc = tuple[InProcessServer, FakeRepository]
-
-
-@pytest.fixture
-def inproc(tmp_path: Path) -> Iterator[Inproc]:
-    yield from serve_inproc(tmp_path)
-
-
-@pytest.fixture
-def client(inproc: Inproc) -> Iterator[Client]:
-    yield from client_for(inproc[0])
 
 
 def status_of(exc: pytest.ExceptionInfo[InferenceServerException]) -> str:

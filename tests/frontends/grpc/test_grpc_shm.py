@@ -8,29 +8,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-from grpc_fakes import FakeRepository, InProcessServer, client_for, make_plane, serve_inproc
+from grpc_fakes import Client, InProcessServer, make_plane
 from tritonclient.utils import InferenceServerException
 
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
-
-Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
-Inproc = tuple[InProcessServer, FakeRepository]
-
-
-@pytest.fixture
-def inproc(tmp_path: Path) -> Iterator[Inproc]:
-    yield from serve_inproc(tmp_path)
-
-
-@pytest.fixture
-def client(inproc: Inproc) -> Iterator[Client]:
-    yield from client_for(inproc[0])
 
 
 @pytest.fixture

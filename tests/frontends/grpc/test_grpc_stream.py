@@ -5,29 +5,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_fakes import FakeRepository, InProcessServer, client_for, serve_inproc
+from grpc_fakes import Client, Inproc
 from tritonclient.grpc import service_pb2
-
-Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
-Inproc = tuple[InProcessServer, FakeRepository]
-
-
-@pytest.fixture
-def inproc(tmp_path: Path) -> Iterator[Inproc]:
-    yield from serve_inproc(tmp_path)
-
-
-@pytest.fixture
-def client(inproc: Inproc) -> Iterator[Client]:
-    yield from client_for(inproc[0])
 
 
 def delay_input(ms: int) -> list[grpcclient.InferInput]:
