@@ -176,3 +176,46 @@ def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> 
         client.close()
         peer.sock.close(linger=0)
         ctx.term()
+
+
+def test_spinning_turns_off_while_replies_are_slow_and_back_on_when_they_are_fast() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    peer = Peer(ctx, "inproc://adaptive")
+    client = ZmqClient("inproc://adaptive", timeout=5.0, context=ctx, spin_us=5_000)
+    want = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def serve(delays: list[float]) -> None:
+        for delay in delays:
+            ident, request, _ = peer.take()
+            time.sleep(delay)
+            peer.reply(ident, {"id": request["id"], "status": "OK", "outputs": OK_OUT}, want.tobytes())
+
+    def run(delays: list[float]) -> None:
+        server = threading.Thread(target=serve, args=(delays,))
+        server.start()
+        for _ in delays:
+            assert client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)}).as_numpy(
+                "OUTPUT0"
+            ).tolist() == (want.tolist())
+        server.join(10)
+
+    try:
+        assert client.spinning  # nothing measured yet: try it
+        run([0.1] * 4)  # 100 ms replies: far beyond the 5 ms window
+        assert not client.spinning
+        run([0.0] * 60)  # prompt replies bring it back
+        assert client.spinning
+    finally:
+        peer.reply(client.identity, {"id": client._next_id, "status": "OK"})  # close()'s bye
+        client.close()
+        peer.sock.close(linger=0)
+        ctx.term()
+
+
+def test_spin_us_zero_never_spins() -> None:
+    client = ZmqClient("inproc://never-spins", timeout=1.0, context=zmq.Context.instance(), spin_us=0)
+    try:
+        assert not client.spinning
+    finally:
+        client._sock.close(linger=0)  # nothing listens: skip close()'s bye
+        client._sock = None
