@@ -62,7 +62,6 @@ from common import (
     progress,
     run_async,
     run_threads,
-    served_backend,
 )
 
 
@@ -434,12 +433,9 @@ def run(args: argparse.Namespace, works: list[Workload], repository: Path) -> di
     inprocs: dict[str, InProcess] = {}
     try:
         for work in works:
-            inproc = inprocs[work.model] = InProcess(repository, work.model)
-            served = served_backend(f"http://{services[0].http_url}", work.model)
-            if served != inproc.backend:
-                raise SystemExit(
-                    f"{work.model}: edgeserve runs {served}, the in-process side {inproc.backend}"
-                )
+            inproc = inprocs[work.model] = InProcess.matching(
+                repository, work.model, f"http://{services[0].http_url}"
+            )
             report["runtimes"].append(f"{work.model}: {inproc.label} on every side")
         if args.no_pytriton:
             report["skipped"] = "skipped: --no-pytriton given"

@@ -54,7 +54,6 @@ from common import (
     machine_facts,
     percentile,
     progress,
-    served_backend,
 )
 from es_server import start_server
 from local_clients import MODEL, OUT, SHAPE, Caller, run_phase
@@ -218,10 +217,7 @@ def main() -> int:
         if why:
             skipped = {m: why for m in modes if m.startswith("grpc")}
             modes = [m for m in modes if m not in skipped]
-        inproc = InProcess(repo, MODEL)
-        served = served_backend(target.pop("http"), MODEL)
-        if served != inproc.backend:
-            raise SystemExit(f"edgeserve runs {served}, the in-process side {inproc.backend}")
+        inproc = InProcess.matching(repo, MODEL, target.pop("http"))
         progress(f"runtime on both sides: {inproc.label}")
         target["instance"] = inproc
         check_outputs(modes, target)

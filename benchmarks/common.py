@@ -42,7 +42,7 @@ from es_server import start_server as _start_server  # noqa: E402
 
 __all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
            "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
-           "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_backend",
+           "plan_selector", "progress", "read_config", "run_async", "run_threads",
            "start_server"]  # fmt: skip
 
 
@@ -359,9 +359,12 @@ class InProcess:
     (thin wrappers over `InferenceSession.run` / an OpenVINO infer request), built from the same choice
     `edgeserve run` makes for this config (PlanSelector: backend, precision, threads, parameters), as
     many as its instance_group asks. Caller threads share them, one call per instance at a time (as the
-    server's workers do), so both sides have the same instances and threads to work with."""
+    server's workers do), so both sides have the same instances and threads to work with.
 
-    def __init__(self, repository: Path, model: str) -> None:
+    `parameters` are added to the config first: `matching` passes what the server decided at load (the
+    ONNX Runtime thread probe) so that both sides run the same choice."""
+
+    def __init__(self, repository: Path, model: str, parameters: Mapping[str, str] | None = None) -> None:
         from edgeserve.backends.base import get_backend
         from edgeserve.repository.autocomplete import instance_count
 
@@ -369,6 +372,8 @@ class InProcess:
         config = read_config(model_dir / "config.pbtxt")
         if not config.name:
             config.name = model
+        for key, value in (parameters or {}).items():
+            config.parameters[key].string_value = value
         version_dir = max((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
                           key=lambda p: int(p.name))  # fmt: skip
         choice = plan_selector().choose(model, model_dir, version_dir, config)
@@ -380,10 +385,24 @@ class InProcess:
                           for _ in range(instance_count(config))]  # fmt: skip
         self._pool = _Pool(self.instances)
 
+    @classmethod
+    def matching(cls, repository: Path, model: str, http_base: str) -> InProcess:
+        """The in-process side of a running edgeserve's `model`: same backend (checked) and the
+        parameters it filled in at load (its served config)."""
+        with urllib.request.urlopen(f"{http_base}/v2/models/{model}/config", timeout=30) as response:
+            served = json.loads(response.read())
+        params = {k: v.get("string_value", "") for k, v in (served.get("parameters") or {}).items()}
+        tuned = {k: v for k, v in params.items() if k == "intra_op_thread_count"}
+        inproc = cls(repository, model, tuned)
+        if served.get("backend", "") != inproc.backend:
+            inproc.close()
+            raise SystemExit(f"{model}: edgeserve runs {served.get('backend')}, the in-process side "
+                             f"{inproc.backend}")  # fmt: skip
+        return inproc
+
     @property
     def label(self) -> str:
-        params = self.options.parameters  # the ORT backend takes Triton's thread parameter over `threads`
-        threads = params.get("intra_op_thread_count") if self.backend == "onnxruntime" else None
+        threads = getattr(self.instances[0], "threads", 0) if self.instances else 0
         return (f"{self.backend} {self.options.precision}, {len(self.instances)} instance(s) x "
                 f"{threads or self.options.threads} thread(s)")  # fmt: skip
 
@@ -398,12 +417,6 @@ class InProcess:
     def close(self) -> None:
         for instance in self.instances:
             instance.close()
-
-
-def served_backend(http_base: str, model: str) -> str:
-    """The backend a running edgeserve chose for `model` (its model config's `backend` field)."""
-    with urllib.request.urlopen(f"{http_base}/v2/models/{model}/config", timeout=30) as response:
-        return str(json.loads(response.read()).get("backend", ""))
 
 
 def machine_facts() -> str:

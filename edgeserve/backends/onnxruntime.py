@@ -8,6 +8,9 @@ CPU), unless the model's parameters ask otherwise. `onnxruntime` is imported onl
 from __future__ import annotations
 
 import logging
+import os
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status
 
 if TYPE_CHECKING:
@@ -23,6 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.backends.onnxruntime")
 
 CPU = "CPUExecutionProvider"
+THREADS_PARAMETER = "intra_op_thread_count"  # Triton's ORT backend parameter
+SMALL_MODEL_NS = 300_000  # per call at batch 1; above it the plan's threads are kept untimed
+PROBE_RUNS = 15
+SINGLE_THREAD_GAIN = 0.9  # one thread must be at least 10% faster to be chosen
 
 # ORT type strings -> protocol datatypes. BF16 is left out on purpose: the ORT Python API cannot
 # hand bfloat16 tensors to or from numpy.
@@ -97,8 +105,8 @@ def session_options(options: BackendOptions) -> Any:
     params = options.parameters
     so = ort.SessionOptions()
     threads = options.threads
-    if params.get("intra_op_thread_count", "").isdigit():  # Triton's ORT backend parameter
-        threads = int(params["intra_op_thread_count"])
+    if params.get(THREADS_PARAMETER, "").isdigit():
+        threads = int(params[THREADS_PARAMETER])
     so.intra_op_num_threads = max(0, threads)  # 0 = ORT default (one per physical core)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -172,6 +180,9 @@ class OnnxRuntimeInstance:
         self._string_inputs = {t.name for t in io.inputs if t.datatype == "BYTES"}
         self._string_outputs = {t.name for t in io.outputs if t.datatype == "BYTES"}
         self._output_names = [t.name for t in io.outputs]
+        self.threads = 0  # intra-op threads it runs with; 0 = ORT's default
+        self.threads_note: str | None = None  # what the load-time thread probe measured and chose
+        self.tuned_parameters: dict[str, str] = {}  # config parameters that reproduce the probe's choice
 
     def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         session = self._session
@@ -274,7 +285,8 @@ class OnnxRuntimeBackend:
                 f"(available: {', '.join(available)})"
             )
         providers: list[Any] = [(p, _provider_options(p, options)) if p != CPU else p for p in chosen]
-        session = self._session(model_path, session_options(options), providers)
+        so = session_options(options)
+        session = self._session(model_path, so, providers)
         active = list(session.get_providers())
         dropped = [p for p in chosen if p != CPU and p not in active]
         if dropped:
@@ -283,8 +295,67 @@ class OnnxRuntimeBackend:
         if reasons:
             fallback = "; ".join(reasons) + f"; running on {', '.join(active)}"
             log.warning("%s: CPU fallback: %s", _model_file(model_path), fallback)
-        io = _model_io(session, _model_file(model_path))
-        return OnnxRuntimeInstance(session, io, _model_file(model_path), fallback)
+        file = _model_file(model_path)
+        io = _model_io(session, file)
+        threads, note = int(so.intra_op_num_threads), None
+        if active == [CPU] and THREADS_PARAMETER not in options.parameters and threads != 1:
+            session, threads, note = self._tune_threads(model_path, session, threads, options, io)
+        instance = OnnxRuntimeInstance(session, io, file, fallback)
+        instance.threads, instance.threads_note = threads, note
+        if note is not None and threads == 1:
+            instance.tuned_parameters = {THREADS_PARAMETER: "1"}
+        return instance
+
+    def _tune_threads(
+        self, model_path: Path, session: Any, threads: int, options: BackendOptions, io: ModelIO
+    ) -> tuple[Any, int, str | None]:
+        """Time the session, and for a small model a one-thread session too; keep the faster."""
+        feed = probe_feed(io)
+        if feed is None or (os.cpu_count() or 1) < 2:
+            return session, threads, None
+        try:
+            pool_ns = median_run_ns(session, feed, PROBE_RUNS)
+            if pool_ns >= SMALL_MODEL_NS:
+                return session, threads, None
+            so = session_options(options)
+            so.intra_op_num_threads = 1
+            single = self._session(model_path, so, [CPU])
+            single_ns = median_run_ns(single, feed, PROBE_RUNS)
+        except Exception as exc:  # the probe is an optimisation: the warm-up reports real failures
+            log.info("%s: thread probe skipped: %s", model_path, exc)
+            return session, threads, None
+        pool = f"{threads} threads" if threads else "the default threads"
+        timings = f"{single_ns / 1e3:.0f} us per call with 1 thread, {pool_ns / 1e3:.0f} us with {pool}"
+        if prefer_single_thread(pool_ns, single_ns):
+            return single, 1, f"1 intra-op thread for this small model ({timings})"
+        return session, threads, f"kept {pool} ({timings})"
+
+
+def probe_feed(io: ModelIO) -> dict[str, Array] | None:
+    """Zeros for every input (batch axis 1); None when a shape beyond the batch axis is dynamic."""
+    feed: dict[str, Array] = {}
+    for spec in io.inputs:
+        dims = list(spec.shape)
+        if dims and dims[0] == -1:
+            dims[0] = 1
+        if -1 in dims or spec.datatype == "BYTES":
+            return None
+        feed[spec.name] = np.zeros(dims, dtype=datatypes.numpy_dtype(spec.datatype))
+    return feed
+
+
+def median_run_ns(session: Any, feed: Mapping[str, Array], runs: int) -> int:
+    session.run(None, feed)  # the first run allocates
+    times: list[int] = []
+    for _ in range(runs):
+        start = time.perf_counter_ns()
+        session.run(None, feed)
+        times.append(time.perf_counter_ns() - start)
+    return int(statistics.median(times))
+
+
+def prefer_single_thread(pool_ns: int, single_ns: int) -> bool:
+    return pool_ns < SMALL_MODEL_NS and single_ns < pool_ns * SINGLE_THREAD_GAIN
 
 
 BACKEND = OnnxRuntimeBackend()

@@ -7,6 +7,7 @@ received while you wait on a future, call `poll()`, or iterate `as_completed()`.
 from __future__ import annotations
 
 import heapq
+import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -300,7 +301,9 @@ class ZmqClient:
         if self.spinning:
             end = min(until, time.monotonic() + self.spin_s)
             while not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN and time.monotonic() < end:
-                pass
+                # Let a woken thread (ZeroMQ's I/O thread, the server's) have this core now: with
+                # EEVDF it may otherwise wait for the rest of our time slice (p99 0.74 -> 0.33 ms).
+                os.sched_yield()
         try:
             frame = sock.recv(0, copy=False)  # one call: no poll first
         except zmq.Again:

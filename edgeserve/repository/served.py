@@ -96,9 +96,21 @@ def _prepare_with(
         close_instances(instances, label)
         raise
     fallbacks = {getattr(i, "fallback_reason", None) for i in instances} - {None}
+    _record_tuning(instances, config, label)
     return PreparedVersion(
         version, config, io, choice, instances, "; ".join(sorted(map(str, fallbacks))) or None
     )
+
+
+def _record_tuning(instances: list[Instance], config: Any, label: str) -> None:
+    """Log what a backend measured at load, and show its choice in the served config's parameters
+    (as Triton's auto-complete fills in what it decided) when every instance chose the same."""
+    for note in {getattr(i, "threads_note", None) for i in instances} - {None}:
+        log.info("%s: %s", label, note)
+    tuned = [dict(getattr(i, "tuned_parameters", None) or {}) for i in instances]
+    if tuned and tuned[0] and all(t == tuned[0] for t in tuned):
+        for key, value in tuned[0].items():
+            config.parameters[key].string_value = value
 
 
 def prepare_version(
