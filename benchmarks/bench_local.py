@@ -5,7 +5,7 @@ result out) called
                  server's own choice of options (common.InProcess), called directly
     zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
                  written there by the producer (as a camera/decoder writing into the slot does);
-                 the client as it comes (it busy-waits up to 300 us for a reply while replies come
+                 the client as it comes (it busy-waits up to 500 us for a reply while replies come
                  that fast; every ZeroMQ mode but the next uses it so)
     zmq_shm_nospin the same with ZmqClient(spin_us=0): the client sleeps at once while it waits
     zmq_shm_copy the same as zmq_shm, but the producer copies each frame into its slot per request
@@ -15,7 +15,8 @@ result out) called
 
 with 1 client (and 4), one request in flight per client; p50/p99 latency, round trips/s, ratios,
 CPU share of the load generator, and the issue's two targets checked (PASS/FAIL):
-  - zmq_shm round trips/s >= 5x grpc_plain (gRPC unary), 1 client
+  - zmq_shm round trips/s >= 5x grpc_plain (gRPC unary), 1 client, against the fastest gRPC phase
+    (each phase is a new connection; tritonclient connections settle at ~1 ms or ~2.4 ms)
   - zmq_shm p50 - inproc p50 < 0.3 ms, 1 client
 
     python benchmarks/bench_local.py                 # 1 and 4 clients, 3 s per phase, 2 rounds
@@ -137,6 +138,9 @@ def summarise(phases: list[dict[str, Any]], modes: list[str], clients: list[int]
                     "client_cpu_pct": sum(p["client_cpu_pct"] for p in mine) / max(1, len(mine)),
                     "server_cpu_pct": sum(p["server_cpu_pct"] for p in mine) / max(1, len(mine)),
                     "errors": [e for p in mine for e in p["errors"]][:3],
+                    # each phase is a fresh connection per client: gRPC unary differs by connection
+                    "phase_rps": [len(p["latencies"]) / p["wall"] if p["wall"] > 0 else 0.0 for p in mine],
+                    "phase_p50_ms": [percentile(p["latencies"], 50) * 1e3 for p in mine],
                 }
             )
     return rows
@@ -164,11 +168,19 @@ def report(rows: list[dict[str, Any]], skipped: dict[str, str]) -> dict[str, Any
     zmq, grpc, inproc = row("zmq_shm", 1), row("grpc_plain", 1), row("inproc", 1)
     targets: dict[str, Any] = {}
     if zmq and grpc:
-        ratio = zmq["rps"] / grpc["rps"]
+        # Against gRPC's fastest connection of the run, not the pooled figure: a tritonclient
+        # connection settles at about 1 ms or at about 2.4 ms per round trip and stays there.
+        per_phase = grpc.get("phase_rps") or [grpc["rps"]]
+        best = max(per_phase)
+        ratio = zmq["rps"] / best
         targets["zmq_shm_vs_grpc_unary_rps"] = ratio
+        if len(per_phase) > 1:
+            p50s = ", ".join(f"{p:.2f}" for p in grpc.get("phase_p50_ms", []))
+            print(f"gRPC unary per connection: {', '.join(f'{r:.0f}' for r in per_phase)} rt/s "
+                  f"(p50 {p50s} ms)")  # fmt: skip
         print(
-            f"target 1: zmq_shm {zmq['rps']:.0f} rt/s = {ratio:.1f}x gRPC unary {grpc['rps']:.0f} rt/s "
-            f"(>= 5x): {'PASS' if ratio >= 5 else 'FAIL'}"
+            f"target 1: zmq_shm {zmq['rps']:.0f} rt/s = {ratio:.1f}x gRPC unary's fastest connection "
+            f"{best:.0f} rt/s (>= 5x): {'PASS' if ratio >= 5 else 'FAIL'}"
         )
     else:
         print("target 1: not measured (gRPC unary skipped)")

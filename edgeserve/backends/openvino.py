@@ -67,6 +67,11 @@ def core() -> Any:
     with _core_lock:
         if _core is None:
             _core = ov.Core()
+            # pyopenvino builds its type -> numpy dtype table in a C++ function-local static on first
+            # use, and that build can drop the GIL (numpy's C API import): two threads doing it at once
+            # (two models planned or loaded in parallel) deadlock. Build it here, once, under the lock.
+            ov.Type.f32.to_dtype()
+            _ = ov.Tensor(np.zeros(1, dtype=np.float32)).data
         return _core
 
 

@@ -205,3 +205,37 @@ def test_bad_input_and_close(tmp_path: Path) -> None:
     with pytest.raises(InferenceError) as closed:
         instance.infer({"INPUT0": np.zeros((2, 16), np.float32)})
     assert closed.value.status is Status.UNAVAILABLE
+
+
+# Two threads converting OpenVINO types to numpy for the first time in a fresh process deadlock
+# (pyopenvino's dtype table is a C++ static whose build can drop the GIL): 5 of 40 fresh processes
+# hung here before `core()` built the table under its lock. The race needs fresh processes.
+_FIRST_USE_RACE = """
+import sys, threading
+import openvino as ov
+from edgeserve.backends.openvino import core
+barrier = threading.Barrier(2)
+def first_use():
+    core()
+    barrier.wait()
+    ov.Type.f32.to_dtype()
+threads = [threading.Thread(target=first_use) for _ in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+"""
+
+
+def test_first_use_from_two_threads_does_not_deadlock() -> None:
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _FIRST_USE_RACE]) for _ in range(12)]
+    hung = 0
+    for proc in procs:
+        try:
+            assert proc.wait(timeout=60) == 0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            hung += 1
+    assert hung == 0, f"{hung} of {len(procs)} processes deadlocked on OpenVINO's first use"
