@@ -339,9 +339,10 @@ class ModelRepository:
             raise internal(f"model {name} version {version}: {exc}") from exc
         extra = f" ({served.fallback_reason})" if served.fallback_reason else ""
         options = prepared.choice.options
+        threads = getattr(served.instances[0], "threads", 0) if served.instances else 0  # after a probe
         log.info("model %s version %d ready in %.2fs backend=%s device=%s precision=%s threads=%d "
                  "instances=%d%s", name, version, seconds, served.backend_name, options.device,
-                 options.precision, options.threads, len(served.instances), extra)  # fmt: skip
+                 options.precision, threads or options.threads, len(served.instances), extra)  # fmt: skip
         log.info("model %s version %d plan: %s", name, version, served.choice_reason)
         return served
 
