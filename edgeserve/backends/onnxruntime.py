@@ -29,7 +29,9 @@ log = logging.getLogger("edgeserve.backends.onnxruntime")
 CPU = "CPUExecutionProvider"
 THREADS_PARAMETER = "intra_op_thread_count"  # Triton's ORT backend parameter
 SMALL_MODEL_NS = 300_000  # per call at batch 1; above it the plan's threads are kept untimed
-PROBE_RUNS = 15
+SIZE_RUNS = 3  # enough to tell a small model from a large one
+PROBE_RUNS = 20
+PROBE_GAP_S = 0.0005
 SINGLE_THREAD_GAIN = 0.9  # one thread must be at least 10% faster to be chosen
 
 # ORT type strings -> protocol datatypes. BF16 is left out on purpose: the ORT Python API cannot
@@ -314,13 +316,12 @@ class OnnxRuntimeBackend:
         if feed is None or (os.cpu_count() or 1) < 2:
             return session, threads, None
         try:
-            pool_ns = median_run_ns(session, feed, PROBE_RUNS)
-            if pool_ns >= SMALL_MODEL_NS:
+            if time_runs([session], feed, SIZE_RUNS)[0] >= SMALL_MODEL_NS:
                 return session, threads, None
             so = session_options(options)
             so.intra_op_num_threads = 1
             single = self._session(model_path, so, [CPU])
-            single_ns = median_run_ns(single, feed, PROBE_RUNS)
+            pool_ns, single_ns = time_runs([session, single], feed, PROBE_RUNS)
         except Exception as exc:  # the probe is an optimisation: the warm-up reports real failures
             log.info("%s: thread probe skipped: %s", model_path, exc)
             return session, threads, None
@@ -344,14 +345,20 @@ def probe_feed(io: ModelIO) -> dict[str, Array] | None:
     return feed
 
 
-def median_run_ns(session: Any, feed: Mapping[str, Array], runs: int) -> int:
-    session.run(None, feed)  # the first run allocates
-    times: list[int] = []
+def time_runs(sessions: Sequence[Any], feed: Mapping[str, Array], runs: int) -> list[int]:
+    """Median nanoseconds per call of each session, taken in turns, each call after an idle gap: a
+    request that finds the runtime idle is what a small model's latency is made of (a thread pool
+    that has gone to sleep must be woken), not back-to-back calls."""
+    for session in sessions:
+        session.run(None, feed)  # the first run allocates
+    times: list[list[int]] = [[] for _ in sessions]
     for _ in range(runs):
-        start = time.perf_counter_ns()
-        session.run(None, feed)
-        times.append(time.perf_counter_ns() - start)
-    return int(statistics.median(times))
+        for session, mine in zip(sessions, times, strict=True):
+            time.sleep(PROBE_GAP_S)
+            start = time.perf_counter_ns()
+            session.run(None, feed)
+            mine.append(time.perf_counter_ns() - start)
+    return [int(statistics.median(mine)) for mine in times]
 
 
 def prefer_single_thread(pool_ns: int, single_ns: int) -> bool:

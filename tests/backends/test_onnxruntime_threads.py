@@ -23,19 +23,21 @@ BACKEND = ortb.BACKEND
 
 
 @pytest.fixture
-def scripted_timings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Replace the clocked probe: each call pops the next timing (pool first, then one thread)."""
-    script: list[int] = []
-    calls: list[Any] = []
+def scripted_timings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
+    """Replace the clocked probe: each call returns the next scripted list (first the size check of
+    the planned session, then the planned and the one-thread session side by side)."""
+    script: list[list[int]] = []
 
-    def fake(session: Any, feed: Any, runs: int) -> int:
-        calls.append(session)
-        session.run(None, feed)  # the probe input must really run
-        return script.pop(0)
+    def fake(sessions: Any, feed: Any, runs: int) -> list[int]:
+        for session in sessions:
+            session.run(None, feed)  # the probe input must really run
+        timings = script.pop(0)
+        assert len(timings) == len(sessions)
+        return timings
 
-    monkeypatch.setattr(ortb, "median_run_ns", fake)
+    monkeypatch.setattr(ortb, "time_runs", fake)
     yield script
-    assert not script, "the probe timed fewer sessions than scripted"
+    assert not script, "the probe timed fewer times than scripted"
 
 
 def _intra_op(instance: ortb.OnnxRuntimeInstance) -> int:
@@ -49,10 +51,10 @@ def _check_answers(instance: ortb.OnnxRuntimeInstance, path: Path) -> None:
 
 
 def test_small_model_runs_on_one_thread_when_that_is_faster(
-    tmp_path: Path, scripted_timings: list[int]
+    tmp_path: Path, scripted_timings: list[list[int]]
 ) -> None:
     path = build_mlp(tmp_path / "mlp.onnx")
-    scripted_timings[:] = [40_000, 20_000]
+    scripted_timings[:] = [[40_000], [40_000, 20_000]]
     instance = BACKEND.load(path, None, BackendOptions(threads=2))
     assert instance.threads == 1 and _intra_op(instance) == 1
     assert instance.threads_note == (
@@ -62,22 +64,24 @@ def test_small_model_runs_on_one_thread_when_that_is_faster(
     _check_answers(instance, path)
 
 
-def test_the_pool_is_kept_unless_one_thread_wins_clearly(tmp_path: Path, scripted_timings: list[int]) -> None:
-    scripted_timings[:] = [40_000, 38_000]  # 5% faster: under the 10% margin
+def test_the_pool_is_kept_unless_one_thread_wins_clearly(
+    tmp_path: Path, scripted_timings: list[list[int]]
+) -> None:
+    scripted_timings[:] = [[40_000], [40_000, 38_000]]  # 5% faster: under the 10% margin
     instance = BACKEND.load(build_mlp(tmp_path / "mlp.onnx"), None, BackendOptions(threads=2))
     assert instance.threads == 2 and _intra_op(instance) == 2
     assert instance.threads_note is not None and instance.threads_note.startswith("kept 2 threads")
     assert instance.tuned_parameters == {}
 
 
-def test_a_model_that_is_not_small_is_timed_once(tmp_path: Path, scripted_timings: list[int]) -> None:
-    scripted_timings[:] = [ortb.SMALL_MODEL_NS]  # no second session is built or timed
+def test_a_model_that_is_not_small_is_timed_once(tmp_path: Path, scripted_timings: list[list[int]]) -> None:
+    scripted_timings[:] = [[ortb.SMALL_MODEL_NS]]  # no second session is built or timed
     instance = BACKEND.load(build_mlp(tmp_path / "mlp.onnx"), None, BackendOptions(threads=2))
     assert instance.threads == 2 and instance.threads_note is None and _intra_op(instance) == 2
 
 
 def test_no_probe_when_the_config_sets_threads_or_one_thread_is_planned(
-    tmp_path: Path, scripted_timings: list[int]
+    tmp_path: Path, scripted_timings: list[list[int]]
 ) -> None:
     path = build_mlp(tmp_path / "mlp.onnx")
     pinned = BACKEND.load(path, None, BackendOptions(threads=1, parameters={"intra_op_thread_count": "2"}))
@@ -87,7 +91,7 @@ def test_no_probe_when_the_config_sets_threads_or_one_thread_is_planned(
 
 
 def test_no_probe_for_dynamic_shapes_or_a_one_core_box(
-    tmp_path: Path, scripted_timings: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, scripted_timings: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conv = BACKEND.load(build_conv_dynamic_hw(tmp_path / "conv.onnx"), None, BackendOptions(threads=2))
     assert conv.threads == 2 and conv.threads_note is None  # H and W unknown: no input to time
