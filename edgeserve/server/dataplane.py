@@ -161,15 +161,16 @@ class DataPlane:
         self.submit(request, on_done)
         return await future
 
-    def submit(self, request: InferRequest, on_done: ResponseCallback, *, inline_max_ns: int = 0) -> None:
+    def submit(self, request: InferRequest, on_done: ResponseCallback, *, inline_max_ns: int = 0) -> bool:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
         before queueing) right here, with the response or an InferenceError.
 
         `inline_max_ns` > 0 (a frontend with its own thread, never the event loop): run the request
-        right here when an instance is idle and the model's recent compute time is under it."""
+        right here when an instance is idle and the model's recent compute time is under it.
+        Returns True when it ran here."""
         if self.shutting_down:
             on_done(unavailable("server is shutting down"))
-            return
+            return False
         leases: list[ShmLease] = []
         output_leases: dict[str, ShmLease] = {}
         served: ServedModelLike | None = None
@@ -200,13 +201,13 @@ class DataPlane:
             if served is not None:
                 served.stats.record_fail(time.monotonic_ns() - request.arrival_ns)
             on_done(exc)
-            return
+            return False
         except Exception as exc:  # never let a decoding bug take the frontend down
             for lease in leases:
                 lease.release()
             log.exception("request %s rejected by an internal error", request.id)
             on_done(internal(f"internal error preparing request: {exc}"))
-            return
+            return False
 
         model = served
 
@@ -236,12 +237,14 @@ class DataPlane:
             request_id=request.id,
         )
         try:
-            if not (inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns)):
-                model.scheduler.submit(job)
+            if inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns):
+                return True
+            model.scheduler.submit(job)
         except InferenceError as exc:
             for lease in leases:
                 lease.release()
             on_done(exc)
+        return False
 
     def _response(
         self,

@@ -49,6 +49,7 @@ _MORE_DONTWAIT = int(zmq.SNDMORE) | _DONTWAIT
 _ZERO_COPY_MIN = 65536
 MAX_MESSAGE_BYTES = 1 << 30  # per frame; a bigger one drops the connection (use shared memory)
 DRAIN_BATCH = 256  # messages handled before timers and callbacks get their turn
+GAP_WEIGHT = 0.125  # of the newest gap between requests in the average that turns spinning on
 JOIN_TIMEOUT_S = 10.0
 
 
@@ -91,6 +92,7 @@ class Router:
         on_message: Callable[[list[Any]], None],
         on_disconnect: Callable[[], None],
         sndhwm: int,
+        spin_us: int = 0,
     ) -> None:
         self._on_message = on_message
         self._on_disconnect = on_disconnect
@@ -113,6 +115,10 @@ class Router:
         self._timer_seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._thread_id = 0
+        self._spin_s = max(0, spin_us) / 1e6
+        self._gap_s = 0.0  # average wait for the next request once idle (capped: see _run)
+        self.handled = 0  # messages received
+        self.spin_hits = 0  # idle waits that ended in a request while spinning
         self._stop = False
         self.bound: list[str] = []
         self._ipc_paths: list[str] = []
@@ -217,18 +223,45 @@ class Router:
         timeout_ms = 0  # drain whatever arrived before the thread started; it re-arms ZMQ_FD
         while not self._stop:
             try:
+                idle_since = 0.0
+                if timeout_ms != 0:  # nothing pending: spin a little first while requests come close
+                    idle_since = time.monotonic()
+                    if self._spin_s and self._gap_s <= self._spin_s and self._spin(idle_since):
+                        timeout_ms = 0
+                        self.spin_hits += 1
                 poller.poll(timeout_ms)
+                woke = time.monotonic()
                 if self._wake_pending:  # read, then clear: a wake in between is handled below
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(self._wake_fd)
                     self._wake_pending = False
+                handled = self.handled
                 more = self._drain()
+                if idle_since and self.handled != handled:
+                    # Capped, so that a long idle spell is forgotten after a few close requests.
+                    gap = min(woke - idle_since, 8 * self._spin_s)
+                    self._gap_s += (gap - self._gap_s) * GAP_WEIGHT
                 self._drain_monitor()
                 self._run_callbacks()
                 timeout_ms = 0 if more or self._callbacks else self._next_timeout_ms()
             except Exception:  # a bug must not stop the frontend
                 log.exception("zmq frontend loop failed; continuing")
                 timeout_ms = 10
+
+    def _spin(self, since: float) -> bool:
+        """Poll the socket until a request is queued (True) or the spin time is over (False),
+        yielding the core between polls: a thread woken meanwhile (ZeroMQ's I/O thread, a worker)
+        runs at once instead of after our time slice."""
+        until = since + self._spin_s
+        while not self._wake_pending:
+            with self._lock:
+                sock = self._sock
+                if sock is None or cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                    return True
+            if time.monotonic() >= until:
+                return False
+            os.sched_yield()
+        return False  # a wake-up (callbacks): the loop's poll returns at once
 
     def _drain(self) -> bool:
         """Handle queued messages; True when more are waiting than one batch took."""
@@ -238,6 +271,7 @@ class Router:
                 if sock is None or not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                     return False
                 msg = sock.recv_multipart(_DONTWAIT, copy=False)
+            self.handled += 1
             try:
                 self._on_message(msg)
             except Exception:  # a bug in one message must not stop the frontend

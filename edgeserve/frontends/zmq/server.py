@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from edgeserve import __version__
+from edgeserve import __version__, metrics
 from edgeserve.frontends.zmq import codec, wire
+from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
 
@@ -55,17 +56,22 @@ class ZmqFrontend:
         self.endpoints = list(settings.zmq.endpoints)
         self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
         self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
+        self.spin_us = settings.zmq.spin_us
         self.bound: list[str] = []  # resolved endpoints (tcp://...:* gets its port)
         self._peers: dict[bytes, _Peer] = {}
         self._count_lock = threading.Lock()
         self._inflight = 0
         self._router: Router | None = None
         self._dropped = 0
+        self._inline_runs = 0
         self._last_drop_log = 0.0
+        self._collector = ZmqCollector(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        router = Router(self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight))
+        router = Router(
+            self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight), spin_us=self.spin_us
+        )
         try:
             router.bind(self.endpoints)
         except BaseException:
@@ -75,6 +81,7 @@ class ZmqFrontend:
         self.bound = router.bound
         router.call_later(SWEEP_S, self._sweep)
         router.start()
+        metrics.register_collector(self._collector)
         log.info("zmq frontend listening on %s", ", ".join(self.bound))
 
     async def stop(self, grace_s: float) -> None:
@@ -83,6 +90,7 @@ class ZmqFrontend:
         deadline = time.monotonic() + max(0.0, grace_s)
         while self._inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        metrics.unregister_collector(self._collector)
         router, self._router = self._router, None
         if router is not None:  # joins the router thread: the peers are ours from here on
             await asyncio.get_running_loop().run_in_executor(None, router.close)
@@ -166,7 +174,20 @@ class ZmqFrontend:
         # Inline only while no other request waits: under load the workers (and the batcher) do better.
         router = self._router
         inline = self.inline_max_ns if router is not None and not router.input_waiting() else 0
-        self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline)
+        if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline):
+            self._inline_runs += 1
+
+    def counters(self) -> dict[str, int]:
+        """For /metrics (any thread: plain reads of ints the router thread updates)."""
+        router = self._router
+        return {
+            "requests": router.handled if router is not None else 0,
+            "inline_runs": self._inline_runs,
+            "spin_hits": router.spin_hits if router is not None else 0,
+            "dropped_replies": self._dropped,
+            "clients": len(self._peers),
+            "inflight": self._inflight,
+        }
 
     # -- control messages -----------------------------------------------------------------------
     def _control(self, peer: _Peer, op: Any, header: dict[str, Any]) -> None:

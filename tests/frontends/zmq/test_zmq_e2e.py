@@ -239,6 +239,54 @@ def test_inline_runs_and_worker_hand_offs_answer_and_count_alike(tmp_path: Path,
         assert stats["inference_stats"]["success"]["count"] == 104
         assert stats["inference_stats"]["fail"]["count"] == 0
         assert stats["inference_stats"]["compute_infer"]["count"] == stats["execution_count"]
+        counters = zmq_metrics(running)
+        assert counters["edgeserve_zmq_requests_total"] >= 100  # + the ring's registration
+        if inline_max_us == "0":
+            assert counters["edgeserve_zmq_inline_runs_total"] == 0
+        else:  # a request may still go to the worker when the HTTP one holds the instance
+            assert counters["edgeserve_zmq_inline_runs_total"] >= 90
         assert running.alive()
+    finally:
+        running.stop()
+
+
+def zmq_metrics(server: RunningServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in text.splitlines())
+        if name.startswith("edgeserve_zmq_")
+    }
+
+
+@pytest.mark.parametrize("spin_us", ["10000", "0"])
+def test_the_frontend_spins_only_while_requests_come_close_together(tmp_path: Path, spin_us: str) -> None:
+    """Back-to-back requests are caught while the ZeroMQ thread spins (a 10 ms window: generous for
+    a slow box); requests 30 ms apart turn spinning off; spin_us = 0 never spins."""
+    repo = tmp_path / "models"
+    write_model(repo, "ident", "identity", datatype="FP32", config=ORT + "max_batch_size: 8\n")
+    running = start_server(repo, tmp_path, env={"EDGESERVE_ZMQ_SPIN_US": spin_us})
+    try:
+        data = sample("FP32", (1, 16))
+        with ZmqClient(running.zmq_endpoint, timeout=10, spin_us=0) as client:
+            for _ in range(50):
+                assert_same(client.infer("ident", {"INPUT0": data}).as_numpy("OUTPUT0"), data)
+            close_together = zmq_metrics(running)["edgeserve_zmq_spin_hits_total"]
+            for _ in range(30):  # the average gap climbs past the window within a few of these
+                time.sleep(0.03)
+                client.infer("ident", {"INPUT0": data})
+            spaced = zmq_metrics(running)["edgeserve_zmq_spin_hits_total"]
+            for _ in range(10):
+                time.sleep(0.03)
+                client.infer("ident", {"INPUT0": data})
+            final = zmq_metrics(running)
+        if spin_us == "0":
+            assert final["edgeserve_zmq_spin_hits_total"] == 0
+        else:
+            assert close_together >= 25  # the window is 10 ms: nearly every request is caught
+            assert final["edgeserve_zmq_spin_hits_total"] == spaced  # 30 ms apart: no spinning
+        assert final["edgeserve_zmq_requests_total"] >= 90
+        assert final["edgeserve_zmq_inflight"] == 0 and running.alive()
     finally:
         running.stop()
