@@ -103,29 +103,37 @@ class Caller:
         return shm
 
 
-def loop(caller: Caller, seconds: float, max_requests: int, start: float) -> tuple[list[float], float, float]:
-    """Back-to-back calls from `start` (a time.time() shared by all clients) for `seconds`."""
+def loop(
+    caller: Caller, seconds: float, max_requests: int, start: float, fps: float = 0.0
+) -> tuple[list[float], float, float]:
+    """Calls from `start` (a time.time() shared by all clients) for `seconds`: back to back, or one
+    every 1/`fps` s as a camera delivers frames."""
     for _ in range(20):  # warm-up, outside the measurement
         caller.call()
     while time.time() < start:
         time.sleep(0.0005)
     latencies: list[float] = []
     cpu0 = time.process_time()
+    period = 1.0 / fps if fps > 0 else 0.0
     deadline = time.perf_counter() + seconds
+    tick = time.perf_counter()
     while len(latencies) < max_requests and time.perf_counter() < deadline:
         t0 = time.perf_counter()
         caller.call()
         latencies.append(time.perf_counter() - t0)
+        if period:
+            tick += period
+            time.sleep(max(0.0, tick - time.perf_counter()))
     return latencies, time.time(), time.process_time() - cpu0
 
 
 def _client_process(
-    mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float, queue: Any
+    mode: str, target: dict[str, Any], seconds: float, max_requests: int, start: float, fps: float, queue: Any
 ) -> None:
     try:
         caller = Caller(mode, target)
         try:
-            queue.put(("ok", *loop(caller, seconds, max_requests, start)))
+            queue.put(("ok", *loop(caller, seconds, max_requests, start, fps)))
         finally:
             caller.close()
     except BaseException as exc:
@@ -133,7 +141,7 @@ def _client_process(
 
 
 def run_phase(
-    mode: str, clients: int, target: dict[str, Any], seconds: float, server_pid: int
+    mode: str, clients: int, target: dict[str, Any], seconds: float, server_pid: int, fps: float = 0.0
 ) -> dict[str, Any]:
     max_requests = 200_000
     start = time.time() + (1.5 if mode == "inproc" else 4.0)  # time to connect / load and warm up
@@ -145,7 +153,7 @@ def run_phase(
         lock = threading.Lock()
 
         def worker() -> None:
-            out = loop(caller, seconds, max_requests, start)
+            out = loop(caller, seconds, max_requests, start, fps)
             with lock:
                 results.append(("ok", *out))
 
@@ -162,7 +170,7 @@ def run_phase(
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         procs = [
-            ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, queue))
+            ctx.Process(target=_client_process, args=(mode, target, seconds, max_requests, start, fps, queue))
             for _ in range(clients)
         ]
         for proc in procs:
