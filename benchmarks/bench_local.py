@@ -5,8 +5,9 @@ result out) called
                  server's own choice of options (common.InProcess), called directly
     zmq_shm      edgeserve over ZeroMQ, the frame in a slot of a shared-memory ring (FrameRing),
                  written there by the producer (as a camera/decoder writing into the slot does);
-                 the client as it comes (it busy-waits up to 500 us for a reply while replies come
-                 that fast; every ZeroMQ mode but the next uses it so)
+                 client and server as they come: the client busy-waits up to 500 us for a reply
+                 while replies come that fast (every ZeroMQ mode but the next uses it so), the
+                 server's ZeroMQ thread up to [zmq] spin_us = 200 us for the next request
     zmq_shm_nospin the same with ZmqClient(spin_us=0): the client sleeps at once while it waits
     zmq_shm_copy the same as zmq_shm, but the producer copies each frame into its slot per request
     zmq_inline   edgeserve over ZeroMQ, the frame inline in the message (zero-copy send)
