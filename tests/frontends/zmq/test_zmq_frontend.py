@@ -70,6 +70,10 @@ def test_zero_copy_inline_frames_and_large_ring_frames(server: RunningFrontend) 
         result = client.infer("mean", {"IMAGE": slot.tensor(frame.shape, np.uint8)})
         assert_same(result.as_numpy("MEAN"), want)
         assert ring.free == 4
+        # A reply frame of >= 64 KB leaves the server without a copy; below that it is copied.
+        for size in (1000, 70_000, 921_600):
+            data = np.random.default_rng(size).integers(0, 255, (1, size), dtype=np.uint8)
+            assert_same(client.infer("id_uint8", {"INPUT0": data}).as_numpy("OUTPUT0"), data)
 
 
 def test_pipelined_requests_complete_and_match(client: ZmqClient) -> None:
