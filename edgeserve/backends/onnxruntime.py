@@ -327,7 +327,7 @@ class OnnxRuntimeBackend:
             return session, threads, None
         pool = f"{threads} threads" if threads else "the default threads"
         timings = f"{single_ns / 1e3:.0f} us per call with 1 thread, {pool_ns / 1e3:.0f} us with {pool}"
-        if prefer_single_thread(pool_ns, single_ns):
+        if single_ns < pool_ns * SINGLE_THREAD_GAIN:
             return single, 1, f"1 intra-op thread for this small model ({timings})"
         return session, threads, f"kept {pool} ({timings})"
 
@@ -359,10 +359,6 @@ def time_runs(sessions: Sequence[Any], feed: Mapping[str, Array], runs: int) -> 
             session.run(None, feed)
             mine.append(time.perf_counter_ns() - start)
     return [int(statistics.median(mine)) for mine in times]
-
-
-def prefer_single_thread(pool_ns: int, single_ns: int) -> bool:
-    return pool_ns < SMALL_MODEL_NS and single_ns < pool_ns * SINGLE_THREAD_GAIN
 
 
 BACKEND = OnnxRuntimeBackend()

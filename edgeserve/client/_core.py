@@ -21,9 +21,6 @@ InputValue: TypeAlias = "npt.NDArray[Any] | ShmTensor"
 OutputTarget: TypeAlias = "FrameRing | Slot | ShmTensor | None"
 Outputs: TypeAlias = "Sequence[str] | Mapping[str, OutputTarget] | None"
 
-# Inline inputs smaller than this are always sent from a copy (zmq copies small frames anyway).
-ZERO_COPY_MIN = 65536
-
 
 @dataclass
 class InferResult:
@@ -153,7 +150,7 @@ def _inline(
         desc["shm"] = _ref(slot.write(array))
     else:
         payload = datatypes.to_wire_bytes(array, datatype)
-        if copy_inputs or memoryview(payload).nbytes < ZERO_COPY_MIN:
+        if copy_inputs or wire.send_copy(payload):
             payload = bytes(payload)
         frames.append(payload)
     return desc

@@ -28,7 +28,6 @@ _POLLIN = int(zmq.POLLIN)
 _DONTWAIT = int(zmq.DONTWAIT)
 _RCVTIMEO = int(zmq.RCVTIMEO)
 _SNDMORE = int(zmq.SNDMORE)
-_COPY_MAX = _core.ZERO_COPY_MIN  # smaller frames are sent from a copy: cheaper than a zero-copy Frame
 DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
 DEFAULT_SPIN_US = 500  # covers a fast model's round trip here (0.2-0.3 ms); slower replies: no spinning
 _LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
@@ -257,8 +256,7 @@ class ZmqClient:
         try:
             last = len(frames) - 1
             for i, frame in enumerate(frames):  # send_multipart costs microseconds more
-                copy = type(frame) is bytes and len(frame) < _COPY_MAX
-                sock.send(frame, _SNDMORE if i < last else 0, copy=copy)
+                sock.send(frame, _SNDMORE if i < last else 0, copy=wire.send_copy(frame))
         except zmq.Again:
             if pending is not None:
                 pending.release_slots()

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -35,18 +36,39 @@ class Peer:
     def reply(self, ident: bytes, header: dict[str, Any], *frames: bytes) -> None:
         self.sock.send_multipart([ident, json.dumps({"v": 1, **header}).encode(), *frames])
 
+    def answer_after(self, delays: list[float], output: np.ndarray) -> threading.Thread:
+        """A thread answering one request per delay, each after sleeping that long."""
+
+        def serve() -> None:
+            for delay in delays:
+                ident, request, _ = self.take()
+                time.sleep(delay)
+                self.reply(ident, {"id": request["id"], "status": "OK", "outputs": OK_OUT}, output.tobytes())
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        return thread
+
+
+@contextmanager
+def connected(endpoint: str, **client_options: Any) -> Iterator[tuple[ZmqClient, Peer]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    peer = Peer(ctx, endpoint)
+    client = ZmqClient(endpoint, timeout=5.0, context=ctx, **client_options)
+    try:
+        yield client, peer
+    finally:
+        # The answer to close()'s bye, queued ahead: this thread cannot answer while close() waits.
+        peer.reply(client.identity, {"id": client._next_id, "status": "OK"})
+        client.close()
+        peer.sock.close(linger=0)
+        ctx.term()
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[ZmqClient, Peer]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    peer = Peer(ctx, "inproc://fastpath")
-    client = ZmqClient("inproc://fastpath", timeout=5.0, context=ctx)
-    yield client, peer
-    # The answer to close()'s bye, queued ahead: this thread cannot answer while close() waits.
-    peer.reply(client.identity, {"id": client._next_id, "status": "OK"})
-    client.close()
-    peer.sock.close(linger=0)
-    ctx.term()
+    with connected("inproc://fastpath") as both:
+        yield both
 
 
 def test_tensor_specs_are_the_same_memoised() -> None:
@@ -147,20 +169,9 @@ def test_a_short_deadline_after_long_ones_is_still_kept(pair: tuple[ZmqClient, P
 
 
 def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
-    peer = Peer(ctx, "inproc://spin")
-    client = ZmqClient("inproc://spin", timeout=5.0, context=ctx, spin_us=1_000_000)
     want = np.arange(4, dtype=np.float32).reshape(1, 4)
-
-    def serve(delays: list[float]) -> None:
-        for delay in delays:
-            ident, request, _ = peer.take()
-            time.sleep(delay)
-            peer.reply(ident, {"id": request["id"], "status": "OK", "outputs": OK_OUT}, want.tobytes())
-
-    server = threading.Thread(target=serve, args=([0.0, 0.05],))
-    server.start()
-    try:
+    with connected("inproc://spin", spin_us=1_000_000) as (client, peer):
+        server = peer.answer_after([0.0, 0.05], want)
         for _ in range(2):  # answered at once (within the spin), then after 50 ms
             result = client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)})
             assert result.as_numpy("OUTPUT0").tolist() == want.tolist()
@@ -170,46 +181,25 @@ def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> 
             client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)}, timeout=0.1)
         assert info.value.status == "DEADLINE_EXCEEDED"
         assert 0.1 <= time.monotonic() - start < 0.9
-    finally:
         peer.take()
-        peer.reply(client.identity, {"id": client._next_id, "status": "OK"})  # close()'s bye
-        client.close()
-        peer.sock.close(linger=0)
-        ctx.term()
 
 
 def test_spinning_turns_off_while_replies_are_slow_and_back_on_when_they_are_fast() -> None:
-    ctx: zmq.Context[Any] = zmq.Context()
-    peer = Peer(ctx, "inproc://adaptive")
-    client = ZmqClient("inproc://adaptive", timeout=5.0, context=ctx, spin_us=5_000)
     want = np.arange(4, dtype=np.float32).reshape(1, 4)
+    with connected("inproc://adaptive", spin_us=5_000) as (client, peer):
 
-    def serve(delays: list[float]) -> None:
-        for delay in delays:
-            ident, request, _ = peer.take()
-            time.sleep(delay)
-            peer.reply(ident, {"id": request["id"], "status": "OK", "outputs": OK_OUT}, want.tobytes())
+        def run(delays: list[float]) -> None:
+            server = peer.answer_after(delays, want)
+            for _ in delays:
+                result = client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)})
+                assert result.as_numpy("OUTPUT0").tolist() == want.tolist()
+            server.join(10)
 
-    def run(delays: list[float]) -> None:
-        server = threading.Thread(target=serve, args=(delays,))
-        server.start()
-        for _ in delays:
-            assert client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)}).as_numpy(
-                "OUTPUT0"
-            ).tolist() == (want.tolist())
-        server.join(10)
-
-    try:
         assert client.spinning  # nothing measured yet: try it
         run([0.1] * 4)  # 100 ms replies: far beyond the 5 ms window
         assert not client.spinning
         run([0.0] * 60)  # prompt replies bring it back
         assert client.spinning
-    finally:
-        peer.reply(client.identity, {"id": client._next_id, "status": "OK"})  # close()'s bye
-        client.close()
-        peer.sock.close(linger=0)
-        ctx.term()
 
 
 def test_spin_us_zero_never_spins() -> None:

@@ -37,9 +37,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+from edgeserve.frontends.zmq import wire
 
 log = logging.getLogger("edgeserve.zmq")
 
@@ -50,8 +51,6 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _DONTWAIT = int(zmq.DONTWAIT)
 _MORE_DONTWAIT = int(zmq.SNDMORE) | _DONTWAIT
-# Below this a frame is copied into the message: cheaper than pinning the buffer (pyzmq's own threshold).
-_ZERO_COPY_MIN = 65536
 MAX_MESSAGE_BYTES = 1 << 30  # per frame; a bigger one drops the connection (use shared memory)
 DRAIN_BATCH = 256  # messages handled before timers and callbacks get their turn
 GAP_WEIGHT = 0.125  # of the newest gap between requests in the average that turns spinning on
@@ -192,9 +191,7 @@ class Router:
             try:
                 # Frame by frame with int flags: send_multipart costs an enum operation per frame.
                 for i, frame in enumerate(frames):
-                    size = frame.nbytes if isinstance(frame, memoryview | np.ndarray) else len(frame)
-                    copy = size < _ZERO_COPY_MIN
-                    sock.send(frame, _DONTWAIT if i == last else _MORE_DONTWAIT, copy=copy)
+                    sock.send(frame, _DONTWAIT if i == last else _MORE_DONTWAIT, copy=wire.send_copy(frame))
             except zmq.ZMQError as exc:
                 error = exc
             if threading.get_ident() == self._thread_id:

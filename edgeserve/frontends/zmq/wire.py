@@ -28,6 +28,17 @@ OP_PROBE = "probe"
 
 STATUS_OK = "OK"
 
+# Frames smaller than this are copied into the message when sent, by the server and the client:
+# cheaper than pinning their buffer until ZeroMQ has sent it (pyzmq's own copy threshold).
+ZERO_COPY_MIN = 65536
+
+
+def send_copy(frame: Any) -> bool:
+    """Whether to send `frame` (bytes, memoryview, ndarray) from a copy."""
+    size = getattr(frame, "nbytes", None)
+    return (len(frame) if size is None else size) < ZERO_COPY_MIN
+
+
 try:  # optional accelerator; the bytes on the wire are the same compact JSON either way
     import orjson as _orjson
 
