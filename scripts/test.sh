@@ -13,6 +13,15 @@ else
   apt_install mosquitto || echo "warning: could not install mosquitto (needs root or sudo); broker tests will skip" >&2
 fi
 
+if command -v systemd-analyze >/dev/null 2>&1; then
+  step "systemd-analyze present (checks systemd/edgeserve.service)"
+else
+  # Only the tools: the package does not make systemd PID 1 (that is systemd-sysv).
+  step "installing systemd (systemd-analyze checks systemd/edgeserve.service)"
+  apt_install --no-install-recommends systemd ||
+    echo "warning: could not install systemd (needs root or sudo); the unit tests will skip" >&2
+fi
+
 step "python -m pytest $*"
 set +e
 .venv/bin/python -m pytest -ra "$@"
