@@ -1,4 +1,4 @@
-"""`edgeserve run|models|samples|detect ...`"""
+"""`edgeserve run|serve|config|models|samples|detect ...`"""
 
 from __future__ import annotations
 
@@ -6,20 +6,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 
+if TYPE_CHECKING:
+    from edgeserve.config import Settings
 
-def _run(args: argparse.Namespace) -> int:
-    from edgeserve.config import ConfigError, load_settings
-    from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server, StartupError
 
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     overrides: dict[str, dict[str, Any]] = {"server": {}, "http": {}, "grpc": {}, "zmq": {}, "logging": {}}
     if args.model_repository:
         overrides["server"]["model_repository"] = str(args.model_repository)
@@ -41,18 +42,122 @@ def _run(args: argparse.Namespace) -> int:
             overrides[section]["enabled"] = False
     if args.log_level:
         overrides["logging"]["level"] = args.log_level
+    return overrides
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    """--config, else systemd's $CONFIGURATION_DIRECTORY/edgeserve.toml when it exists."""
+    if args.config is not None:
+        return Path(args.config)
+    directory = os.environ.get("CONFIGURATION_DIRECTORY", "").split(":")[0]
+    candidate = Path(directory) / "edgeserve.toml" if directory else None
+    return candidate if candidate is not None and candidate.is_file() else None
+
+
+def _settings_loader(args: argparse.Namespace) -> Callable[[], tuple[Settings, dict[str, str]]]:
+    """Loads file + environment + these flags again each time: the same view at start and at SIGHUP."""
+    from edgeserve.config import load_settings_with_sources
+
+    path, overrides = _config_path(args), _overrides(args)
+    return lambda: load_settings_with_sources(path, overrides=overrides)
+
+
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `run` flags again, for the `serve` child the supervisor starts."""
+    flags: list[str] = []
+    path = _config_path(args)
+    if path is not None:
+        flags += ["--config", str(path)]
+    for name in ("model_repository", "model_control_mode", "host", "http_port", "grpc_port", "log_level"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    for name in ("load_model", "zmq_endpoint"):
+        for value in getattr(args, name) or []:
+            flags += [f"--{name.replace('_', '-')}", value]
+    for name in ("no_http", "no_grpc", "no_zmq"):
+        if getattr(args, name):
+            flags.append(f"--{name.replace('_', '-')}")
+    return flags
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
+    from edgeserve.config import ConfigError
+    from edgeserve.logs import setup_logging
+    from edgeserve.settings_tools import repository_problem
+    from edgeserve.supervisor.supervisor import Supervisor
+
+    loader = _settings_loader(args)
     try:
-        settings = load_settings(args.config, overrides=overrides)
+        settings, _ = loader()
     except ConfigError as exc:
         print(f"edgeserve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.logging.level, settings.logging.format)
+    problem = repository_problem(settings)
+    if problem is not None:  # restarting the server would not make the folder appear
+        print(f"edgeserve: cannot start: {problem}", file=sys.stderr)
+        return 1
+    log = settings.logging
+    setup_logging(log.level, log.format, log.file, log.max_bytes, log.backups)
+    return Supervisor(loader, _serve_flags(args)).run()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """One process, no supervisor: for containers (the engine restarts it) and tests."""
+    from edgeserve.config import ConfigError
+    from edgeserve.logs import setup_logging
+    from edgeserve.server.app import Server, StartupError
+
+    loader = _settings_loader(args)
     try:
-        server = Server(settings)
+        settings, _ = loader()
+    except ConfigError as exc:
+        print(f"edgeserve: {exc}", file=sys.stderr)
+        return 2
+    log = settings.logging
+    supervised = args.control_socket is not None
+    if supervised:
+        _die_with_supervisor()
+    # Under the supervisor our stderr is its pipe: it owns rotation and journald.
+    setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
+    try:
+        server = Server(settings, reload_settings=lambda: loader()[0], control_socket=args.control_socket)
         asyncio.run(server.serve_forever())
     except (OSError, StartupError) as exc:  # e.g. a port already in use: one line, not a traceback
         print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _die_with_supervisor() -> None:
+    """SIGTERM this process when the supervisor dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    expected = os.environ.get("EDGESERVE_SUPERVISED_BY", "")
+    if expected and str(os.getppid()) != expected:  # it died before prctl took effect
+        raise SystemExit("edgeserve serve: the supervisor is gone")
+
+
+def _config(args: argparse.Namespace) -> int:
+    """`edgeserve config check`: validate, then print the effective settings and where each came from."""
+    from edgeserve.config import ConfigError, load_settings_with_sources
+    from edgeserve.settings_tools import render_effective, resolve_state_dir
+
+    path = _config_path(args)
+    try:
+        settings, sources = load_settings_with_sources(path)
+    except ConfigError as exc:
+        print(f"edgeserve config: {exc}", file=sys.stderr)
+        return 2
+    state_dir, why = resolve_state_dir(settings, sources)
+    print(f"# {path or 'no settings file'}: valid", end="")
+    print(f"; state folder {state_dir} ({why})" if state_dir != settings.server.state_dir else "")
+    print(render_effective(settings, sources), end="")
     return 0
 
 
@@ -114,6 +219,23 @@ def _detect(args: argparse.Namespace) -> int:
     return detect_command(args)
 
 
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="settings TOML file")
+    parser.add_argument("--model-repository", type=Path, help="model repository folder (default: models)")
+    parser.add_argument("--model-control-mode", choices=["explicit", "none"])
+    parser.add_argument(
+        "--load-model", action="append", help="model to load at start (repeatable; '*' = all)"
+    )
+    parser.add_argument("--host", help="address for HTTP and gRPC (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int)
+    parser.add_argument("--grpc-port", type=int)
+    parser.add_argument("--zmq-endpoint", action="append", help="ZeroMQ endpoint (repeatable)")
+    parser.add_argument("--no-http", action="store_true")
+    parser.add_argument("--no-grpc", action="store_true")
+    parser.add_argument("--no-zmq", action="store_true")
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgeserve", description="Inference appliance runtime for edge devices"
@@ -121,20 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgeserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="serve the model repository")
-    run.add_argument("--config", type=Path, help="settings TOML file")
-    run.add_argument("--model-repository", type=Path, help="model repository folder (default: models)")
-    run.add_argument("--model-control-mode", choices=["explicit", "none"])
-    run.add_argument("--load-model", action="append", help="model to load at start (repeatable; '*' = all)")
-    run.add_argument("--host", help="address for HTTP and gRPC (default 127.0.0.1)")
-    run.add_argument("--http-port", type=int)
-    run.add_argument("--grpc-port", type=int)
-    run.add_argument("--zmq-endpoint", action="append", help="ZeroMQ endpoint (repeatable)")
-    run.add_argument("--no-http", action="store_true")
-    run.add_argument("--no-grpc", action="store_true")
-    run.add_argument("--no-zmq", action="store_true")
-    run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run = sub.add_parser("run", help="run the appliance: a supervisor that keeps the server alive")
+    _server_flags(run)
     run.set_defaults(func=_run)
+
+    serve = sub.add_parser("serve", help="serve in this one process (containers, tests): no supervisor")
+    _server_flags(serve)
+    serve.add_argument("--control-socket", type=Path, help=argparse.SUPPRESS)  # set by the supervisor
+    serve.set_defaults(func=_serve)
+
+    config = sub.add_parser("config", help="validate a settings file and print the effective settings")
+    config.add_argument("action", choices=["check"])
+    config.add_argument("--config", type=Path, help="settings TOML file")
+    config.set_defaults(func=_config)
 
     models = sub.add_parser("models", help="list, load or unload models on a running server")
     models.add_argument("action", choices=["list", "load", "unload"])

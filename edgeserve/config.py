@@ -6,9 +6,10 @@ Validated once, at load; every error names the file, the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -100,6 +101,25 @@ class RuntimeSection:
 class LoggingSection:
     level: str = "INFO"
     format: str = "text"  # text | json
+    # A rotated log file; empty = stderr (journald under systemd adds its own bounds and timestamps).
+    file: Path | None = None
+    max_bytes: int = 10 * 2**20
+    backups: int = 3
+
+
+@dataclass
+class SupervisorSection:
+    """`edgeserve run`: the process that keeps the server alive (not used by `edgeserve serve`)."""
+
+    restart_initial_s: float = 1.0  # first restart delay after a crash; doubles per crash
+    restart_max_s: float = 60.0  # cap of that delay
+    stable_after_s: float = 120.0  # a server up this long resets the delay
+    health_interval_s: float = 2.0  # health check period (watchdog pings need a fresh answer)
+    health_timeout_s: float = 2.0
+    # Server alive but not answering its health check this long -> killed and restarted (0 = never;
+    # under systemd the watchdog restarts the whole service sooner).
+    hang_timeout_s: float = 60.0
+    max_rss_mb: int = 0  # server RSS above this for 3 checks in a row -> graceful restart (0 = off)
 
 
 @dataclass
@@ -111,6 +131,7 @@ class Settings:
     shm: ShmSection = field(default_factory=ShmSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    supervisor: SupervisorSection = field(default_factory=SupervisorSection)
 
     def validate(self, source: str) -> None:
         """Cross-field checks, after types are known good."""
@@ -148,6 +169,24 @@ class Settings:
             fail("logging.level", f"'{self.logging.level}' is not DEBUG, INFO, WARNING or ERROR")
         if self.logging.format not in ("text", "json"):
             fail("logging.format", "use text or json")
+        if self.logging.max_bytes < 4096:
+            fail("logging.max_bytes", "must be at least 4096 (bytes per log file before it rotates)")
+        if self.logging.backups < 1:
+            fail("logging.backups", "must be at least 1 (rotated files kept)")
+        sup = self.supervisor
+        for name in ("restart_initial_s", "restart_max_s", "stable_after_s", "health_interval_s"):
+            if getattr(sup, name) <= 0:
+                fail(f"supervisor.{name}", "must be a positive number of seconds")
+        if sup.restart_max_s < sup.restart_initial_s:
+            fail("supervisor.restart_max_s", f"must be at least restart_initial_s ({sup.restart_initial_s})")
+        if not 0 < sup.health_timeout_s <= 60:
+            fail("supervisor.health_timeout_s", "must be between 0 and 60 seconds")
+        if sup.hang_timeout_s < 0:
+            fail("supervisor.hang_timeout_s", "must be 0 (never) or a number of seconds")
+        if sup.max_rss_mb < 0:
+            fail("supervisor.max_rss_mb", "must be 0 (off) or a size in MB")
+        if self.server.exit_timeout_s < 0:
+            fail("server.exit_timeout_s", "must be 0 or a number of seconds")
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -194,21 +233,33 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported setting type {annotation}")  # pragma: no cover
 
 
-def _apply(settings: Settings, data: Mapping[str, Any], source: str) -> None:
+def _apply(
+    settings: Settings, data: Mapping[str, Any], source: str, sources: dict[str, str] | None = None
+) -> None:
     section_types = get_type_hints(Settings)
     for section_name, section_values in data.items():
         if section_name not in section_types:
-            known = ", ".join(f.name for f in fields(Settings))
-            raise ConfigError(f"{source}: [{section_name}]: unknown section; known sections: {known}")
+            raise ConfigError(
+                f"{source}: [{section_name}]: unknown section{_did_you_mean(section_name, section_types)}"
+            )
         if not isinstance(section_values, Mapping):
             raise ConfigError(f"{source}: [{section_name}] must be a table")
         section = getattr(settings, section_name)
         hints = get_type_hints(type(section))
         for key, value in section_values.items():
             if key not in hints:
-                known = ", ".join(hints)
-                raise ConfigError(f"{source}: {section_name}.{key}: unknown setting; known: {known}")
+                hint = _did_you_mean(key, hints)
+                raise ConfigError(f"{source}: {section_name}.{key}: unknown setting{hint}")
             setattr(section, key, _coerce(value, hints[key], f"{source}: {section_name}.{key}"))
+            if sources is not None:
+                sources[f"{section_name}.{key}"] = source
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    names = list(known)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint}; known: {', '.join(names)}"
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -230,7 +281,17 @@ def load_settings(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Settings:
     """File, then environment, then explicit overrides (CLI flags); validated once."""
+    return load_settings_with_sources(path, environ, overrides)[0]
+
+
+def load_settings_with_sources(
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """As `load_settings`, plus where each non-default value came from ("section.key" -> source)."""
     settings = Settings()
+    sources: dict[str, str] = {}
     if path is not None:
         try:
             with open(path, "rb") as fh:
@@ -239,15 +300,15 @@ def load_settings(
             raise ConfigError(f"{path}: settings file not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        _apply(settings, data, str(path))
+        _apply(settings, data, str(path), sources)
     env = os.environ if environ is None else environ
     env_values = _env_overrides(env)
     if env_values:
-        _apply(settings, env_values, "environment (EDGESERVE_*)")
+        _apply(settings, env_values, "environment (EDGESERVE_*)", sources)
     if overrides:
-        _apply(settings, {k: dict(v) for k, v in overrides.items() if v}, "command line")
+        _apply(settings, {k: dict(v) for k, v in overrides.items() if v}, "command line", sources)
     settings.validate(str(path) if path else "settings")
-    return settings
+    return settings, sources
 
 
 def to_dict(settings: Settings) -> dict[str, Any]:

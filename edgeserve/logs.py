@@ -1,11 +1,16 @@
-"""One line per event, readable in journald (no timestamps when journald adds its own)."""
+"""One line per event, bounded: journald under systemd (no timestamps, it adds its own), a rotated file
+when `[logging] file` is set, stderr otherwise."""
 
 from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import os
 import sys
+from pathlib import Path
+
+PASSTHROUGH = "edgeserve.passthrough"
 
 
 class _JsonFormatter(logging.Formatter):
@@ -22,15 +27,53 @@ class _OneLineFormatter(logging.Formatter):
         return text.replace("\n", " | ")
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
+class _PassthroughAware(logging.Formatter):
+    """Lines already formatted by another process (the server child) are written as they are."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == PASSTHROUGH:
+            return record.getMessage()
+        return self.inner.format(record)
+
+
+def setup_logging(
+    level: str = "INFO",
+    fmt: str = "text",
+    file: Path | None = None,
+    max_bytes: int = 10 * 2**20,
+    backups: int = 3,
+) -> None:
+    handler: logging.Handler
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(
+            file, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+        )
     else:
-        # Under systemd, journald timestamps every line already.
-        stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-        handler.setFormatter(_OneLineFormatter(f"{stamp}%(levelname)s %(name)s: %(message)s"))
+        handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        inner: logging.Formatter = _JsonFormatter()
+    else:
+        stamp = "" if os.environ.get("JOURNAL_STREAM") and file is None else "%(asctime)s "
+        inner = _OneLineFormatter(f"{stamp}%(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(_PassthroughAware(inner))
     root = logging.getLogger()
+    for old in root.handlers:
+        old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def set_level(level: str) -> None:
+    logging.getLogger().setLevel(level.upper())
+
+
+def forward_line(line: str) -> None:
+    """Write a line another process formatted (its level was filtered there) through our handlers."""
+    record = logging.LogRecord(PASSTHROUGH, logging.INFO, "", 0, line, None, None)
+    logging.getLogger(PASSTHROUGH).handle(record)

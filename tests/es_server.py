@@ -83,8 +83,10 @@ def start_server(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     timeout: float = 120.0,
+    command: str = "serve",
 ) -> RunningServer:
-    """Start `python -m edgeserve run` on free loopback ports and wait until it answers (ready by default)."""
+    """Start `python -m edgeserve serve` (or `run`: the supervisor) on free loopback ports and wait until
+    it answers (ready by default)."""
     http_port, grpc_port = free_port(), free_port()
     zmq_endpoint = f"ipc://{tmp}/edgeserve-{http_port}.zmq"
     log_path = tmp / f"server-{http_port}.log"
@@ -92,7 +94,7 @@ def start_server(
         sys.executable,
         "-m",
         "edgeserve",
-        "run",
+        command,
         "--model-repository",
         str(repository),
         "--http-port",

@@ -24,7 +24,7 @@ def test_port_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = edgeserve("run", "--model-repository", str(tmp_path / "repo"), "--http-port", str(port),
+        result = edgeserve("serve", "--model-repository", str(tmp_path / "repo"), "--http-port", str(port),
                            "--grpc-port", str(free_port()), "--no-zmq")  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
@@ -33,11 +33,11 @@ def test_port_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
 
 
 def test_missing_repository_and_bad_settings_are_clear(tmp_path: Path) -> None:
-    result = edgeserve("run", "--model-repository", str(tmp_path / "nope"), "--no-zmq", "--http-port", "0",
-                       "--grpc-port", "0")  # fmt: skip
-    assert (
-        result.returncode == 1 and "model repository" in result.stderr and "is not a folder" in result.stderr
-    )
+    for command in ("serve", "run"):
+        result = edgeserve(command, "--model-repository", str(tmp_path / "nope"), "--no-zmq",
+                           "--http-port", "0", "--grpc-port", "0")  # fmt: skip
+        assert result.returncode == 1, command
+        assert "model repository" in result.stderr and "is not a folder" in result.stderr, command
     settings = tmp_path / "edgeserve.toml"
     settings.write_text("[http]\nport = -1\n")
     result = edgeserve("run", "--config", str(settings))

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from edgeserve.backends.options import PINNED_PARAMETER as PINNED_PARAMETER
+from edgeserve.backends.options import BackendOptions as BackendOptions
 from edgeserve.protocol.errors import InferenceError, Status
 
 if TYPE_CHECKING:
@@ -34,19 +36,6 @@ class TensorSpec:
 class ModelIO:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BackendOptions:
-    """How to run one model on this box; filled from the runtime plan (hardware/) and the model config."""
-
-    device: str = "CPU"  # CPU | GPU[:n] | NPU | AUTO | DLA:n
-    precision: str = "fp32"  # fp32 | fp16 | bf16 | int8 | auto
-    threads: int = 0  # intra-op threads; 0 = runtime default
-    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in preference order
-    performance_hint: str = "LATENCY"  # OpenVINO: LATENCY | THROUGHPUT
-    cache_dir: Path | None = None  # compiled-model / engine cache
-    parameters: Mapping[str, str] = field(default_factory=dict)  # config.parameters passthrough
 
 
 @runtime_checkable
@@ -77,10 +66,6 @@ class Backend(Protocol):
 
     def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> Instance: ...
 
-
-# BackendOptions.parameters key set when the model config names the backend itself: a backend may then
-# accept trade-offs (e.g. OpenVINO's 32-bit INT64) it would otherwise refuse so that a fallback runs it.
-PINNED_PARAMETER = "pinned_backend"
 
 # name -> module holding BACKEND; the order is the default preference when nothing else decides.
 BACKEND_MODULES: dict[str, str] = {

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgeserve.backends.base import PINNED_PARAMETER, BackendOptions
+from edgeserve.backends.options import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
 from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
 from edgeserve.hardware.probes import HardwareInfo

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from edgeserve.config import Settings
@@ -27,7 +29,12 @@ class Frontend(Protocol):
 
 
 class Server:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        reload_settings: Callable[[], Settings] | None = None,
+        control_socket: Path | None = None,
+    ) -> None:
         from edgeserve.hardware.selector import PlanSelector
         from edgeserve.repository.manager import ModelRepository
 
@@ -44,13 +51,17 @@ class Server:
         )
         self.frontends: list[Frontend] = []
         self._stopped = asyncio.Event()
+        self._reload_settings = reload_settings
+        self._control_socket = control_socket
+        self._reloads: set[asyncio.Task[None]] = set()
+        self._reload_lock = asyncio.Lock()
 
     def _build_frontends(self) -> list[Frontend]:
         frontends: list[Frontend] = []
-        if self.settings.http.enabled:
+        if self.settings.http.enabled or self._control_socket is not None:
             from edgeserve.frontends.http.server import HttpFrontend
 
-            frontends.append(HttpFrontend(self.dataplane, self.settings))
+            frontends.append(HttpFrontend(self.dataplane, self.settings, unix_path=self._control_socket))
         if self.settings.grpc.enabled:
             try:
                 from edgeserve.frontends.grpc.server import GrpcFrontend
@@ -69,12 +80,11 @@ class Server:
 
     async def start(self) -> None:
         """Frontends first (live answers, ready is false), then the models (ready once all warmed up)."""
-        repository = self.settings.server.model_repository
-        if not repository.is_dir():
-            raise StartupError(
-                f"model repository {repository} is not a folder; set --model-repository or "
-                "[server] model_repository (run `edgeserve samples` for the sample models)"
-            )
+        from edgeserve.settings_tools import repository_problem
+
+        problem = repository_problem(self.settings)
+        if problem is not None:
+            raise StartupError(problem)
         self.frontends = self._build_frontends()
         for frontend in self.frontends:
             try:
@@ -99,8 +109,27 @@ class Server:
         stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
             await self.start()
             await stop_requested.wait()
         finally:
+            loop.remove_signal_handler(signal.SIGHUP)
+            for task in list(self._reloads):
+                task.cancel()
             await self.stop()
+
+    def _on_sighup(self) -> None:
+        if self._reload_settings is None:
+            log.info("SIGHUP: no settings source to re-read")
+            return
+        task = asyncio.get_running_loop().create_task(self._reload())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _reload(self) -> None:
+        from edgeserve.server.reload import reload_settings
+
+        assert self._reload_settings is not None
+        async with self._reload_lock:
+            await reload_settings(self, self._reload_settings)

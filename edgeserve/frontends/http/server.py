@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -63,8 +64,11 @@ def build_app(dataplane: DataPlane, max_input_bytes: int) -> web.Application:
 class HttpFrontend:
     name = "http"
 
-    def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
+    def __init__(self, dataplane: DataPlane, settings: Settings, unix_path: Path | None = None) -> None:
         self.dataplane = dataplane
+        self.tcp = settings.http.enabled
+        # The supervisor's private door to the same API (works with HTTP off or on port 0).
+        self.unix_path = unix_path
         self.settings = settings
         self.host = settings.http.host
         self.port = settings.http.port  # the bound port once started (port 0 picks a free one)
@@ -80,18 +84,23 @@ class HttpFrontend:
             shutdown_timeout=self.settings.server.exit_timeout_s,
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, backlog=1024, reuse_address=True)
         try:
-            await site.start()
+            if self.unix_path is not None:
+                await web.UnixSite(runner, str(self.unix_path)).start()
+                self.unix_path.chmod(0o600)
+            if self.tcp:
+                await web.TCPSite(runner, self.host, self.port, backlog=1024, reuse_address=True).start()
         except OSError as exc:
             await runner.cleanup()
-            raise RuntimeError(f"HTTP frontend cannot listen on {self.host}:{self.port}: {exc}") from exc
+            where = f"{self.host}:{self.port}" if self.tcp else str(self.unix_path)
+            raise RuntimeError(f"HTTP frontend cannot listen on {where}: {exc}") from exc
         self._runner = runner
         for address in runner.addresses:
             if isinstance(address, tuple) and len(address) >= 2:
                 self.port = int(address[1])
                 break
-        log.info("http frontend listening on http://%s:%d", self.host, self.port)
+        if self.tcp:
+            log.info("http frontend listening on http://%s:%d", self.host, self.port)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish for up to `grace_s`, then close."""

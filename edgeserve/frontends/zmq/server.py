@@ -67,6 +67,11 @@ class ZmqFrontend:
         self._last_drop_log = 0.0
         self._collector = ZmqCollector(self)
 
+    def apply_limits(self, settings: Settings) -> None:
+        """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
+        self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
+        self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
+
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         router = Router(

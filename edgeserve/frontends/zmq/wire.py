@@ -43,7 +43,8 @@ try:  # optional accelerator; the bytes on the wire are the same compact JSON ei
     import orjson as _orjson
 
     def dumps(obj: dict[str, Any]) -> bytes:
-        return _orjson.dumps(obj)
+        data: bytes = _orjson.dumps(obj)
+        return data
 
     def loads(data: Any) -> Any:
         return _orjson.loads(data)

@@ -1,0 +1,24 @@
+"""How to run one model on this box: no numpy or runtime import, so the supervisor can plan budgets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# BackendOptions.parameters key set when the model config names the backend itself: a backend may then
+# accept trade-offs (e.g. OpenVINO's 32-bit INT64) it would otherwise refuse so that a fallback runs it.
+PINNED_PARAMETER = "pinned_backend"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """How to run one model on this box; filled from the runtime plan (hardware/) and the model config."""
+
+    device: str = "CPU"  # CPU | GPU[:n] | NPU | AUTO | DLA:n
+    precision: str = "fp32"  # fp32 | fp16 | bf16 | int8 | auto
+    threads: int = 0  # intra-op threads; 0 = runtime default
+    providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, in preference order
+    performance_hint: str = "LATENCY"  # OpenVINO: LATENCY | THROUGHPUT
+    cache_dir: Path | None = None  # compiled-model / engine cache
+    parameters: Mapping[str, str] = field(default_factory=dict)  # config.parameters passthrough

@@ -1,0 +1,116 @@
+"""What a settings change means (live or restart) and `edgeserve config check`'s effective-settings view.
+
+Kept apart from config.py (loading and validation) and free of heavy imports: the supervisor uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from edgeserve.config import Settings, to_dict
+
+# Fields the running server applies on SIGHUP without a restart ("section.*" = the whole section).
+# Everything else (ports, endpoints, TLS, the repository folder, runtime choices) rebinds sockets or
+# rebuilds models, so the supervisor restarts the server gracefully for it.
+LIVE_SETTINGS = frozenset(
+    {
+        "logging.level",
+        "server.load_models",
+        "server.exit_timeout_s",
+        "shm.allow_client_shm",
+        "shm.key_prefixes",
+        "shm.max_regions",
+        "zmq.max_inflight_per_client",
+        "zmq.inline_max_us",
+        "supervisor.*",
+    }
+)
+
+
+def is_live(name: str) -> bool:
+    return name in LIVE_SETTINGS or f"{name.split('.', 1)[0]}.*" in LIVE_SETTINGS
+
+
+def changed_fields(old: Settings, new: Settings) -> list[str]:
+    """ "section.key" of every value that differs between two settings."""
+    before, after = to_dict(old), to_dict(new)
+    return sorted(
+        f"{section}.{key}"
+        for section, values in after.items()
+        for key, value in values.items()
+        if before.get(section, {}).get(key) != value
+    )
+
+
+def restart_fields(old: Settings, new: Settings) -> list[str]:
+    """The changed fields the server cannot apply live."""
+    return [name for name in changed_fields(old, new) if not is_live(name)]
+
+
+def repository_problem(settings: Settings) -> str | None:
+    """Why the model repository cannot be served, or None (checked before anything starts)."""
+    repository = settings.server.model_repository
+    if repository.is_dir():
+        return None
+    return (
+        f"model repository {repository} is not a folder; set --model-repository or "
+        "[server] model_repository (run `edgeserve samples` for the sample models)"
+    )
+
+
+def resolve_state_dir(
+    settings: Settings, sources: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> tuple[Path, str]:
+    """The state folder and why: a configured one wins, then systemd's $STATE_DIRECTORY, then the
+    default when it can be written, then the user's ~/.local/state (a developer's box, not root)."""
+    env = os.environ if environ is None else environ
+    configured = settings.server.state_dir
+    if "server.state_dir" in sources:
+        return configured, sources["server.state_dir"]
+    from_systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if from_systemd:
+        return Path(from_systemd), "$STATE_DIRECTORY (systemd StateDirectory=)"
+    if _writable(configured):
+        return configured, "default"
+    home = Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "edgeserve"
+    return home, f"default {configured} is not writable by this user"
+
+
+def _writable(path: Path) -> bool:
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def render_effective(settings: Settings, sources: Mapping[str, str]) -> str:
+    """The effective settings as TOML, each value annotated with where it came from."""
+    lines: list[str] = []
+    for section, values in to_dict(settings).items():
+        lines.append(f"[{section}]")
+        width = max(len(key) + 3 + len(_toml_value(v)) for key, v in values.items())
+        for key, value in values.items():
+            text = f"{key} = {_toml_value(value)}"
+            origin = sources.get(f"{section}.{key}", "default")
+            live = ", live on reload" if is_live(f"{section}.{key}") else ""
+            lines.append(f"{text:<{width}}  # {origin}{live}")
+        lines.append("")
+    return "\n".join(lines)

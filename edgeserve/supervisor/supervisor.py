@@ -1,0 +1,362 @@
+"""`edgeserve run`: keep the server child alive and tell systemd the truth about it.
+
+One thread owns every decision (the loop below); signal handlers only queue the signal and wake it.
+Never imports numpy, the runtimes or grpc: it must stay small and outlive a crashing server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from edgeserve.config import ConfigError, Settings
+from edgeserve.logs import forward_line, set_level
+from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
+from edgeserve.supervisor.child import ServerProcess, describe_exit
+from edgeserve.supervisor.control import ServerControl, ServerUnreachable, ServerView
+from edgeserve.supervisor.notify import Notifier
+from edgeserve.supervisor.report import PLAN_FILE, device_plan, served_models, status_line, write_json_atomic
+
+log = logging.getLogger("edgeserve.supervisor")
+
+SettingsLoader = Callable[[], tuple[Settings, dict[str, str]]]
+RSS_STRIKES = 3  # consecutive samples over max_rss_mb before a restart: one spike is not a leak
+EXTEND_BY_S = 30.0  # each EXTEND_TIMEOUT_USEC buys this long; renewed every health round
+STARTING_POLL_S = 0.1  # health poll while the server is not ready yet, to report READY promptly
+
+
+class Backoff:
+    """Exponential restart delay: initial, doubling, capped; reset after a stable run."""
+
+    def __init__(self, initial_s: float, max_s: float, stable_after_s: float) -> None:
+        self.initial_s, self.max_s, self.stable_after_s = initial_s, max_s, stable_after_s
+        self.failures = 0
+
+    def next_delay(self, uptime_s: float) -> float:
+        if uptime_s >= self.stable_after_s:
+            self.failures = 0
+        self.failures += 1
+        return float(min(self.max_s, self.initial_s * 2 ** (self.failures - 1)))
+
+
+class Supervisor:
+    def __init__(self, load_settings: SettingsLoader, serve_args: Sequence[str]) -> None:
+        self._load_settings = load_settings
+        self.settings, sources = load_settings()
+        self.state_dir, why = resolve_state_dir(self.settings, sources)
+        self._state_dir_why = why
+        self.serve_args = list(serve_args)
+        self.notifier = Notifier()
+        runtime_dir = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        self._own_runtime_dir = not runtime_dir
+        self.runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="edgeserve-"))
+        self.control = ServerControl(
+            self.runtime_dir / "server.sock", self.settings.supervisor.health_timeout_s
+        )
+        self.backoff = self._new_backoff()
+        self.child: ServerProcess | None = None
+        self.restarts = 0
+        self.next_start_at = 0.0
+        self.note = ""  # why the last restart happened, shown in STATUS
+        self.last_error = ""
+        self.view: ServerView | None = None
+        self.backends: dict[str, str] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
+        self.last_answer_at = 0.0  # monotonic time of the last health answer from this child
+        self.ready_sent = False
+        self.server_ready = False
+        self.plan_written_for: int | None = None
+        self._rss_strikes = 0
+        self._next_health_at = 0.0
+        self._next_watchdog_at = 0.0
+        self._last_status = ""
+        self._signals: list[int] = []
+        self._wake = threading.Event()
+
+    def _new_backoff(self) -> Backoff:
+        sup = self.settings.supervisor
+        return Backoff(sup.restart_initial_s, sup.restart_max_s, sup.stable_after_s)
+
+    # -- signals --------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals.append(signum)
+        self._wake.set()
+
+    def _install_signals(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+
+    # -- main loop ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signals()
+        started = time.monotonic()
+        log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
+        self._write_device_plan()
+        if self.notifier.watchdog_interval_s:
+            log.info(
+                "systemd watchdog: pinging every %.1fs while the server answers",
+                self.notifier.watchdog_interval_s,
+            )
+        try:
+            while True:
+                stop = self._handle_signals()
+                if stop:
+                    return self._shutdown()
+                self._step()
+                if not self.ready_sent and self.server_ready:
+                    self.ready_sent = True
+                    self.notifier.send(READY=1, MAINPID=os.getpid(), STATUS=self._status("serving"))
+                    log.info("ready in %.2fs: %s", time.monotonic() - started, self._status("serving"))
+                self._wake.wait(self._sleep_s())
+                self._wake.clear()
+        finally:
+            self.notifier.close()
+            if self._own_runtime_dir:
+                shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _sleep_s(self) -> float:
+        now = time.monotonic()
+        deadlines = [self._next_health_at]
+        if self.child is None:
+            deadlines.append(self.next_start_at)
+        if self.notifier.watchdog_interval_s:
+            deadlines.append(self._next_watchdog_at)
+        return max(0.01, min(min(deadlines) - now, 0.5))
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        if self.child is None:
+            if now >= self.next_start_at:
+                self._spawn()
+            self._watchdog(now)
+            return
+        code = self.child.poll()
+        if code is not None:
+            self._child_died(code)
+            return
+        if now >= self._next_health_at:
+            self._health_round()
+            self._check_rss()
+            self._check_hang()
+        self._watchdog(time.monotonic())
+
+    # -- the child ------------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        self.server_ready = False
+        self.view = None
+        self.backends = {}
+        self._configs = {}
+        self._rss_strikes = 0
+        self.child = ServerProcess(self.serve_args, self.control.socket_path, self.state_dir, forward_line)
+        self.last_answer_at = 0.0
+        self._next_health_at = time.monotonic() + STARTING_POLL_S
+        log.info("server started: pid %d", self.child.pid)
+        self._publish_status("starting server")
+
+    def _child_died(self, code: int) -> None:
+        assert self.child is not None
+        child, self.child = self.child, None
+        child.wait_exit()
+        self.last_error = child.last_error or self.last_error
+        delay = self.backoff.next_delay(child.uptime_s)
+        self.restarts += 1
+        self.next_start_at = time.monotonic() + delay
+        self.note = f"server {describe_exit(code)} after {child.uptime_s:.0f}s; restart in {delay:.1f}s"
+        log.error("server pid %d %s (up %.1fs); restart %d in %.1fs", child.pid, describe_exit(code),
+                  child.uptime_s, self.restarts, delay)  # fmt: skip
+        self.server_ready = False
+        self._publish_status("restarting")
+
+    def _restart_gracefully(self, reason: str, with_backoff: bool) -> None:
+        """Drain and stop the server, then start it again (at once, or after the crash backoff)."""
+        if self.child is None:
+            return
+        child, self.child = self.child, None
+        log.warning("restarting the server: %s", reason)
+        self.note = reason
+        self._publish_status("restarting")
+        child.stop(self.settings.server.exit_timeout_s + 5, tick=lambda: self._watchdog(time.monotonic()))
+        self.restarts += 1
+        delay = self.backoff.next_delay(child.uptime_s) if with_backoff else 0.0
+        self.next_start_at = time.monotonic() + delay
+        self.server_ready = False
+
+    # -- health ---------------------------------------------------------------------------------------
+    def _health_round(self) -> None:
+        assert self.child is not None
+        interval = self.settings.supervisor.health_interval_s
+        try:
+            view = self.control.view()
+        except ServerUnreachable:
+            self._next_health_at = time.monotonic() + (STARTING_POLL_S if not self.server_ready else interval)
+            return
+        self.last_answer_at = time.monotonic()
+        self.view = view
+        expected = self._expected(view)
+        ready_names = {m.name for m in view.models if m.state == "READY"}
+        now_ready = view.live and (expected <= ready_names if expected is not None else view.ready)
+        self._learn_backends(ready_names)
+        if now_ready and not self.server_ready:
+            self._on_server_ready()
+        self.server_ready = now_ready
+        if not self.ready_sent and self._loading(view):
+            self.notifier.send(EXTEND_TIMEOUT_USEC=int(EXTEND_BY_S * 1e6))
+        self._publish_status("serving" if now_ready else "loading")
+        self._next_health_at = time.monotonic() + (interval if now_ready else min(interval, 0.5))
+
+    def _expected(self, view: ServerView) -> set[str] | None:
+        server = self.settings.server
+        if server.model_control_mode == "none" or "*" in server.load_models:
+            return {m.name for m in view.models}
+        return set(server.load_models)
+
+    @staticmethod
+    def _loading(view: ServerView) -> bool:
+        return any(m.state in ("LOADING", "") for m in view.models) or not view.models
+
+    def _learn_backends(self, ready_names: set[str]) -> None:
+        """The backend of each newly ready model, from its served config (one request per model)."""
+        for name in sorted(ready_names - self.backends.keys()):
+            config = self.control.served_config(name)
+            if config is not None:
+                self.backends[name] = str(config.get("backend") or config.get("platform") or "")
+                self._configs[name] = config
+
+    def _on_server_ready(self) -> None:
+        assert self.child is not None
+        if self.plan_written_for != self.child.pid:
+            self.plan_written_for = self.child.pid
+            self._write_device_plan(served_models(self._configs))
+        log.info("server pid %d serving: %s", self.child.pid,
+                 ", ".join(f"{n} on {b}" for n, b in self.backends.items()) or "no models")  # fmt: skip
+
+    def _check_rss(self) -> None:
+        limit = self.settings.supervisor.max_rss_mb
+        if not limit or self.child is None:
+            return
+        rss = self.child.rss_mb()
+        if rss is None or rss <= limit:
+            self._rss_strikes = 0
+            return
+        self._rss_strikes += 1
+        if self._rss_strikes >= RSS_STRIKES:
+            reason = f"server RSS {rss:.0f} MB > max_rss_mb {limit}"
+            self.last_error = reason
+            self._restart_gracefully(reason, with_backoff=True)
+
+    def _check_hang(self) -> None:
+        hang_s = self.settings.supervisor.hang_timeout_s
+        if not hang_s or self.child is None:
+            return
+        silent_since = self.last_answer_at or self.child.started_at
+        if time.monotonic() - silent_since > hang_s:
+            self.last_error = f"server pid {self.child.pid} did not answer its health check for {hang_s:.0f}s"
+            log.error("%s; killing it", self.last_error)
+            self.child.kill()
+
+    def _healthy_now(self, now: float) -> bool:
+        """Whether a watchdog ping is honest: the server answered within the last interval, or a start
+        is under way (not started yet, or started and not silent past hang_timeout_s)."""
+        if self.child is None:
+            return True
+        window = max(self.settings.supervisor.health_interval_s + self.settings.supervisor.health_timeout_s,
+                     self.notifier.watchdog_interval_s or 0.0)  # fmt: skip
+        if self.last_answer_at:
+            return now - self.last_answer_at <= window
+        hang_s = self.settings.supervisor.hang_timeout_s or float("inf")
+        return now - self.child.started_at <= hang_s
+
+    def _watchdog(self, now: float) -> None:
+        interval = self.notifier.watchdog_interval_s
+        if not interval or now < self._next_watchdog_at:
+            return
+        if self._healthy_now(now):
+            self.notifier.send(WATCHDOG=1)
+            self._next_watchdog_at = now + interval
+        else:
+            self._next_watchdog_at = now + min(interval, 0.5)  # ping as soon as it answers again
+
+    # -- status ---------------------------------------------------------------------------------------
+    def _status(self, phase: str) -> str:
+        models = self.view.models if self.view else []
+        expected = self._expected(self.view) if self.view else None
+        error = self.last_error or (self.child.last_error if self.child else "")
+        return status_line(phase, models, self.backends, expected, self.restarts, self.note, error)
+
+    def _publish_status(self, phase: str) -> None:
+        text = self._status(phase)
+        if text != self._last_status:
+            self._last_status = text
+            self.notifier.send(STATUS=text)
+
+    def _write_device_plan(self, models: dict[str, object] | None = None) -> None:
+        path = self.state_dir / PLAN_FILE
+        try:
+            plan = device_plan(self.settings)
+            plan["models"] = models or {}
+            write_json_atomic(path, plan)
+        except OSError as exc:
+            log.warning("cannot write the runtime plan to %s: %s", path, exc)
+
+    # -- signals: stop and reload ---------------------------------------------------------------------
+    def _handle_signals(self) -> bool:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                return True
+            if signum == signal.SIGHUP:
+                self._reload()
+        return False
+
+    def _reload(self) -> None:
+        monotonic_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        self.notifier.send(RELOADING=1, MONOTONIC_USEC=monotonic_usec)
+        try:
+            new, _ = self._load_settings()
+        except ConfigError as exc:
+            self.last_error = f"reload refused: {exc}"
+            log.error("reload refused, keeping the running settings: %s", exc)
+            self.notifier.send(READY=1, STATUS=self._status("serving" if self.server_ready else "loading"))
+            return
+        changed = changed_fields(self.settings, new)
+        needs_restart = restart_fields(self.settings, new)
+        self.settings = new
+        set_level(new.logging.level)
+        self.control.timeout_s = new.supervisor.health_timeout_s
+        if any(
+            name.startswith("supervisor.restart") or name == "supervisor.stable_after_s" for name in changed
+        ):
+            failures, self.backoff = self.backoff.failures, self._new_backoff()
+            self.backoff.failures = failures
+        if not changed:
+            log.info("reload: settings unchanged")
+        elif needs_restart:
+            log.info(
+                "reload: %s changed; the server restarts for %s", ", ".join(changed), ", ".join(needs_restart)
+            )
+            self._restart_gracefully(f"settings changed: {', '.join(needs_restart)}", with_backoff=False)
+        else:
+            log.info("reload: applying live: %s", ", ".join(changed))
+            if self.child is not None:
+                self.child.signal(signal.SIGHUP)
+        self.notifier.send(READY=1, STATUS=self._status("serving" if self.server_ready else "loading"))
+
+    def _shutdown(self) -> int:
+        grace = self.settings.server.exit_timeout_s
+        self.notifier.send(STOPPING=1, STATUS=f"stopping: draining requests for up to {grace:.0f}s")
+        log.info("stopping: draining the server for up to %.0fs", grace)
+        if self.child is not None:
+            child, self.child = self.child, None
+            code = child.stop(grace + 5, tick=lambda: self._watchdog(time.monotonic()))
+            log.info("server pid %d %s", child.pid, describe_exit(code))
+        log.info("supervisor stopped")
+        return 0
