@@ -1,0 +1,208 @@
+"""`edgeserve run` (supervisor + server) on free loopback ports, with a real notify socket bound by the
+test: every datagram systemd would get is recorded with its arrival time."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from es_server import ROOT, free_port
+
+
+@dataclass
+class Message:
+    at: float  # monotonic arrival time
+    fields: dict[str, str]
+
+
+class NotifyListener:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET (a path, or "@name" abstract)."""
+
+    def __init__(self, path: Path | None = None, abstract: str | None = None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract is not None:
+            self.sock.bind("\0" + abstract)
+            self.address = "@" + abstract
+        else:
+            assert path is not None
+            self.sock.bind(str(path))
+            self.address = str(path)
+        self.sock.settimeout(0.2)
+        self.messages: list[Message] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self._lock:
+                self.messages.append(Message(time.monotonic(), fields))
+
+    def snapshot(self) -> list[Message]:
+        with self._lock:
+            return list(self.messages)
+
+    def with_key(self, key: str, since: float = 0.0) -> list[Message]:
+        return [m for m in self.snapshot() if key in m.fields and m.at >= since]
+
+    def wait_for(
+        self, key: str, value: str | None = None, timeout: float = 60.0, since: float = 0.0
+    ) -> Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for message in self.with_key(key, since):
+                if value is None or message.fields[key] == value:
+                    return message
+            time.sleep(0.02)
+        raise AssertionError(f"no {key}={value or '*'} within {timeout}s; got {self.snapshot()}")
+
+    def statuses(self, since: float = 0.0) -> list[str]:
+        return [m.fields["STATUS"] for m in self.with_key("STATUS", since)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(timeout=2)
+
+
+@dataclass
+class Appliance:
+    process: subprocess.Popen[bytes]
+    notify: NotifyListener
+    http_port: int
+    grpc_port: int
+    zmq_endpoint: str
+    log_path: Path
+    config_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def server_pid(self, timeout: float = 30.0, not_pid: int | None = None) -> int:
+        """The current server child's pid (a new one when `not_pid` is given)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(self.process.pid).children():
+                    if child.pid != not_pid and child.status() != psutil.STATUS_ZOMBIE:
+                        return int(child.pid)
+            time.sleep(0.05)
+        raise AssertionError(f"no server child (other than {not_pid}) within {timeout}s:\n{self.log()}")
+
+    def get(self, path: str, timeout: float = 5.0) -> int | None:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=timeout) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except OSError:
+            return None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.get("/v2/health/ready", timeout=2) == 200:
+                return
+            assert self.process.poll() is None, f"supervisor exited:\n{self.log()}"
+            time.sleep(0.1)
+        raise AssertionError(f"not ready within {timeout}s:\n{self.log()}")
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(self.process.pid).children(recursive=True):
+                    child.kill()
+                self.process.kill()
+                self.process.wait(10)
+        self.notify.close()
+        return int(self.process.returncode)
+
+
+def start_appliance(
+    repository: Path,
+    tmp: Path,
+    *,
+    config: str = "",
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    watchdog_usec: int | None = None,
+    abstract_notify: bool = False,
+    http_port: int | None = None,
+) -> Appliance:
+    """Start `python -m edgeserve run`; returns at once (wait on `notify` or `wait_ready`)."""
+    http_port = http_port or free_port()
+    grpc_port = free_port()
+    zmq_endpoint = f"ipc://{tmp}/es-{http_port}.zmq"
+    config_path = tmp / f"edgeserve-{http_port}.toml"
+    config_path.write_text(config)
+    notify = (
+        NotifyListener(abstract=f"edgeserve-test-{os.getpid()}-{http_port}")
+        if abstract_notify
+        else NotifyListener(tmp / f"notify-{http_port}.sock")
+    )
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "NOTIFY_SOCKET": notify.address,
+        "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
+        **(env or {}),
+    }
+    full_env.pop("WATCHDOG_USEC", None)
+    if watchdog_usec:
+        full_env["WATCHDOG_USEC"] = str(watchdog_usec)
+    command = [
+        sys.executable, "-m", "edgeserve", "run", "--config", str(config_path),
+        "--model-repository", str(repository), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--zmq-endpoint", zmq_endpoint, *(args or []),
+    ]  # fmt: skip
+    log_path = tmp / f"appliance-{http_port}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+    return Appliance(process, notify, http_port, grpc_port, zmq_endpoint, log_path, config_path)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,37 @@
+"""Fixtures: a repository with the tiny MLP, and `edgeserve run` appliances stopped after each test."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from appliance import Appliance, start_appliance
+from onnx_models import write_model
+
+ApplianceFactory = Callable[..., Appliance]
+
+
+@pytest.fixture
+def mlp_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    write_model(repo, "mlp", "mlp")
+    return repo
+
+
+@pytest.fixture
+def appliance_factory(tmp_path: Path) -> Iterator[ApplianceFactory]:
+    started: list[Appliance] = []
+
+    def factory(repository: Path, **kwargs: object) -> Appliance:
+        appliance = start_appliance(repository, tmp_path, **kwargs)  # type: ignore[arg-type]
+        started.append(appliance)
+        return appliance
+
+    yield factory
+    for appliance in started:
+        appliance.stop()
