@@ -194,8 +194,11 @@ def test_supervisor_dies_server_follows(mlp_repo: Path, appliance_factory: Appli
     server = app.server_pid()
     app.process.kill()
     app.process.wait(10)
-    wait_until(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE,
-               30, "the orphaned server to exit")  # fmt: skip
+
+    def gone() -> bool:
+        return not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+
+    wait_until(gone, 30, "the orphaned server to exit")
 
 
 def test_supervisor_never_imports_the_heavy_runtimes(

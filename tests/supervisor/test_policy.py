@@ -50,7 +50,7 @@ def test_served_models_summarise_the_served_configs() -> None:
             "max_batch_size": 4,
             "instances": 2,
             "parameters": {"intra_op_thread_count": "1"},
-        }  # fmt: skip
+        }
     }
 
 
@@ -76,7 +76,7 @@ def test_effective_settings_say_where_each_value_came_from(tmp_path: Path) -> No
     text = render_effective(settings, sources)
     lines = {line.split(" = ")[0]: line for line in text.splitlines() if " = " in line}
     assert "port = 9000" in text and f"# {path}" in text
-    assert "environment (EDGESERVE_*)" in [ln for ln in text.splitlines() if ln.startswith("port = 9001")][0]
+    assert "environment (EDGESERVE_*)" in next(ln for ln in text.splitlines() if ln.startswith("port = 9001"))
     assert lines["level"].endswith("# command line, live on reload")
     assert lines["max_rss_mb"].endswith("# default, live on reload")
     import tomllib
