@@ -287,8 +287,12 @@ class DataPlane:
     def _labels_for(self, served: ServedModelLike, filename: str) -> list[str] | None:
         if not filename:
             return None
-        key = (served.name, filename)
+        # Keyed by folder: a reload from a new folder (a new bundle) reads its own labels. Bounded:
+        # months of reloads must not grow it.
+        key = (str(served.model_dir), filename)
         if key not in self._labels:
+            if len(self._labels) >= 256:
+                self._labels.clear()
             path = served.model_dir / filename
             try:
                 self._labels[key] = path.read_text(encoding="utf-8").splitlines()
