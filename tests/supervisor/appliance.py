@@ -156,6 +156,9 @@ class Appliance:
         return int(self.process.returncode)
 
 
+ApplianceFactory = Callable[..., Appliance]
+
+
 def start_appliance(
     repository: Path,
     tmp: Path,

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from appliance import Appliance, start_appliance
+from appliance import Appliance, ApplianceFactory, start_appliance
 from onnx_models import write_model
-
-ApplianceFactory = Callable[..., Appliance]
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from appliance import wait_until
-from conftest import ApplianceFactory
+from appliance import ApplianceFactory, wait_until
 from onnx_models import write_model
 from tritonclient.utils import InferenceServerException
 

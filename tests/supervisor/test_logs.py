@@ -7,8 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from appliance import wait_until
-from conftest import ApplianceFactory
+from appliance import ApplianceFactory, wait_until
 
 
 def test_log_file_rotates_and_holds_both_processes_lines(

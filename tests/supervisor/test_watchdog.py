@@ -7,8 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from appliance import wait_until
-from conftest import ApplianceFactory
+from appliance import ApplianceFactory, wait_until
 
 
 def test_pings_at_half_the_interval_and_stop_while_the_server_is_wedged(

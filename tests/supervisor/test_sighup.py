@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.http as httpclient
-from appliance import Appliance, wait_until
-from conftest import ApplianceFactory
+from appliance import Appliance, ApplianceFactory, wait_until
 from onnx_models import write_model
 from tritonclient.utils import InferenceServerException
 
