@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from edgeserve import __version__
@@ -19,27 +15,6 @@ from edgeserve.supervisor.control import ModelState
 log = logging.getLogger("edgeserve.supervisor")
 
 PLAN_FILE = "runtime-plan.json"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write-rename with fsync: a reader (or a power cut) sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def device_plan(settings: Settings) -> dict[str, Any]:

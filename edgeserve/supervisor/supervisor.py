@@ -19,12 +19,13 @@ from types import FrameType
 from typing import Any
 
 from edgeserve.config import ConfigError, Settings
+from edgeserve.fsutil import write_json_atomic
 from edgeserve.logs import forward_line, set_level
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
 from edgeserve.supervisor.child import ServerProcess, describe_exit
 from edgeserve.supervisor.control import ServerControl, ServerUnreachable, ServerView
 from edgeserve.supervisor.notify import Notifier
-from edgeserve.supervisor.report import PLAN_FILE, device_plan, served_models, status_line, write_json_atomic
+from edgeserve.supervisor.report import PLAN_FILE, device_plan, served_models, status_line
 
 log = logging.getLogger("edgeserve.supervisor")
 
