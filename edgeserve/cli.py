@@ -42,6 +42,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             overrides[section]["enabled"] = False
     if args.log_level:
         overrides["logging"]["level"] = args.log_level
+    if args.state_dir:
+        overrides["server"]["state_dir"] = str(args.state_dir)
     return overrides
 
 
@@ -68,7 +70,8 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     path = _config_path(args)
     if path is not None:
         flags += ["--config", str(path)]
-    for name in ("model_repository", "model_control_mode", "host", "http_port", "grpc_port", "log_level"):
+    for name in ("model_repository", "model_control_mode", "host", "http_port", "grpc_port", "log_level",
+                 "state_dir"):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
@@ -85,22 +88,23 @@ def _run(args: argparse.Namespace) -> int:
     """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.settings_tools import repository_problem
+    from edgeserve.settings_tools import repository_problem, resolve_state_dir
     from edgeserve.supervisor.supervisor import Supervisor
 
     loader = _settings_loader(args)
     try:
-        settings, _ = loader()
+        settings, sources = loader()
     except ConfigError as exc:
         print(f"edgeserve: {exc}", file=sys.stderr)
         return 2
+    settings.server.state_dir = resolve_state_dir(settings, sources)[0]
     problem = repository_problem(settings)
     if problem is not None:  # restarting the server would not make the folder appear
         print(f"edgeserve: cannot start: {problem}", file=sys.stderr)
         return 1
     log = settings.logging
     setup_logging(log.level, log.format, log.file, log.max_bytes, log.backups)
-    return Supervisor(loader, _serve_flags(args)).run()
+    return Supervisor(loader, _serve_flags(args), _config_path(args)).run()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -234,6 +238,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grpc", action="store_true")
     parser.add_argument("--no-zmq", action="store_true")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--state-dir", type=Path, help="state folder: OTA bundles, runtime plan, caches")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("action", choices=["check"])
     config.add_argument("--config", type=Path, help="settings TOML file")
     config.set_defaults(func=_config)
+
+    from edgeserve.ota.cli import add_commands
+
+    add_commands(sub, lambda p: p.add_argument("--config", type=Path, help="settings TOML file"))
 
     models = sub.add_parser("models", help="list, load or unload models on a running server")
     models.add_argument("action", choices=["list", "load", "unload"])

@@ -53,8 +53,10 @@ def restart_fields(old: Settings, new: Settings) -> list[str]:
 
 def repository_problem(settings: Settings) -> str | None:
     """Why the model repository cannot be served, or None (checked before anything starts)."""
+    from edgeserve.ota.store import active_models
+
     repository = settings.server.model_repository
-    if repository.is_dir():
+    if repository.is_dir() or active_models(settings.server.state_dir) is not None:
         return None
     return (
         f"model repository {repository} is not a folder; set --model-repository or "

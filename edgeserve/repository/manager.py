@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.config import Settings
+from edgeserve.ota.store import active_models
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
 from edgeserve.repository import overrides
 from edgeserve.repository.config import parse_override, parse_pbtxt
@@ -117,7 +118,7 @@ class ModelRepository:
         """Every model in the repository or loaded from a request: one entry per known version;
         models never loaded have an entry with empty version and state (as Triton)."""
         entries: list[dict[str, str]] = []
-        for name in sorted(set(list_models(self.root)) | set(self._models)):
+        for name in sorted(set(self.folders()) | set(self._models)):
             model = self._models.get(name)
             states = dict(model.states) if model is not None else {}
             if not states:
@@ -137,17 +138,40 @@ class ModelRepository:
                                 "reason": reason})  # fmt: skip
         return entries
 
+    # -- where models come from: the model repository, then the active OTA bundle ------------------
+    def folders(self) -> dict[str, Path]:
+        """Model name -> folder. The bundle is resolved at each call: after a switch, a (re)load reads
+        the new bundle, and everything loaded at one start comes from one bundle, never a mix."""
+        found = {name: self.root / name for name in list_models(self.root)} if self.root.is_dir() else {}
+        bundle = active_models(self.settings.server.state_dir)
+        if bundle is not None:
+            for name in list_models(bundle):
+                found.setdefault(name, bundle / name)
+        return found
+
+    def clashes(self) -> dict[str, str]:
+        """Names in both the model repository and the active bundle (refused: which one is meant?)."""
+        bundle = active_models(self.settings.server.state_dir)
+        if bundle is None or not self.root.is_dir():
+            return {}
+        both = set(list_models(self.root)) & set(list_models(bundle))
+        return {
+            name: f"model '{name}' is both in the model repository {self.root} and in the active bundle "
+            f"{bundle.parent.name}; remove one of them"
+            for name in sorted(both)
+        }
+
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the startup models (all of them, or `load_models`); failures are logged and shown in
         the index, never raised, so one broken model does not keep the others down."""
         server = self.settings.server
-        if not self.root.is_dir():
+        if not self.root.is_dir() and active_models(server.state_dir) is None:
             log.error(
                 "model repository %s does not exist; serving no models until some are loaded", self.root
             )
         if server.model_control_mode == "none" or "*" in server.load_models:
-            names = list_models(self.root)
+            names = list(self.folders())
         else:
             names = list(dict.fromkeys(server.load_models))
         log.info("loading %d model(s) from %s: %s", len(names), self.root, ", ".join(names) or "(none)")
@@ -270,7 +294,7 @@ class ModelRepository:
         `unload_dependents` is accepted for Triton compatibility; edgeserve has no ensembles yet."""
         model = self._models.get(name)
         if model is None:
-            if name in list_models(self.root):
+            if name in self.folders():
                 return  # in the repository but not loaded: nothing to do
             raise not_found(f"failed to unload '{name}': model is not found")
         async with model.lock:
@@ -294,11 +318,16 @@ class ModelRepository:
         if files:
             source = overrides.write_files(self.settings.server.state_dir, name, files)
         else:
-            source = self.root / name
-            if not source.is_dir():
+            clash = self.clashes().get(name)
+            if clash is not None:
+                raise invalid_arg(f"failed to load '{name}': {clash}")
+            found = self.folders().get(name)
+            if found is None:
                 raise not_found(
                     f"failed to load '{name}': no folder '{name}' in model repository {self.root}"
+                    " or the active bundle"
                 )
+            source = found
         try:
             raw, where = self._raw_config(name, source, config_json)
         except InferenceError:

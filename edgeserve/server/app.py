@@ -83,8 +83,11 @@ class Server:
         from edgeserve.settings_tools import repository_problem
 
         problem = repository_problem(self.settings)
+        clashes = self.repository.clashes()
         if problem is not None:
             raise StartupError(problem)
+        if clashes:
+            raise StartupError(next(iter(clashes.values())))
         self.frontends = self._build_frontends()
         for frontend in self.frontends:
             try:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from edgeserve.config import ConfigError, Settings
 from edgeserve.logs import set_level
 from edgeserve.protocol.errors import InferenceError
-from edgeserve.repository.layout import list_models
 from edgeserve.settings_tools import changed_fields, is_live
 
 if TYPE_CHECKING:
@@ -22,10 +21,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.server")
 
 
-def _startup_models(settings: Settings) -> set[str]:
+def _startup_models(settings: Settings, everything: Callable[[], set[str]]) -> set[str]:
     server = settings.server
     if server.model_control_mode == "none" or "*" in server.load_models:
-        return set(list_models(server.model_repository))
+        return everything()
     return set(server.load_models)
 
 
@@ -43,7 +42,11 @@ async def reload_settings(server: Server, load: Callable[[], Settings]) -> list[
         log.warning("reload: %s need a restart to take effect (the supervisor restarts for them)",
                     ", ".join(later))  # fmt: skip
     applied = [name for name in changed if is_live(name)]
-    old_models = _startup_models(current)
+
+    def everything() -> set[str]:
+        return set(server.repository.folders())
+
+    old_models = _startup_models(current, everything)
     current.logging.level = new.logging.level
     set_level(new.logging.level)
     current.server.exit_timeout_s = new.server.exit_timeout_s
@@ -60,7 +63,7 @@ async def reload_settings(server: Server, load: Callable[[], Settings]) -> list[
         if apply is not None:
             apply(current)
     current.server.load_models = list(new.server.load_models)
-    await _apply_model_list(server, old_models, _startup_models(current))
+    await _apply_model_list(server, old_models, _startup_models(current, everything))
     if applied:
         log.info("reload: applied live: %s", ", ".join(applied))
     else:

@@ -40,12 +40,14 @@ class ServerProcess:
         control_socket: Path,
         state_dir: Path,
         log_line: Callable[[str], None],
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.control_socket = control_socket
         env = child_environment(os.environ)
         env["EDGESERVE_SERVER_STATE_DIR"] = str(state_dir)
         env["EDGESERVE_SUPERVISED_BY"] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(extra_env or {})
         with contextlib.suppress(FileNotFoundError):
             control_socket.unlink()
         self.command = [sys.executable, "-m", "edgeserve", "serve", *serve_args,

@@ -48,6 +48,25 @@ def device_plan(settings: Settings) -> dict[str, Any]:
     }
 
 
+def device_accelerators(settings: Settings) -> set[str]:
+    """Names a bundle's `compatible.accelerators` may ask for (one of them must be here)."""
+    from edgeserve.hardware.probes import probe_hardware
+
+    hw = probe_hardware(settings.runtime.hardware_root)
+    found = {"cpu"}
+    if hw.jetson is not None:
+        found |= {"jetson", "cuda", "nvidia-gpu"}
+    if hw.nvidia_dgpu is not None:
+        found |= {"cuda", "nvidia-gpu"}
+    if hw.intel.gpus:
+        found.add("intel-gpu")
+    if hw.intel.npus:
+        found.add("intel-npu")
+    if hw.neuron is not None:
+        found.add("neuron")
+    return found
+
+
 def served_models(configs: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
     """The per-model half of the plan, from each ready model's served config."""
     models: dict[str, Any] = {}

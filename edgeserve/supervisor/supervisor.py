@@ -21,11 +21,21 @@ from typing import Any
 from edgeserve.config import ConfigError, Settings
 from edgeserve.fsutil import write_json_atomic
 from edgeserve.logs import forward_line, set_level
+from edgeserve.ota.errors import StoreError
+from edgeserve.ota.installer import Installer, Outcome
+from edgeserve.ota.store import Store
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
 from edgeserve.supervisor.child import ServerProcess, describe_exit
 from edgeserve.supervisor.control import ServerControl, ServerUnreachable, ServerView
 from edgeserve.supervisor.notify import Notifier
-from edgeserve.supervisor.report import PLAN_FILE, device_plan, served_models, status_line
+from edgeserve.supervisor.ota_service import OtaService
+from edgeserve.supervisor.report import (
+    PLAN_FILE,
+    device_accelerators,
+    device_plan,
+    served_models,
+    status_line,
+)
 
 log = logging.getLogger("edgeserve.supervisor")
 
@@ -33,6 +43,8 @@ SettingsLoader = Callable[[], tuple[Settings, dict[str, str]]]
 RSS_STRIKES = 3  # consecutive samples over max_rss_mb before a restart: one spike is not a leak
 EXTEND_BY_S = 30.0  # each EXTEND_TIMEOUT_USEC buys this long; renewed every health round
 STARTING_POLL_S = 0.1  # health poll while the server is not ready yet, to report READY promptly
+CRASH_WINDOW_S = 600.0  # crashes this soon after a bundle switch count against the bundle
+CRASH_LOOP_RESTARTS = 3  # ... and this many of them roll it back
 
 
 class Backoff:
@@ -50,8 +62,11 @@ class Backoff:
 
 
 class Supervisor:
-    def __init__(self, load_settings: SettingsLoader, serve_args: Sequence[str]) -> None:
+    def __init__(
+        self, load_settings: SettingsLoader, serve_args: Sequence[str], config_path: Path | None = None
+    ) -> None:
         self._load_settings = load_settings
+        self.config_path = config_path
         self.settings, sources = load_settings()
         self.state_dir, why = resolve_state_dir(self.settings, sources)
         self._state_dir_why = why
@@ -82,6 +97,10 @@ class Supervisor:
         self._last_status = ""
         self._signals: list[int] = []
         self._wake = threading.Event()
+        self.store = Store(self.state_dir)
+        self.ota: OtaService | None = None
+        self._committed_at: float | None = None  # monotonic time of the last bundle switch
+        self._crashes_since_commit = 0
 
     def _new_backoff(self) -> Backoff:
         sup = self.settings.supervisor
@@ -102,6 +121,13 @@ class Supervisor:
         started = time.monotonic()
         log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
         self._write_device_plan()
+        self._recover_store()
+        self.ota = OtaService(self.store, self._make_installer, self._on_install)
+        try:
+            self.ota.start()
+        except OSError as exc:
+            log.error("bundle installs through this appliance are off: %s", exc)
+            self.ota = None
         if self.notifier.watchdog_interval_s:
             log.info(
                 "systemd watchdog: pinging every %.1fs while the server answers",
@@ -120,6 +146,8 @@ class Supervisor:
                 self._wake.wait(self._sleep_s())
                 self._wake.clear()
         finally:
+            if self.ota is not None:
+                self.ota.stop()
             self.notifier.close()
             if self._own_runtime_dir:
                 shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -176,6 +204,7 @@ class Supervisor:
                   child.uptime_s, self.restarts, delay)  # fmt: skip
         self.server_ready = False
         self._publish_status("restarting")
+        self._crash_loop_rollback()
 
     def _restart_gracefully(self, reason: str, with_backoff: bool) -> None:
         """Drain and stop the server, then start it again (at once, or after the crash backoff)."""
@@ -307,6 +336,71 @@ class Supervisor:
             write_json_atomic(path, plan)
         except OSError as exc:
             log.warning("cannot write the runtime plan to %s: %s", path, exc)
+
+    # -- bundles --------------------------------------------------------------------------------------
+    def _recover_store(self) -> None:
+        from edgeserve.ota.installer import recover
+
+        try:
+            with self.store.lock():
+                done = recover(self.store)
+        except (StoreError, OSError) as exc:
+            log.error("bundle store %s: %s", self.store.root, exc)
+            return
+        if done:
+            self.last_error = f"bundle install {done}"
+
+    def _make_installer(self) -> Installer:
+        from edgeserve.ota.activate import LiveActivator, TrialRunner
+        from edgeserve.repository.layout import list_models
+
+        repository = self.settings.server.model_repository
+        trial = TrialRunner(
+            self.state_dir, self.config_path, log_line=lambda line: forward_line(f"[trial] {line}")
+        )
+
+        def repository_models() -> set[str]:
+            return set(list_models(repository)) if repository.is_dir() else set()
+
+        activator = LiveActivator(self.control, trial)
+        return Installer(self.store, activator, accelerators=device_accelerators(self.settings),
+                         other_models=repository_models)  # fmt: skip
+
+    def _on_install(self, outcome: Outcome) -> None:
+        if outcome.ok:
+            self._committed_at = time.monotonic()
+            self._crashes_since_commit = 0
+            self.note = f"bundle {outcome.reason}"
+        else:
+            self.last_error = f"bundle install {outcome.state}: {outcome.reason}"
+        self._wake.set()
+
+    def _crash_loop_rollback(self) -> None:
+        """A server that keeps dying soon after a bundle switch: go back to the previous bundle."""
+        if self._committed_at is None or time.monotonic() - self._committed_at > CRASH_WINDOW_S:
+            return
+        self._crashes_since_commit += 1
+        previous = self.store.previous()
+        if self._crashes_since_commit < CRASH_LOOP_RESTARTS or previous is None:
+            return
+        active = self.store.active()
+        reason = (
+            f"the server crashed {self._crashes_since_commit} times after {active.label if active else '-'}"
+        )
+        try:
+            with self.store.lock():
+                self.store.point(self.store.current_link, previous)
+                self.store.point(self.store.previous_link, active)
+                self.store.record_event("ROLLED_BACK", f"{reason}: rolled back to {previous.label}",
+                                        version=previous.version)  # fmt: skip
+        except StoreError as exc:
+            log.error("crash-loop rollback not possible now: %s", exc)
+            return
+        self._committed_at = None
+        self.last_error = f"{reason}; rolled back to {previous.label}"
+        log.error("%s; rolled back to %s", reason, previous.label)
+        self.next_start_at = time.monotonic()  # start the old bundle now, no backoff
+        self.backoff.failures = 0
 
     # -- signals: stop and reload ---------------------------------------------------------------------
     def _handle_signals(self) -> bool:

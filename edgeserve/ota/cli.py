@@ -1,0 +1,261 @@
+"""`edgeserve keygen` and `edgeserve bundle build|verify|inspect|install|status|rollback`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_commands(sub: Any, config_flag: Any) -> None:
+    keygen = sub.add_parser("keygen", help="make an Ed25519 signing key pair for bundles")
+    keygen.add_argument("--out", type=Path, required=True)
+    keygen.add_argument("--name", default="edgeserve")
+    keygen.set_defaults(func=_keygen)
+
+    bundle = sub.add_parser("bundle", help="build, verify, install and roll back signed model bundles")
+    actions = bundle.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("build", help="build and sign a bundle from a model repository")
+    build.add_argument("repo", type=Path)
+    build.add_argument("--name", required=True)
+    build.add_argument("--version", type=int, required=True)
+    build.add_argument("--key", type=Path, required=True)
+    build.add_argument("--out", type=Path, required=True)
+    build.add_argument("--model", action="append", help="only these models (repeatable; default: all)")
+    build.add_argument("--arch", action="append", help="compatible CPU architecture (repeatable)")
+    build.add_argument("--accelerator", action="append", help="required accelerator, one of (repeatable)")
+    build.add_argument("--expires", help="lifetime (30d, 12h) or an RFC 3339 time; default 90d")
+    build.add_argument("--checks", type=Path, help="JSON list of checks run during the trial")
+    build.add_argument("--no-gzip", action="store_true")
+    build.set_defaults(func=_build)
+
+    verify = actions.add_parser("verify", help="check signature, manifest and every file hash")
+    verify.add_argument("file", type=Path)
+    verify.add_argument("--trust", type=Path, required=True, help="folder of trusted *.pub keys")
+    verify.set_defaults(func=_verify)
+
+    inspect = actions.add_parser("inspect", help="show a bundle's manifest")
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_inspect)
+
+    for action, text in (("install", "install a bundle (through the running appliance when there is one)"),
+                         ("status", "the store: active and previous versions, the install history"),
+                         ("rollback", "go back to a kept version")):  # fmt: skip
+        parser = actions.add_parser(action, help=text)
+        if action == "install":
+            parser.add_argument("source", help="bundle file or http(s) URL")
+            parser.add_argument("--sha256", help="expected sha256 of the bundle file")
+        if action == "status":
+            parser.add_argument("--json", action="store_true")
+        if action == "rollback":
+            parser.add_argument("--to", type=int, required=True, dest="to_version")
+        parser.add_argument("--state-dir", type=Path)
+        config_flag(parser)
+        parser.set_defaults(func={"install": _install, "status": _status, "rollback": _rollback}[action])
+
+
+def _fail(message: str) -> int:
+    print(f"edgeserve: {message}", file=sys.stderr)
+    return 1
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from edgeserve.ota.signing import keygen
+
+    try:
+        private, public, kid = keygen(args.out, args.name)
+    except FileExistsError:
+        return _fail(f"{args.out / (args.name + '.key')} exists; not overwriting a key")
+    print(
+        f"{private} (private, keep it off devices)\n{public} (copy to <state_dir>/trust/ on devices)\n"
+        f"key_id {kid}"
+    )
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from edgeserve.ota.build import BuildRequest, build_bundle
+    from edgeserve.ota.errors import BundleRefused
+
+    request = BuildRequest(args.repo, args.name, args.version, args.key, args.out, models=args.model,
+                           arch=args.arch, accelerators=args.accelerator, expires=args.expires,
+                           checks=args.checks, compress=not args.no_gzip)  # fmt: skip
+    try:
+        manifest = build_bundle(request)
+    except (OSError, ValueError, BundleRefused) as exc:
+        return _fail(f"bundle build: {exc}")
+    models = ", ".join(f"{m} {v}" for m, v in manifest["models"].items())
+    print(f"{args.out}: {manifest['name']} v{manifest['version']} ({models}; {len(manifest['files'])} files, "
+          f"{manifest['unpacked_size']} bytes unpacked, key {manifest['key_id']}, "
+          f"expires {manifest['expires_at']})")  # fmt: skip
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from edgeserve.ota.archive import extract
+    from edgeserve.ota.build import verify_bundle
+    from edgeserve.ota.errors import BundleRefused
+
+    try:
+        manifest, key = verify_bundle(args.file, args.trust)
+        with tempfile.TemporaryDirectory(prefix="edgeserve-verify-") as scratch:
+            extract(args.file, manifest, Path(scratch) / "x")
+    except BundleRefused as exc:
+        return _fail(f"{args.file}: refused: {exc}")
+    except OSError as exc:
+        return _fail(f"{args.file}: {exc}")
+    print(f"{args.file}: OK: {manifest.name} v{manifest.version}, signed by {key} ({manifest.key_id}), "
+          f"{len(manifest.files)} files verified")  # fmt: skip
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from edgeserve.ota.build import inspect_bundle
+    from edgeserve.ota.errors import BundleRefused
+
+    try:
+        info = inspect_bundle(args.file)
+    except (BundleRefused, OSError) as exc:
+        return _fail(f"{args.file}: {exc}")
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    m = info["manifest"]
+    print(f"{args.file}: {info['bytes']} bytes, signature {info['signature_bytes']} bytes")
+    for key in ("name", "version", "created_at", "expires_at", "key_id", "unpacked_size"):
+        print(f"  {key:14} {m.get(key)}")
+    print(f"  {'compatible':14} {json.dumps(m.get('compatible'))}")
+    for model, versions in (m.get("models") or {}).items():
+        print(f"  model {model}: versions {versions}")
+    print(f"  files          {len(m.get('files') or [])}, checks {len(m.get('checks') or [])}")
+    return 0
+
+
+def _state_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    from edgeserve.config import load_settings_with_sources
+    from edgeserve.settings_tools import resolve_state_dir
+
+    config = getattr(args, "config", None)
+    settings, sources = load_settings_with_sources(config)
+    if args.state_dir is not None:
+        return args.state_dir, config
+    return resolve_state_dir(settings, sources)[0], config
+
+
+class _Progress:
+    """One line per state, a percentage in place on a terminal: the install shows where it is."""
+
+    def __init__(self) -> None:
+        self.state = ""
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, state: str, progress: float | None, message: str) -> None:
+        now = time.monotonic()
+        if state == self.state and now - self.last < (0.1 if self.tty else 2.0):
+            return
+        self.last = now
+        percent = f" {progress * 100:5.1f}%" if progress is not None else ""
+        line = f"{state:12}{percent} {message}"
+        if self.tty:
+            end = "\n" if state != self.state and self.state else ""
+            print(f"{end}\r{line[:120]:120}", end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self.state = state
+
+    def close(self) -> None:
+        if self.tty and self.state:
+            print(file=sys.stderr)
+
+
+def _offline_installer(state_dir: Path, config: Path | None) -> Any:
+    from edgeserve.ota.activate import OfflineActivator, TrialRunner
+    from edgeserve.ota.installer import Installer
+    from edgeserve.ota.store import Store
+
+    return Installer(Store(state_dir), OfflineActivator(TrialRunner(state_dir, config)))
+
+
+def _through_appliance(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | None:
+    from edgeserve.supervisor.ota_service import call
+
+    progress = _Progress()
+    try:
+        return call(
+            state_dir, request, lambda e: progress(e["state"], e.get("progress"), e.get("message", ""))
+        )
+    finally:
+        progress.close()
+
+
+def _finish(result: dict[str, Any]) -> int:
+    if result.get("ok"):
+        print(f"{result.get('state')}: {result.get('reason', '')}")
+        return 0
+    return _fail(str(result.get("reason") or result.get("error") or result.get("state")))
+
+
+def _install(args: argparse.Namespace) -> int:
+    from edgeserve.ota.errors import StoreError
+    from edgeserve.ota.installer import recover
+
+    state_dir, config = _state_dir(args)
+    source = args.source if "://" in args.source else str(Path(args.source).resolve())
+    result = _through_appliance(state_dir, {"op": "install", "source": source, "sha256": args.sha256})
+    if result is not None:
+        return _finish(result)
+    installer = _offline_installer(state_dir, config)
+    progress = _Progress()
+    try:
+        with installer.store.lock():
+            recover(installer.store)
+        outcome = installer.install(source, progress, sha256=args.sha256)
+    except StoreError as exc:
+        return _fail(str(exc))
+    finally:
+        progress.close()
+    return _finish(outcome.to_dict())
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from edgeserve.ota.errors import StoreError
+
+    state_dir, config = _state_dir(args)
+    result = _through_appliance(state_dir, {"op": "rollback", "to": args.to_version})
+    if result is not None:
+        return _finish(result)
+    progress = _Progress()
+    try:
+        outcome = _offline_installer(state_dir, config).rollback(args.to_version, progress)
+    except StoreError as exc:
+        return _fail(str(exc))
+    finally:
+        progress.close()
+    return _finish(outcome.to_dict())
+
+
+def _status(args: argparse.Namespace) -> int:
+    from edgeserve.ota.store import Store
+
+    state_dir, _ = _state_dir(args)
+    status = Store(state_dir).status()
+    status["state_dir"] = str(state_dir)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    print(f"state dir        {state_dir}")
+    print(f"active           {status['active'] or 'none'}")
+    print(f"previous         {status['previous_version'] or 'none'}")
+    print(f"state            {status['state']}")
+    print(f"kept versions    {status['kept_versions']}")
+    for entry in status["history"][-10:]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.get("finished_at", 0)))
+        what = f"{entry.get('name', '')} v{entry.get('version', '')}".strip()
+        print(f"  {when} {entry.get('state', ''):12} {what:20} {entry.get('reason', '')}")
+    return 0

@@ -1,0 +1,316 @@
+"""The install state machine: DOWNLOADING -> VERIFYING -> STAGED -> LOADING -> TRIAL -> COMMITTED, or
+ROLLING_BACK -> FAILED / ROLLED_BACK. Every transition is journaled (fsync) before it happens.
+
+Nothing a bundle does can touch what serves until the trial passed: the new version is unpacked into
+a fresh folder, loaded and checked beside the old one (the `Activator` decides how), and only then does
+one rename of the `current` link switch the device over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from edgeserve.ota import archive, signing
+from edgeserve.ota.errors import BundleRefused, StoreError
+from edgeserve.ota.manifest import Manifest, parse_manifest
+from edgeserve.ota.policy import Policy, check_disk, check_manifest
+from edgeserve.ota.store import (
+    COMMITTED,
+    DOWNLOADING,
+    FAILED,
+    LOADING,
+    ROLLED_BACK,
+    ROLLING_BACK,
+    STAGED,
+    TRIAL,
+    VERIFYING,
+    Store,
+    Version,
+)  # fmt: skip
+
+log = logging.getLogger("edgeserve.ota")
+
+Report = Callable[[str, float | None, str], None]  # (state, progress 0..1 or None, message)
+
+
+def hold_point(store: Store, point: str) -> None:
+    """Test hook for the kill-at-every-step harness: with EDGESERVE_OTA_HOLD=<point>, stop here (after
+    the journal write) until killed; `<ota>/held` says where. Unset on devices: costs one lookup."""
+    if os.environ.get("EDGESERVE_OTA_HOLD") == point:
+        (store.root / "held").write_text(point)
+        time.sleep(120)
+
+
+class TrialFailed(Exception):
+    """The new version did not load, failed a check or fell over during the trial window."""
+
+
+class Activator(Protocol):
+    """How a verified bundle is tried and put into service (a running appliance, or none)."""
+
+    def trial(self, models_dir: Path, manifest: Manifest, report: Report) -> None: ...
+
+    def switch(self, old: Version | None, new: Version | None, report: Report) -> None: ...
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    state: str  # COMMITTED | FAILED | ROLLED_BACK
+    reason: str
+    name: str = ""
+    version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "state": self.state, "reason": self.reason, "name": self.name,
+                "version": self.version}  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Installer:
+    def __init__(
+        self,
+        store: Store,
+        activator: Activator,
+        *,
+        policy: Policy | None = None,
+        arch: str | None = None,
+        accelerators: set[str] | None = None,
+        other_models: Callable[[], set[str]] = set,
+    ) -> None:
+        self.store = store
+        self.activator = activator
+        self.policy = policy or Policy()
+        self.arch = arch or platform.machine()
+        self.accelerators = accelerators or set()
+        self.other_models = other_models  # model names served from --model-repository
+
+    # -- install ----------------------------------------------------------------------------------
+    def install(self, source: str, report: Report, *, sha256: str | None = None,
+                cancel: threading.Event | None = None) -> Outcome:  # fmt: skip
+        with self.store.lock():
+            self.store.ensure()
+            record = self.store.begin(source)
+            try:
+                return self._install(record["id"], source, report, sha256, cancel)
+            except BundleRefused as exc:
+                return self._fail(FAILED, f"refused: {exc}", report)
+            except TrialFailed as exc:
+                return self._fail(FAILED, f"trial failed: {exc}", report)
+            except StoreError as exc:
+                return self._fail(FAILED, str(exc), report)
+            except Exception as exc:  # the device must end in a known state whatever broke
+                log.exception("install of %s failed unexpectedly", source)
+                return self._fail(FAILED, f"internal error: {type(exc).__name__}: {exc}", report)
+
+    def _install(self, install_id: str, source: str, report: Report, sha256: str | None,
+                 cancel: threading.Event | None) -> Outcome:  # fmt: skip
+        bundle = self._fetch(source, report, sha256, cancel)
+        hold_point(self.store, DOWNLOADING)
+        self.store.transition(VERIFYING)
+        report(VERIFYING, None, "checking the signature and the manifest")
+        body, signature = archive.read_header(bundle)
+        try:
+            declared = str(json.loads(body).get("key_id", ""))
+        except (ValueError, AttributeError):
+            declared = ""
+        signing.verify(body, signature, declared, self.store.trust_dir)
+        manifest = parse_manifest(body)
+        self.store.transition(VERIFYING, name=manifest.name, version=manifest.version)
+        check_manifest(manifest, installed_versions=self.store.journal()["installed"], policy=self.policy,
+                       arch=self.arch, accelerators=self.accelerators)  # fmt: skip
+        clash = set(manifest.models) & self.other_models()
+        if clash:
+            raise BundleRefused(
+                "conflict", f"model(s) {', '.join(sorted(clash))} are also in the model repository"
+            )
+        kept = sum(self._size(v.path) for v in (self.store.active(),) if v is not None)
+        check_disk(self.store.root, manifest.unpacked_size + kept // 4, self.policy, "unpacking the bundle")
+        staging = self.store.new_staging(install_id)
+        try:
+
+            def unpacking(done: int, total: int) -> None:
+                report(VERIFYING, done / max(total, 1), "unpacking")
+                if done * 2 >= total:
+                    hold_point(self.store, "EXTRACTING")
+
+            archive.extract(bundle, manifest, staging / "unpack", unpacking)
+            (staging / "unpack" / "manifest.json").write_bytes(body)
+            new = self.store.promote(staging / "unpack", manifest.name, manifest.version)
+        finally:
+            archive_cleanup(staging)
+        self.store.transition(STAGED, path=str(new.path))
+        report(STAGED, None, f"{new.label} verified and staged")
+        hold_point(self.store, STAGED)
+        if cancel is not None and cancel.is_set():
+            self._discard(new)
+            return self._fail(FAILED, "cancelled", report)
+        self.store.transition(LOADING)
+        hold_point(self.store, LOADING)
+        try:
+            self.activator.trial(new.path / "models", manifest, report)
+        except TrialFailed:
+            self._discard(new)
+            raise
+        old = self.store.active()
+        self.store.transition(TRIAL, switching=True, old=str(old.path) if old else None)
+        hold_point(self.store, TRIAL)
+        self.store.point(self.store.current_link, new)
+        hold_point(self.store, "SWITCHED")
+        try:
+            self.activator.switch(old, new, report)
+        except TrialFailed as exc:
+            self._roll_back(old, new, report)
+            return self._fail(ROLLED_BACK, f"after the switch: {exc}", report)
+        self.store.point(self.store.previous_link, old)
+        record = self.store.finish(
+            COMMITTED, f"{new.label} serves", installed=(manifest.name, manifest.version)
+        )
+        report(COMMITTED, 1.0, f"{new.label} serves" + (f" (previous: {old.label})" if old else ""))
+        removed = self.store.gc()
+        if removed:
+            log.info("removed old bundles: %s", ", ".join(removed))
+        log.info("install %s committed: %s", record.get("id"), new.label)
+        return Outcome(True, COMMITTED, f"{new.label} serves", manifest.name, manifest.version)
+
+    def _fetch(self, source: str, report: Report, sha256: str | None, cancel: threading.Event | None) -> Path:
+        report(DOWNLOADING, 0.0, source)
+        if "://" in source and not source.startswith("file://"):
+            from edgeserve.ota.download import DownloadError, download
+
+            target = self.store.downloads / (hashlib.sha256(source.encode()).hexdigest()[:24] + ".esb")
+            cap = self.policy.max_unpacked_bytes + archive.MAX_MANIFEST_BYTES
+            try:
+                download(source, target, expected_sha256=sha256, max_bytes=cap, cancel=cancel,
+                         progress=lambda done, total: report(DOWNLOADING, done / total if total else None,
+                                                             f"{done} bytes"))  # fmt: skip
+            except DownloadError as exc:
+                raise BundleRefused("download", str(exc)) from None
+            return target
+        path = Path(source.removeprefix("file://"))
+        if not path.is_file():
+            raise BundleRefused("download", f"no bundle file at {path}")
+        if sha256 is not None and _sha256(path) != sha256.lower():
+            raise BundleRefused("hash", f"{path} does not have the expected sha256")
+        report(DOWNLOADING, 1.0, f"{path} ({path.stat().st_size} bytes)")
+        return path
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    def _discard(self, version: Version) -> None:
+        active = self.store.active()
+        if active is None or active.path != version.path:
+            import shutil
+
+            shutil.rmtree(version.path, ignore_errors=True)
+
+    def _roll_back(self, old: Version | None, new: Version, report: Report) -> None:
+        self.store.transition(ROLLING_BACK)
+        report(ROLLING_BACK, None, f"back to {old.label if old else 'no bundle'}")
+        self.store.point(self.store.current_link, old)
+        try:
+            self.activator.switch(new, old, report)
+        except TrialFailed as exc:  # the old version is on disk, whole: the next start serves it
+            log.error("rollback: the server did not take %s back at once: %s", old.label if old else "-", exc)
+        self._discard(new)
+
+    def _fail(self, state: str, reason: str, report: Report) -> Outcome:
+        journal = self.store.journal()
+        record = journal["install"] or {}
+        staged = record.get("path")
+        if staged and state == FAILED:
+            active = self.store.active()
+            if active is None or str(active.path) != staged:
+                import shutil
+
+                shutil.rmtree(staged, ignore_errors=True)
+        if record:
+            self.store.finish(state, reason)
+        self.store.gc()
+        report(state, None, reason)
+        log.warning("install %s: %s", state, reason)
+        return Outcome(False, state, reason, str(record.get("name", "")), int(record.get("version", 0) or 0))
+
+    # -- rollback and recovery -------------------------------------------------------------------
+    def rollback(self, to_version: int, report: Report) -> Outcome:
+        with self.store.lock():
+            active = self.store.active()
+            target = next((v for v in self.store.kept() if v.version == to_version
+                           and (active is None or v.name == active.name)), None)  # fmt: skip
+            if target is None:
+                kept = ", ".join(str(v.version) for v in self.store.kept()) or "none"
+                raise StoreError(f"version {to_version} is not kept on this device (kept: {kept})")
+            if active is not None and active.path == target.path:
+                return Outcome(True, COMMITTED, f"{target.label} already serves", target.name, target.version)
+            report(ROLLING_BACK, None, f"{active.label if active else '-'} -> {target.label}")
+            self.store.point(self.store.current_link, target)
+            try:
+                self.activator.switch(active, target, report)
+            except TrialFailed as exc:
+                self.store.point(self.store.current_link, active)
+                with_error = (
+                    f"rollback to {target.label} failed, {active.label if active else '-'} kept: {exc}"
+                )
+                self.store.record_event(FAILED, with_error)
+                return Outcome(False, FAILED, with_error, target.name, target.version)
+            self.store.point(self.store.previous_link, active)
+            self.store.record_event(ROLLED_BACK, f"rolled back to {target.label}", version=target.version)
+            report(ROLLED_BACK, 1.0, f"{target.label} serves")
+            return Outcome(True, ROLLED_BACK, f"{target.label} serves", target.name, target.version)
+
+
+def archive_cleanup(staging: Path) -> None:
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def recover(store: Store) -> str | None:
+    """After a crash or power cut: undo the install the journal says was under way. Returns what was
+    done (for the log and the history), None when nothing was pending."""
+    journal = store.journal()
+    record = journal["install"]
+    if record is None:
+        return None
+    state = record.get("state", "?")
+    label = f"{record.get('name', '?')} v{record.get('version', '?')}"
+    old = record.get("old")
+    if record.get("switching"):
+        target = store._link(store.current_link)
+        if old is None:
+            store.point(store.current_link, None)
+        elif target is None or str(target.path) != old:
+            parsed = Path(old)
+            store.point(store.current_link, Version(label, 0, parsed))
+    staged = record.get("path")
+    active = store.active()
+    if staged and (active is None or str(active.path) != staged):
+        import shutil
+
+        shutil.rmtree(staged, ignore_errors=True)
+    serving = active.label if active else "no bundle"
+    reason = f"interrupted in {state} (restart or power loss): undone, {serving} serves"
+    outcome = ROLLED_BACK if record.get("switching") else FAILED
+    store.finish(outcome, reason)
+    store.gc()
+    log.warning("install %s of %s %s", record.get("id"), label, reason)
+    return f"{label}: {reason}"

@@ -1,0 +1,245 @@
+"""The device's bundle store under `<state_dir>/ota/` and its journal.
+
+    ota/journal.json           the install in progress (state, versions, the link it replaces) and the history
+    ota/bundles/<name>-v<N>/   unpacked, verified bundles; never edited once renamed in from staging
+    ota/current -> bundles/..  what the server serves (one rename switches it)
+    ota/previous -> bundles/.. kept for rollback
+    ota/staging/<id>/          a fresh extraction folder per install
+    ota/downloads/             resumable downloads (.part)
+    trust/*.pub                trusted signing keys
+
+Every journal write is fsync'd before the step it announces, so after a power cut `recover()` knows
+exactly what was under way and undoes it: the old bundle serves, whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgeserve.fsutil import fsync_dir, replace_symlink, write_json_atomic
+from edgeserve.ota.errors import StoreError
+
+log = logging.getLogger("edgeserve.ota")
+
+DOWNLOADING, VERIFYING, STAGED, LOADING, TRIAL = "DOWNLOADING", "VERIFYING", "STAGED", "LOADING", "TRIAL"
+COMMITTED, ROLLING_BACK, FAILED, ROLLED_BACK = "COMMITTED", "ROLLING_BACK", "FAILED", "ROLLED_BACK"
+HISTORY_KEPT = 50
+
+
+@dataclass(frozen=True)
+class Version:
+    name: str
+    version: int
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} v{self.version}"
+
+
+def active_models(state_dir: Path) -> Path | None:
+    """The models folder of the active bundle (resolved now: a later switch is seen by the next call)."""
+    link = state_dir / "ota" / "current"
+    if not link.is_symlink():
+        return None
+    models = link.resolve() / "models"
+    return models if models.is_dir() else None
+
+
+def _parse_dirname(dirname: str) -> tuple[str, int] | None:
+    name, sep, number = dirname.rpartition("-v")
+    return (name, int(number)) if sep and number.isdigit() else None
+
+
+class Store:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.root = state_dir / "ota"
+        self.trust_dir = state_dir / "trust"
+        self.bundles = self.root / "bundles"
+        self.staging = self.root / "staging"
+        self.downloads = self.root / "downloads"
+        self.journal_path = self.root / "journal.json"
+        self.current_link = self.root / "current"
+        self.previous_link = self.root / "previous"
+
+    def ensure(self) -> None:
+        for folder in (self.root, self.bundles, self.staging, self.downloads, self.trust_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    # -- journal ----------------------------------------------------------------------------------
+    def journal(self) -> dict[str, Any]:
+        import json
+
+        data: Any
+        try:
+            data = json.loads(self.journal_path.read_text())
+        except FileNotFoundError:
+            data = {}
+        except ValueError:  # cannot happen with atomic writes; never let it stop a device
+            log.error("journal %s is unreadable; starting a new one", self.journal_path)
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        data.setdefault("install", None)
+        data.setdefault("history", [])
+        data.setdefault("installed", {})
+        journal: dict[str, Any] = data
+        return journal
+
+    def write_journal(self, data: dict[str, Any]) -> None:
+        data["history"] = data["history"][-HISTORY_KEPT:]
+        write_json_atomic(self.journal_path, data)
+
+    def begin(self, source: str) -> dict[str, Any]:
+        journal = self.journal()
+        if journal["install"] is not None:
+            raise StoreError(f"another install is recorded as running: {journal['install'].get('id')}")
+        record = {"id": uuid.uuid4().hex[:12], "source": source, "state": DOWNLOADING,
+                  "started_at": time.time(), "transitions": [[DOWNLOADING, time.time()]]}  # fmt: skip
+        journal["install"] = record
+        self.write_journal(journal)
+        return record
+
+    def transition(self, state: str, **fields: Any) -> dict[str, Any]:
+        journal = self.journal()
+        record = journal["install"]
+        if record is None:
+            raise StoreError("no install is running")
+        record.update(fields)
+        record["state"] = state
+        record["transitions"].append([state, time.time()])
+        self.write_journal(journal)
+        return dict(record)
+
+    def finish(
+        self, outcome: str, reason: str = "", installed: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
+        """End the install with a terminal state; it goes to the history."""
+        journal = self.journal()
+        record = journal["install"] or {}
+        record.update({"state": outcome, "finished_at": time.time(), "reason": reason})
+        record.setdefault("transitions", []).append([outcome, time.time()])
+        journal["history"].append(record)
+        journal["install"] = None
+        if installed is not None:
+            name, version = installed
+            journal["installed"][name] = max(version, int(journal["installed"].get(name, 0)))
+        self.write_journal(journal)
+        return record
+
+    def record_event(self, outcome: str, reason: str, **fields: Any) -> None:
+        """A history entry that is not an install (rollback, recovery)."""
+        journal = self.journal()
+        journal["history"].append({"state": outcome, "reason": reason, "finished_at": time.time(), **fields})
+        self.write_journal(journal)
+
+    # -- versions ---------------------------------------------------------------------------------
+    def _link(self, link: Path) -> Version | None:
+        if not link.is_symlink():
+            return None
+        target = self.root / os.readlink(link)
+        parsed = _parse_dirname(target.name)
+        if parsed is None or not target.is_dir():
+            return None
+        return Version(parsed[0], parsed[1], target)
+
+    def active(self) -> Version | None:
+        return self._link(self.current_link)
+
+    def previous(self) -> Version | None:
+        return self._link(self.previous_link)
+
+    def kept(self) -> list[Version]:
+        versions = []
+        if self.bundles.is_dir():
+            for folder in sorted(self.bundles.iterdir()):
+                parsed = _parse_dirname(folder.name)
+                if parsed is not None and folder.is_dir():
+                    versions.append(Version(parsed[0], parsed[1], folder))
+        return sorted(versions, key=lambda v: (v.name, v.version))
+
+    def bundle_dir(self, name: str, version: int) -> Path:
+        return self.bundles / f"{name}-v{version}"
+
+    def point(self, link: Path, version: Version | None) -> None:
+        """Switch a link in one rename (or remove it)."""
+        if version is None:
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            fsync_dir(link.parent)
+            return
+        replace_symlink(link, os.path.relpath(version.path, self.root))
+
+    def new_staging(self, install_id: str) -> Path:
+        path = self.staging / install_id
+        shutil.rmtree(path, ignore_errors=True)  # a fresh folder every time
+        return path
+
+    def promote(self, staging: Path, name: str, version: int) -> Version:
+        """Rename a verified staging folder into bundles/ (same file system: atomic)."""
+        target = self.bundle_dir(name, version)
+        if target.exists():
+            current = self.active()
+            if current is not None and current.path == target:
+                raise StoreError(f"{name} v{version} is the active bundle")
+            shutil.rmtree(target)
+        os.replace(staging, target)
+        fsync_dir(self.bundles)
+        return Version(name, version, target)
+
+    def gc(self) -> list[str]:
+        """Remove every bundle but the active and previous one, and stale staging folders."""
+        keep = {v.path for v in (self.active(), self.previous()) if v is not None}
+        removed: list[str] = []
+        for version in self.kept():
+            if version.path not in keep:
+                shutil.rmtree(version.path, ignore_errors=True)
+                removed.append(version.label)
+        journal = self.journal()
+        running = (journal["install"] or {}).get("id")
+        if self.staging.is_dir():
+            for folder in self.staging.iterdir():
+                if folder.name != running:
+                    shutil.rmtree(folder, ignore_errors=True)
+        return removed
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """One installer at a time per store, across processes (the appliance, the CLI)."""
+        self.ensure()
+        fd = os.open(self.root / "install.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError("another install or rollback is running on this store") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def status(self) -> dict[str, Any]:
+        journal = self.journal()
+        active, previous = self.active(), self.previous()
+        install = journal["install"]
+        return {
+            "active": active.label if active else None,
+            "active_name": active.name if active else None,
+            "active_version": active.version if active else None,
+            "previous_version": previous.version if previous else None,
+            "state": install["state"] if install else "IDLE",
+            "install": install,
+            "kept_versions": [v.version for v in self.kept()],
+            "installed": journal["installed"],
+            "history": journal["history"],
+        }
