@@ -119,7 +119,7 @@ def download(
         else:
             raise DownloadError(f"unsupported URL scheme {scheme!r}: {url}")
     except _Cancelled:
-        raise DownloadError(f"download cancelled: {url} (partial file kept for resume)") from None
+        raise DownloadError(f"download cancelled: {url}") from None
 
     digest = _sha256_file(part)
     if expected_sha256 is not None and digest != expected_sha256:
@@ -400,7 +400,7 @@ def _copy_local(
                     reporter(received, total)
                 out.flush()
                 os.fsync(out.fileno())
-        except DownloadError:
+        except (DownloadError, _Cancelled):
             _remove(part)
             raise
         except OSError as exc:

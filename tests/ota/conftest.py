@@ -1,0 +1,24 @@
+"""Fixtures for the OTA tests."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ota/bundle_server.py
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/es_server.py, tests/onnx_models.py
+
+from bundle_server import BundleServer
+
+
+@pytest.fixture
+def bundle_server() -> Iterator[BundleServer]:
+    """A fault-injecting HTTP file server on loopback (see bundle_server.py), stopped after the test."""
+    server = BundleServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
