@@ -123,6 +123,16 @@ class SupervisorSection:
 
 
 @dataclass
+class OtaSection:
+    """Signed model bundles (`edgeserve bundle install`, the fleet agent)."""
+
+    trial_window_s: float = 10.0  # health checks on the new models before (and after) the switch
+    load_timeout_s: float = 900.0  # loading + warming up a bundle's models (engine builds are slow)
+    max_unpacked_mb: int = 16384  # larger bundles are refused whatever they declare
+    crash_rollback_restarts: int = 3  # server crashes soon after a switch that roll the bundle back
+
+
+@dataclass
 class Settings:
     server: ServerSection = field(default_factory=ServerSection)
     http: HttpSection = field(default_factory=HttpSection)
@@ -132,6 +142,7 @@ class Settings:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     supervisor: SupervisorSection = field(default_factory=SupervisorSection)
+    ota: OtaSection = field(default_factory=OtaSection)
 
     def validate(self, source: str) -> None:
         """Cross-field checks, after types are known good."""
@@ -185,6 +196,13 @@ class Settings:
             fail("supervisor.hang_timeout_s", "must be 0 (never) or a number of seconds")
         if sup.max_rss_mb < 0:
             fail("supervisor.max_rss_mb", "must be 0 (off) or a size in MB")
+        for name in ("trial_window_s", "load_timeout_s"):
+            if getattr(self.ota, name) <= 0:
+                fail(f"ota.{name}", "must be a positive number of seconds")
+        if self.ota.max_unpacked_mb <= 0:
+            fail("ota.max_unpacked_mb", "must be a positive size in MB")
+        if self.ota.crash_rollback_restarts < 0:
+            fail("ota.crash_rollback_restarts", "must be 0 (never roll back on crashes) or a count")
         if self.server.exit_timeout_s < 0:
             fail("server.exit_timeout_s", "must be 0 or a number of seconds")
 

@@ -27,6 +27,7 @@ LIVE_SETTINGS = frozenset(
         "zmq.max_inflight_per_client",
         "zmq.inline_max_us",
         "supervisor.*",
+        "ota.*",
     }
 )
 

@@ -137,14 +137,18 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _state_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    return _settings(args)[1:]
+
+
+def _settings(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
+    """(settings, state folder, settings file) as `edgeserve run` with the same flags would see them."""
     from edgeserve.config import load_settings_with_sources
     from edgeserve.settings_tools import resolve_state_dir
 
     config = getattr(args, "config", None)
     settings, sources = load_settings_with_sources(config)
-    if args.state_dir is not None:
-        return args.state_dir, config
-    return resolve_state_dir(settings, sources)[0], config
+    state_dir = args.state_dir if args.state_dir is not None else resolve_state_dir(settings, sources)[0]
+    return settings, state_dir, config
 
 
 class _Progress:
@@ -174,12 +178,18 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def _offline_installer(state_dir: Path, config: Path | None) -> Any:
+def _offline_installer(args: argparse.Namespace) -> Any:
     from edgeserve.ota.activate import OfflineActivator, TrialRunner
     from edgeserve.ota.installer import Installer
+    from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
+    from edgeserve.supervisor.report import device_accelerators
 
-    return Installer(Store(state_dir), OfflineActivator(TrialRunner(state_dir, config)))
+    settings, state_dir, config = _settings(args)
+    ota = settings.ota
+    trial = TrialRunner(state_dir, config, load_timeout_s=ota.load_timeout_s, window_s=ota.trial_window_s)
+    return Installer(Store(state_dir), OfflineActivator(trial), accelerators=device_accelerators(settings),
+                     policy=Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20))  # fmt: skip
 
 
 def _through_appliance(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | None:
@@ -205,12 +215,12 @@ def _install(args: argparse.Namespace) -> int:
     from edgeserve.ota.errors import StoreError
     from edgeserve.ota.installer import recover
 
-    state_dir, config = _state_dir(args)
+    state_dir, _ = _state_dir(args)
     source = args.source if "://" in args.source else str(Path(args.source).resolve())
     result = _through_appliance(state_dir, {"op": "install", "source": source, "sha256": args.sha256})
     if result is not None:
         return _finish(result)
-    installer = _offline_installer(state_dir, config)
+    installer = _offline_installer(args)
     progress = _Progress()
     try:
         with installer.store.lock():
@@ -226,13 +236,13 @@ def _install(args: argparse.Namespace) -> int:
 def _rollback(args: argparse.Namespace) -> int:
     from edgeserve.ota.errors import StoreError
 
-    state_dir, config = _state_dir(args)
+    state_dir, _ = _state_dir(args)
     result = _through_appliance(state_dir, {"op": "rollback", "to": args.to_version})
     if result is not None:
         return _finish(result)
     progress = _Progress()
     try:
-        outcome = _offline_installer(state_dir, config).rollback(args.to_version, progress)
+        outcome = _offline_installer(args).rollback(args.to_version, progress)
     except StoreError as exc:
         return _fail(str(exc))
     finally:

@@ -23,6 +23,7 @@ from edgeserve.fsutil import write_json_atomic
 from edgeserve.logs import forward_line, set_level
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer, Outcome
+from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
 from edgeserve.supervisor.child import ServerProcess, describe_exit
@@ -44,7 +45,6 @@ RSS_STRIKES = 3  # consecutive samples over max_rss_mb before a restart: one spi
 EXTEND_BY_S = 30.0  # each EXTEND_TIMEOUT_USEC buys this long; renewed every health round
 STARTING_POLL_S = 0.1  # health poll while the server is not ready yet, to report READY promptly
 CRASH_WINDOW_S = 600.0  # crashes this soon after a bundle switch count against the bundle
-CRASH_LOOP_RESTARTS = 3  # ... and this many of them roll it back
 
 
 class Backoff:
@@ -355,15 +355,22 @@ class Supervisor:
         from edgeserve.repository.layout import list_models
 
         repository = self.settings.server.model_repository
-        trial = TrialRunner(
-            self.state_dir, self.config_path, log_line=lambda line: forward_line(f"[trial] {line}")
-        )
+        ota = self.settings.ota
+
+        def trial_log(line: str) -> None:
+            forward_line(f"[trial] {line}")
+
+        trial = TrialRunner(self.state_dir, self.config_path, load_timeout_s=ota.load_timeout_s,
+                            window_s=ota.trial_window_s, log_line=trial_log)  # fmt: skip
 
         def repository_models() -> set[str]:
             return set(list_models(repository)) if repository.is_dir() else set()
 
-        activator = LiveActivator(self.control, trial)
-        return Installer(self.store, activator, accelerators=device_accelerators(self.settings),
+        activator = LiveActivator(self.control, trial, load_timeout_s=ota.load_timeout_s,
+                                  window_s=min(ota.trial_window_s, 5.0))  # fmt: skip
+        policy = Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20)
+        accelerators = device_accelerators(self.settings)
+        return Installer(self.store, activator, policy=policy, accelerators=accelerators,
                          other_models=repository_models)  # fmt: skip
 
     def _on_install(self, outcome: Outcome) -> None:
@@ -381,7 +388,8 @@ class Supervisor:
             return
         self._crashes_since_commit += 1
         previous = self.store.previous()
-        if self._crashes_since_commit < CRASH_LOOP_RESTARTS or previous is None:
+        limit = self.settings.ota.crash_rollback_restarts
+        if not limit or self._crashes_since_commit < limit or previous is None:
             return
         active = self.store.active()
         reason = (
