@@ -20,6 +20,7 @@ from edgeserve.ota.build import BuildRequest, build_bundle
 from edgeserve.ota.signing import keygen
 
 ROOT = Path(__file__).resolve().parents[2]
+FAST = {"EDGESERVE_OTA_TRIAL_WINDOW_S": "1"}  # a short trial window keeps the tests quick
 X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
 
 
@@ -71,7 +72,9 @@ def mlp_output(model_file: Path) -> list[float]:
     return [float(v) for v in session.run(None, {"INPUT0": X})[0].ravel()]
 
 
-def mlp_check(repo: Path, model: str = "mlp", tolerance: float = 1e-4, wrong: bool = False) -> dict[str, object]:
+def mlp_check(
+    repo: Path, model: str = "mlp", tolerance: float = 1e-4, wrong: bool = False
+) -> dict[str, object]:
     expected = mlp_output(repo / model / "1" / "model.onnx")
     if wrong:
         expected = [v + 0.5 for v in expected]
@@ -82,14 +85,18 @@ def mlp_check(repo: Path, model: str = "mlp", tolerance: float = 1e-4, wrong: bo
 def edgeserve(*args: str, env: dict[str, str] | None = None, timeout: float = 180,
               check: bool = False) -> subprocess.CompletedProcess[str]:  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "edgeserve", *args], capture_output=True, text=True,
-                            timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})  # fmt: skip
+                            timeout=timeout, cwd=ROOT, env={**os.environ, **FAST, **(env or {})})  # fmt: skip
     if check and result.returncode != 0:
-        raise AssertionError(f"edgeserve {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"edgeserve {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 
 def status(state: Path) -> dict[str, object]:
-    return dict(json.loads(edgeserve("bundle", "status", "--state-dir", str(state), "--json", check=True).stdout))
+    return dict(
+        json.loads(edgeserve("bundle", "status", "--state-dir", str(state), "--json", check=True).stdout)
+    )
 
 
 def wait_file(path: Path, timeout: float) -> None:

@@ -41,7 +41,9 @@ def test_install_commits_and_status_tells_the_story(fleet: Fleet) -> None:
     states = [state for state, _, _ in seen]
     for state in ("DOWNLOADING", "VERIFYING", "STAGED", "LOADING", "TRIAL", "COMMITTED"):
         assert state in states, states
-    assert states.index("STAGED") < states.index("LOADING") < states.index("TRIAL") < states.index("COMMITTED")
+    assert (
+        states.index("STAGED") < states.index("LOADING") < states.index("TRIAL") < states.index("COMMITTED")
+    )
     store = Store(fleet.state)
     active = store.active()
     assert active is not None and active.version == 1
