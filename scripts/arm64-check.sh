@@ -110,20 +110,31 @@ fake_cpuinfo() {
   echo "$f"
 }
 CPUINFO_BIND=()
-arm_cpuinfo() { # after mount_root: make /proc/cpuinfo in the root an ARM one when qemu does not
+bind_in_root() { # FILE PATH-IN-ROOT
+  if [ "$RUNNER" = proot ]; then
+    CPUINFO_BIND+=(-b "$1:$2")
+  else
+    mount --bind "$1" "$ROOT$2" || fail "could not bind $1 over $ROOT$2"
+    MOUNTED+=("$ROOT$2")
+  fi
+}
+arm_proc() { # after mount_root: the arm64 view of /proc that qemu-user does not give
   if root_exec /usr/bin/grep -q '^CPU implementer' /proc/cpuinfo; then
     log "/proc/cpuinfo in the root: ARM (qemu emulates it)"
-    return
-  fi
-  local f
-  f=$(fake_cpuinfo)
-  if [ "$RUNNER" = proot ]; then
-    CPUINFO_BIND=(-b "$f:/proc/cpuinfo")
   else
-    mount --bind "$f" "$ROOT/proc/cpuinfo" || fail "could not bind $f over $ROOT/proc/cpuinfo"
-    MOUNTED+=("$ROOT/proc/cpuinfo")
+    bind_in_root "$(fake_cpuinfo)" /proc/cpuinfo
+    log "/proc/cpuinfo in the root: the host's (qemu $(qemu-aarch64-static --version | awk 'NR==1 {print $3}') passes it through); bound an arm64 one over it ($WORK/cpuinfo.arm64), else onnxruntime's import segfaults"
   fi
-  log "/proc/cpuinfo in the root: the host's (qemu $(qemu-aarch64-static --version | awk 'NR==1 {print $3}') passes it through); bound an arm64 one over it ($f), else onnxruntime's import segfaults"
+  # The kernel stays the host's: /proc/sys/kernel/arch says x86_64, and edgeserve's hardware probe
+  # takes the architecture from there (device profile x86-cpu instead of arm-cpu). An arm64 kernel
+  # says aarch64; so does the file bound over it here.
+  local karch
+  karch=$(root_exec /usr/bin/cat /proc/sys/kernel/arch 2>/dev/null || true)
+  if [ -n "$karch" ] && [ "$karch" != aarch64 ]; then
+    echo aarch64 >"$WORK/kernel-arch.arm64"
+    bind_in_root "$WORK/kernel-arch.arm64" /proc/sys/kernel/arch
+    log "/proc/sys/kernel/arch in the root: the host kernel's ($karch); bound 'aarch64' over it"
+  fi
 }
 umount_root() {
   local i
@@ -304,6 +315,21 @@ if [ "$RUNNER" = proot ]; then
   log "$(proot --version 2>&1 | grep -m1 -io 'proot v[0-9.]*' || echo proot)"
 fi
 
+# proot must translate the paths of every file syscall qemu makes for the guest; bookworm's arm64
+# glibc uses statx and faccessat2, which proot 5.1.0 (Debian bookworm's) does not know: the file is
+# then looked up on the host and "does not exist" although `ls /` lists it.
+proot_probe() {
+  [ "$RUNNER" = proot ] || return 0
+  # A file only the root has (a path the host also has would be found on the host).
+  local probe=/.edgeserve-proot-probe ok=1
+  install -m 0755 /dev/null "$ROOT$probe"
+  root_exec /usr/bin/test -x "$probe" 2>/dev/null && root_exec /usr/bin/stat "$probe" >/dev/null 2>&1 || ok=0
+  rm -f "$ROOT$probe"
+  if [ "$ok" = 0 ]; then
+    fail "proot $(dpkg-query -W -f '${Version}' proot 2>/dev/null || echo '?') does not translate the statx/faccessat2 syscalls that the arm64 glibc makes under qemu-aarch64-static: files in the root look missing (test -x / stat fail while ls lists them), so debootstrap and python cannot run. Use the chroot runner (binfmt_misc: needs CAP_SYS_ADMIN to mount it, or a host that has qemu-aarch64 registered with the F flag), or a proot that knows statx and faccessat2"
+  fi
+}
+
 # ---- 3. the arm64 root ----------------------------------------------------------------------------
 if [ "${EDGESERVE_ARM64_FRESH:-0}" = "1" ] && [ -d "$ROOT" ]; then
   step "remove the old arm64 root (EDGESERVE_ARM64_FRESH=1)"
@@ -332,9 +358,14 @@ else
       *) mkdir -p "$ROOT$(dirname "$BINFMT_INTERP")"; cp "$BINFMT_INTERP" "$ROOT$BINFMT_INTERP" ;;
     esac
   fi
+  if [ "$RUNNER" = proot ] && [ -L "$ROOT/proc" ]; then
+    # debootstrap in a Docker-like host leaves proc -> /proc; proot cannot bind /proc onto that.
+    rm "$ROOT/proc" && mkdir "$ROOT/proc"
+  fi
   step "debootstrap --second-stage (inside the root, emulated arm64, runner: $RUNNER)"
   root_exec /usr/bin/uname -m | grep -qx aarch64 \
     || fail "an arm64 binary did not run in the root (qemu via $RUNNER not working)"
+  proot_probe
   mount_root
   root_exec /debootstrap/debootstrap --second-stage >"$WORK/debootstrap-2.log" 2>&1 \
     || { tail -20 "$WORK/debootstrap-2.log" >&2; fail "debootstrap second stage failed (log: $WORK/debootstrap-2.log)"; }
@@ -344,7 +375,8 @@ fi
 
 mount_root
 step "arm64 root: check the emulated machine"
-arm_cpuinfo
+proot_probe
+arm_proc
 log "uname -m in the root: $(in_root uname -m)"
 [ "$(in_root uname -m)" = aarch64 ] || fail "the root does not run as aarch64"
 # shellcheck disable=SC2016  # $PRETTY_NAME expands inside the root, not here
@@ -398,6 +430,11 @@ log "$versions"
 in_root "$VENV/bin/python" -m pip list --format=freeze >"$WORK/pip-freeze.txt" 2>/dev/null || true
 
 # ---- 6. edgeserve detect / samples ----------------------------------------------------------------
+# The wheel does not carry the device profiles (devices/*.toml); Dockerfile.arm64 puts them in
+# /usr/share/edgeserve/devices, one of the folders edgeserve reads: the same here.
+rm -rf "$ROOT/usr/share/edgeserve/devices"
+mkdir -p "$ROOT/usr/share/edgeserve/devices"
+cp "$REPO"/devices/*.toml "$ROOT/usr/share/edgeserve/devices/"
 step "arm64: edgeserve detect"
 in_root "$VENV/bin/edgeserve" detect --model-repository "$MODELS" | tee "$WORK/detect.txt" \
   || fail "edgeserve detect failed"
