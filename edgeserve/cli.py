@@ -290,8 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from edgeserve.config import ConfigError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:  # a settings error is one line and exit 2, in every command
+        print(f"edgeserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ class TrialRunner:
             watch(control, set(manifest.models), self.window_s, alive=lambda: server.poll() is None)
         finally:
             server.stop(10.0)
+            (work / "trial.sock").unlink(missing_ok=True)
 
 
 def wait_serving(control: ServerControl, names: set[str], timeout_s: float, state: str, report: Report,

@@ -44,9 +44,9 @@ Report = Callable[[str, float | None, str], None]  # (state, progress 0..1 or No
 
 
 def hold_point(store: Store, point: str) -> None:
-    """Test hook for the kill-at-every-step harness: with EDGESERVE_OTA_HOLD=<point>, stop here (after
+    """Test hook for the kill-at-every-step harness: with EDGESERVE_TEST_OTA_HOLD=<point>, stop here (after
     the journal write) until killed; `<ota>/held` says where. Unset on devices: costs one lookup."""
-    if os.environ.get("EDGESERVE_OTA_HOLD") == point:
+    if os.environ.get("EDGESERVE_TEST_OTA_HOLD") == point:
         (store.root / "held").write_text(point)
         time.sleep(120)
 
@@ -169,8 +169,9 @@ class Installer:
         except TrialFailed:
             self._discard(new)
             raise
-        old = self.store.active()
-        self.store.transition(TRIAL, switching=True, old=str(old.path) if old else None)
+        old, old_previous = self.store.active(), self.store.previous()
+        self.store.transition(TRIAL, switching=True, old=str(old.path) if old else None,
+                              old_previous=str(old_previous.path) if old_previous else None)  # fmt: skip
         hold_point(self.store, TRIAL)
         self.store.point(self.store.current_link, new)
         hold_point(self.store, "SWITCHED")
@@ -180,6 +181,7 @@ class Installer:
             self._roll_back(old, new, report)
             return self._fail(ROLLED_BACK, f"after the switch: {exc}", report)
         self.store.point(self.store.previous_link, old)
+        hold_point(self.store, "ACTIVATED")
         record = self.store.finish(
             COMMITTED, f"{new.label} serves", installed=(manifest.name, manifest.version)
         )
@@ -295,12 +297,8 @@ def recover(store: Store) -> str | None:
     label = f"{record.get('name', '?')} v{record.get('version', '?')}"
     old = record.get("old")
     if record.get("switching"):
-        target = store._link(store.current_link)
-        if old is None:
-            store.point(store.current_link, None)
-        elif target is None or str(target.path) != old:
-            parsed = Path(old)
-            store.point(store.current_link, Version(label, 0, parsed))
+        for link, path in ((store.current_link, old), (store.previous_link, record.get("old_previous"))):
+            store.point(link, Version(label, 0, Path(path)) if path else None)
     staged = record.get("path")
     active = store.active()
     if staged and (active is None or str(active.path) != staged):

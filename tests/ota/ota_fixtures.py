@@ -41,9 +41,16 @@ class Fleet:
             write_model(repo, name, **kwargs)  # type: ignore[arg-type]
         return repo
 
-    def bundle(self, version: int, models: dict[str, dict[str, object]] | None = None, *, name: str = "vision",
-               checks: list[dict[str, object]] | None = None, extra: dict[str, bytes] | None = None,
-               **build: object) -> Path:  # fmt: skip
+    def bundle(
+        self,
+        version: int,
+        models: dict[str, dict[str, object]] | None = None,
+        *,
+        name: str = "vision",
+        checks: list[dict[str, object]] | None = None,
+        extra: dict[str, bytes] | None = None,
+        **build: object,
+    ) -> Path:
         models = models if models is not None else {"mlp": {"builder": "mlp", "seed": version}}
         repo = self.repo(version, models)
         for path, data in (extra or {}).items():
@@ -78,14 +85,25 @@ def mlp_check(
     expected = mlp_output(repo / model / "1" / "model.onnx")
     if wrong:
         expected = [v + 0.5 for v in expected]
-    return {"model": model, "tolerance": tolerance, "expected": {"OUTPUT0": expected},
-            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": X.ravel().tolist()}]}  # fmt: skip
+    return {
+        "model": model,
+        "tolerance": tolerance,
+        "expected": {"OUTPUT0": expected},
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": X.ravel().tolist()}],
+    }
 
 
-def edgeserve(*args: str, env: dict[str, str] | None = None, timeout: float = 180,
-              check: bool = False) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    result = subprocess.run([sys.executable, "-m", "edgeserve", *args], capture_output=True, text=True,
-                            timeout=timeout, cwd=ROOT, env={**os.environ, **FAST, **(env or {})})  # fmt: skip
+def edgeserve(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "edgeserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **FAST, **(env or {})},
+    )
     if check and result.returncode != 0:
         raise AssertionError(
             f"edgeserve {' '.join(args)} -> {result.returncode}\n{result.stdout}\n{result.stderr}"

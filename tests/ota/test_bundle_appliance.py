@@ -33,8 +33,13 @@ def appliance(fleet: Fleet, tmp_path: Path):  # type: ignore[no-untyped-def]
     """The appliance on fleet.state, v1 of the bundle installed offline first, no other models."""
     edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
     (tmp_path / "empty").mkdir()
-    app = start_appliance(tmp_path / "empty", tmp_path, args=["--state-dir", str(fleet.state)],
-                          config="[ota]\ntrial_window_s = 1.0\n", env={"EDGESERVE_SERVER_STATE_DIR": ""})  # fmt: skip
+    app = start_appliance(
+        tmp_path / "empty",
+        tmp_path,
+        args=["--state-dir", str(fleet.state)],
+        config="[ota]\ntrial_window_s = 1.0\n",
+        env={"EDGESERVE_SERVER_STATE_DIR": ""},
+    )
     app.notify.wait_for("READY", timeout=60)
     yield app
     app.stop()
@@ -67,8 +72,9 @@ def test_offline_install_then_run_serves_the_bundle(appliance: Appliance, fleet:
 
 def test_live_install_under_load_loses_no_request(appliance: Appliance, fleet: Fleet) -> None:
     repo = fleet.repo(2, {"mlp": {"builder": "mlp", "seed": 2}, "conv": {"builder": "conv"}})
-    bundle = fleet.bundle(2, {"mlp": {"builder": "mlp", "seed": 2}, "conv": {"builder": "conv"}},
-                          checks=[mlp_check(repo)])  # fmt: skip
+    bundle = fleet.bundle(
+        2, {"mlp": {"builder": "mlp", "seed": 2}, "conv": {"builder": "conv"}}, checks=[mlp_check(repo)]
+    )
     counts = {"http": 0, "grpc": 0}
     errors: list[str] = []
     stop = threading.Event()
@@ -119,8 +125,9 @@ def test_live_install_under_load_loses_no_request(appliance: Appliance, fleet: F
     assert "[trial]" in appliance.log()  # the trial server ran beside the serving one
 
 
-def test_install_from_a_url_over_a_dropping_link(appliance: Appliance, fleet: Fleet,
-                                                 bundle_server: BundleServer) -> None:  # fmt: skip
+def test_install_from_a_url_over_a_dropping_link(
+    appliance: Appliance, fleet: Fleet, bundle_server: BundleServer
+) -> None:
     data = fleet.bundle(2).read_bytes()
     url = bundle_server.add("/bundles/v2.esb", data, drop_after=len(data) // 3, times=2)
     result = edgeserve("bundle", "install", url, "--state-dir", str(fleet.state))
@@ -168,7 +175,17 @@ def test_crash_loop_after_a_switch_rolls_back(appliance: Appliance, fleet: Fleet
 
 def test_a_model_in_both_places_is_an_error_at_start(fleet: Fleet, tmp_path: Path) -> None:
     edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
-    result = edgeserve("serve", "--state-dir", str(fleet.state), "--model-repository",
-                       str(fleet.tmp / "repo-v1-mlp"), "--http-port", "0", "--grpc-port", "0", "--no-zmq")  # fmt: skip
+    result = edgeserve(
+        "serve",
+        "--state-dir",
+        str(fleet.state),
+        "--model-repository",
+        str(fleet.tmp / "repo-v1-mlp"),
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--no-zmq",
+    )
     assert result.returncode == 1
     assert "model 'mlp' is both in the model repository" in result.stderr

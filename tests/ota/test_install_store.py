@@ -52,7 +52,14 @@ def test_install_commits_and_status_tells_the_story(fleet: Fleet) -> None:
     assert status["active_version"] == 1 and status["previous_version"] is None and status["state"] == "IDLE"
     assert status["history"][-1]["state"] == "COMMITTED"
     assert [t[0] for t in status["history"][-1]["transitions"]] == [
-        "DOWNLOADING", "VERIFYING", "VERIFYING", "STAGED", "LOADING", "TRIAL", "COMMITTED"]  # fmt: skip
+        "DOWNLOADING",
+        "VERIFYING",
+        "VERIFYING",
+        "STAGED",
+        "LOADING",
+        "TRIAL",
+        "COMMITTED",
+    ]
     assert _tree(store.staging) == set()
 
 
