@@ -130,6 +130,9 @@ class OtaSection:
     load_timeout_s: float = 900.0  # loading + warming up a bundle's models (engine builds are slow)
     max_unpacked_mb: int = 16384  # larger bundles are refused whatever they declare
     crash_rollback_restarts: int = 3  # server crashes soon after a switch that roll the bundle back
+    # Memory a trial beside the serving models may take; 0 = what the kernel says is available. Too
+    # little for a second copy -> drain, unload, load in place (the downtime is reported).
+    trial_memory_mb: int = 0
 
 
 @dataclass
@@ -199,6 +202,8 @@ class Settings:
         for name in ("trial_window_s", "load_timeout_s"):
             if getattr(self.ota, name) <= 0:
                 fail(f"ota.{name}", "must be a positive number of seconds")
+        if self.ota.trial_memory_mb < 0:
+            fail("ota.trial_memory_mb", "must be 0 (measure) or a size in MB")
         if self.ota.max_unpacked_mb <= 0:
             fail("ota.max_unpacked_mb", "must be a positive size in MB")
         if self.ota.crash_rollback_restarts < 0:

@@ -192,7 +192,7 @@ class LiveActivator:
     the running server reloads the bundle's models through its repository API."""
 
     def __init__(self, control: ServerControl, trial: TrialRunner, *, load_timeout_s: float = 900.0,
-                 window_s: float = 3.0) -> None:  # fmt: skip
+                 window_s: float = 3.0, memory_bytes: int | None = None) -> None:  # fmt: skip
         self.control = control
         # Load and unload answer when done: a model load may take minutes (engine builds).
         self._slow = ServerControl(control.socket_path, load_timeout_s)
@@ -201,9 +201,11 @@ class LiveActivator:
         self.window_s = window_s
         self.in_place = False
         self.downtime_s: float | None = None
+        self.memory_bytes = memory_bytes  # None: measure
 
     def trial(self, models_dir: Path, manifest: Manifest, report: Report) -> None:
-        need, free = trial_memory_bytes(models_dir), available_memory()
+        need = trial_memory_bytes(models_dir)
+        free = self.memory_bytes if self.memory_bytes is not None else available_memory()
         self.in_place = free is not None and need > free
         if self.in_place:
             message = f"two copies do not fit ({need >> 20} MB needed, {(free or 0) >> 20} MB available)"

@@ -161,7 +161,8 @@ class _Progress:
 
     def __call__(self, state: str, progress: float | None, message: str) -> None:
         now = time.monotonic()
-        if state == self.state and now - self.last < (0.1 if self.tty else 2.0):
+        # Percentages are throttled; a new state or a note (no percentage) always shows.
+        if state == self.state and progress is not None and now - self.last < (0.1 if self.tty else 2.0):
             return
         self.last = now
         percent = f" {progress * 100:5.1f}%" if progress is not None else ""

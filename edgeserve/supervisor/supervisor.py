@@ -367,7 +367,8 @@ class Supervisor:
             return set(list_models(repository)) if repository.is_dir() else set()
 
         activator = LiveActivator(self.control, trial, load_timeout_s=ota.load_timeout_s,
-                                  window_s=min(ota.trial_window_s, 5.0))  # fmt: skip
+                                  window_s=min(ota.trial_window_s, 5.0),
+                                  memory_bytes=ota.trial_memory_mb * 2**20 or None)  # fmt: skip
         policy = Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20)
         accelerators = device_accelerators(self.settings)
         return Installer(self.store, activator, policy=policy, accelerators=accelerators,

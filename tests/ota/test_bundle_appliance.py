@@ -189,3 +189,19 @@ def test_a_model_in_both_places_is_an_error_at_start(fleet: Fleet, tmp_path: Pat
     )
     assert result.returncode == 1
     assert "model 'mlp' is both in the model repository" in result.stderr
+
+
+def test_when_two_copies_do_not_fit_it_reloads_in_place_and_reports_the_downtime(
+    appliance: Appliance, fleet: Fleet
+) -> None:
+    appliance.config_path.write_text("[ota]\ntrial_window_s = 1.0\ntrial_memory_mb = 1\n")
+    appliance.signal(signal.SIGHUP)
+    wait_until(lambda: "reload: applying live: ota.trial_memory_mb" in appliance.log(), 10, "the reload")
+    repo = fleet.repo(2, {"mlp": {"builder": "mlp", "seed": 2}})
+    result = edgeserve(
+        "bundle", "install", str(fleet.bundle(2, checks=[mlp_check(repo)])), "--state-dir", str(fleet.state)
+    )
+    assert result.returncode == 0, result.stderr
+    assert "two copies do not fit" in result.stderr and "unavailable for" in result.stderr
+    assert "[trial]" not in appliance.log()  # no second server was started
+    assert np.allclose(_infer(appliance), mlp_output(repo / "mlp" / "1" / "model.onnx"), atol=1e-5)
