@@ -58,10 +58,10 @@ def _config_path(args: argparse.Namespace) -> Path | None:
 
 def _settings_loader(args: argparse.Namespace) -> Callable[[], tuple[Settings, dict[str, str]]]:
     """Loads file + environment + these flags again each time: the same view at start and at SIGHUP."""
-    from edgeserve.config import load_settings_with_sources
+    from edgeserve.settings_tools import load_layered
 
     path, overrides = _config_path(args), _overrides(args)
-    return lambda: load_settings_with_sources(path, overrides=overrides)
+    return lambda: load_layered(path, overrides)
 
 
 def _serve_flags(args: argparse.Namespace) -> list[str]:
@@ -149,12 +149,12 @@ def _die_with_supervisor() -> None:
 
 def _config(args: argparse.Namespace) -> int:
     """`edgeserve config check`: validate, then print the effective settings and where each came from."""
-    from edgeserve.config import ConfigError, load_settings_with_sources
-    from edgeserve.settings_tools import render_effective, resolve_state_dir
+    from edgeserve.config import ConfigError
+    from edgeserve.settings_tools import load_layered, render_effective, resolve_state_dir
 
     path = _config_path(args)
     try:
-        settings, sources = load_settings_with_sources(path)
+        settings, sources = load_layered(path)
     except ConfigError as exc:
         print(f"edgeserve config: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -136,6 +137,24 @@ class OtaSection:
 
 
 @dataclass
+class FleetSection:
+    """The MQTT fleet agent (in the supervisor). No broker = no agent."""
+
+    broker: str = ""  # mqtt://host:1883 or mqtts://host:8883
+    fleet: str = "default"
+    device_id: str = ""  # "" = the hostname
+    username: str = ""
+    password: str = ""  # env: EDGESERVE_FLEET_PASSWORD
+    ca_file: Path | None = None
+    cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
+    key_file: Path | None = None
+    protocol: str = "5"  # "5" or "3.1.1"
+    keepalive_s: int = 30
+    metrics_interval_s: float = 60.0
+    max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected
+
+
+@dataclass
 class Settings:
     server: ServerSection = field(default_factory=ServerSection)
     http: HttpSection = field(default_factory=HttpSection)
@@ -146,6 +165,7 @@ class Settings:
     logging: LoggingSection = field(default_factory=LoggingSection)
     supervisor: SupervisorSection = field(default_factory=SupervisorSection)
     ota: OtaSection = field(default_factory=OtaSection)
+    fleet: FleetSection = field(default_factory=FleetSection)
 
     def validate(self, source: str) -> None:
         """Cross-field checks, after types are known good."""
@@ -208,8 +228,24 @@ class Settings:
             fail("ota.max_unpacked_mb", "must be a positive size in MB")
         if self.ota.crash_rollback_restarts < 0:
             fail("ota.crash_rollback_restarts", "must be 0 (never roll back on crashes) or a count")
+        self._validate_fleet(fail)
         if self.server.exit_timeout_s < 0:
             fail("server.exit_timeout_s", "must be 0 or a number of seconds")
+
+    def _validate_fleet(self, fail: Any) -> None:
+        fleet = self.fleet
+        if fleet.broker and not re.match(r"^mqtts?://[^/:]+(:\d+)?/?$", fleet.broker):
+            fail("fleet.broker", f"'{fleet.broker}' is not mqtt://host[:port] or mqtts://host[:port]")
+        for name in ("fleet", "device_id"):
+            value = getattr(fleet, name)
+            if value and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
+                fail(f"fleet.{name}", f"'{value}' must be letters, digits, '.', '_', '-' (one topic level)")
+        if fleet.protocol not in ("5", "3.1.1"):
+            fail("fleet.protocol", "use 5 or 3.1.1")
+        if bool(fleet.cert_file) != bool(fleet.key_file):
+            fail("fleet.cert_file", "cert_file and key_file must be set together")
+        if fleet.keepalive_s < 5 or fleet.metrics_interval_s <= 0 or fleet.max_queued_commands < 0:
+            fail("fleet.keepalive_s", "keepalive_s >= 5, metrics_interval_s > 0, max_queued_commands >= 0")
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -307,23 +343,30 @@ def load_settings(
     return load_settings_with_sources(path, environ, overrides)[0]
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: settings file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
 def load_settings_with_sources(
     path: Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    overlay: Path | None = None,
 ) -> tuple[Settings, dict[str, str]]:
-    """As `load_settings`, plus where each non-default value came from ("section.key" -> source)."""
+    """As `load_settings`, plus where each non-default value came from ("section.key" -> source).
+    `overlay`: a second file over the first (what the fleet manager set), under env and flags."""
     settings = Settings()
     sources: dict[str, str] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: settings file not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        _apply(settings, data, str(path), sources)
+        _apply(settings, _read_toml(path), str(path), sources)
+    if overlay is not None:
+        _apply(settings, _read_toml(overlay), str(overlay), sources)
     env = os.environ if environ is None else environ
     env_values = _env_overrides(env)
     if env_values:

@@ -28,6 +28,7 @@ LIVE_SETTINGS = frozenset(
         "zmq.inline_max_us",
         "supervisor.*",
         "ota.*",
+        "fleet.*",  # the supervisor reconnects its agent; the server has nothing to do with it
     }
 )
 
@@ -50,6 +51,24 @@ def changed_fields(old: Settings, new: Settings) -> list[str]:
 def restart_fields(old: Settings, new: Settings) -> list[str]:
     """The changed fields the server cannot apply live."""
     return [name for name in changed_fields(old, new) if not is_live(name)]
+
+
+OVERLAY = Path("fleet") / "settings.toml"  # under the state folder: what `set_config` persisted
+
+
+def load_layered(
+    path: Path | None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """File, then the fleet overlay in the state folder, then environment, then flags."""
+    from edgeserve.config import load_settings_with_sources
+
+    settings, sources = load_settings_with_sources(path, environ, overrides)
+    overlay = resolve_state_dir(settings, sources, environ)[0] / OVERLAY
+    if not overlay.is_file():
+        return settings, sources
+    return load_settings_with_sources(path, environ, overrides, overlay=overlay)
 
 
 def repository_problem(settings: Settings) -> str | None:

@@ -142,11 +142,10 @@ def _state_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 def _settings(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
     """(settings, state folder, settings file) as `edgeserve run` with the same flags would see them."""
-    from edgeserve.config import load_settings_with_sources
-    from edgeserve.settings_tools import resolve_state_dir
+    from edgeserve.settings_tools import load_layered, resolve_state_dir
 
     config = getattr(args, "config", None)
-    settings, sources = load_settings_with_sources(config)
+    settings, sources = load_layered(config)
     state_dir = args.state_dir if args.state_dir is not None else resolve_state_dir(settings, sources)[0]
     return settings, state_dir, config
 
