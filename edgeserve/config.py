@@ -346,7 +346,8 @@ def load_settings(
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)
+            return data
     except FileNotFoundError:
         raise ConfigError(f"{path}: settings file not found") from None
     except tomllib.TOMLDecodeError as exc:
