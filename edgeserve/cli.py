@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     log = settings.logging
     setup_logging(log.level, log.format, log.file, log.max_bytes, log.backups)
-    return Supervisor(loader, _serve_flags(args), _config_path(args)).run()
+    return Supervisor(loader, _serve_flags(args), _config_path(args), _overrides(args)).run()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -71,6 +71,23 @@ def load_layered(
     return load_settings_with_sources(path, environ, overrides, overlay=overlay)
 
 
+def load_layered_with_overlay(
+    path: Path | None, overrides: Mapping[str, Mapping[str, Any]] | None, overlay: Path
+) -> tuple[Settings, dict[str, str]]:
+    from edgeserve.config import load_settings_with_sources
+
+    return load_settings_with_sources(path, None, overrides, overlay=overlay)
+
+
+def toml_text(data: Mapping[str, Mapping[str, Any]]) -> str:
+    """A settings file from {section: {key: value}} (the value types settings use)."""
+    lines: list[str] = ["# Written by edgeserve for the fleet manager (set_config). Edit with care."]
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
 def repository_problem(settings: Settings) -> str | None:
     """Why the model repository cannot be served, or None (checked before anything starts)."""
     from edgeserve.ota.store import active_models

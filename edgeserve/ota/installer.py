@@ -70,10 +70,11 @@ class Outcome:
     reason: str
     name: str = ""
     version: int = 0
+    code: str = ""  # a refusal's reason code ("replay", "signature", ...), "" otherwise
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "state": self.state, "reason": self.reason, "name": self.name,
-                "version": self.version}  # fmt: skip
+                "version": self.version, "code": self.code}  # fmt: skip
 
 
 def _sha256(path: Path) -> str:
@@ -111,7 +112,7 @@ class Installer:
             try:
                 return self._install(record["id"], source, report, sha256, cancel)
             except BundleRefused as exc:
-                return self._fail(FAILED, f"refused: {exc}", report)
+                return self._fail(FAILED, f"refused: {exc}", report, code=exc.reason)
             except TrialFailed as exc:
                 return self._fail(FAILED, f"trial failed: {exc}", report)
             except StoreError as exc:
@@ -235,7 +236,7 @@ class Installer:
             log.error("rollback: the server did not take %s back at once: %s", old.label if old else "-", exc)
         self._discard(new)
 
-    def _fail(self, state: str, reason: str, report: Report) -> Outcome:
+    def _fail(self, state: str, reason: str, report: Report, code: str = "") -> Outcome:
         journal = self.store.journal()
         record = journal["install"] or {}
         staged = record.get("path")
@@ -250,7 +251,9 @@ class Installer:
         self.store.gc()
         report(state, None, reason)
         log.warning("install %s: %s", state, reason)
-        return Outcome(False, state, reason, str(record.get("name", "")), int(record.get("version", 0) or 0))
+        return Outcome(
+            False, state, reason, str(record.get("name", "")), int(record.get("version", 0) or 0), code
+        )
 
     # -- rollback and recovery -------------------------------------------------------------------
     def rollback(self, to_version: int, report: Report) -> Outcome:

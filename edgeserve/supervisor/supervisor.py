@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import signal
 import tempfile
@@ -16,12 +17,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from edgeserve import __version__
 from edgeserve.config import ConfigError, Settings
 from edgeserve.fsutil import write_json_atomic
 from edgeserve.logs import forward_line, set_level
 from edgeserve.ota.errors import StoreError
+
+if TYPE_CHECKING:
+    from edgeserve.fleet.agent import FleetAgent
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
@@ -63,10 +68,15 @@ class Backoff:
 
 class Supervisor:
     def __init__(
-        self, load_settings: SettingsLoader, serve_args: Sequence[str], config_path: Path | None = None
+        self,
+        load_settings: SettingsLoader,
+        serve_args: Sequence[str],
+        config_path: Path | None = None,
+        cli_overrides: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self._load_settings = load_settings
         self.config_path = config_path
+        self.cli_overrides = cli_overrides or {}
         self.settings, sources = load_settings()
         self.state_dir, why = resolve_state_dir(self.settings, sources)
         self._state_dir_why = why
@@ -101,6 +111,10 @@ class Supervisor:
         self.ota: OtaService | None = None
         self._committed_at: float | None = None  # monotonic time of the last bundle switch
         self._crashes_since_commit = 0
+        self.agent: FleetAgent | None = None
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
 
     def _new_backoff(self) -> Backoff:
         sup = self.settings.supervisor
@@ -122,7 +136,7 @@ class Supervisor:
         log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
         self._write_device_plan()
         self._recover_store()
-        self.ota = OtaService(self.store, self._make_installer, self._on_install)
+        self.ota = OtaService(self.store, self.make_installer, self.on_install)
         try:
             self.ota.start()
         except OSError as exc:
@@ -138,6 +152,7 @@ class Supervisor:
                 stop = self._handle_signals()
                 if stop:
                     return self._shutdown()
+                self._run_calls()
                 self._step()
                 if not self.ready_sent and self.server_ready:
                     self.ready_sent = True
@@ -146,6 +161,7 @@ class Supervisor:
                 self._wake.wait(self._sleep_s())
                 self._wake.clear()
         finally:
+            self._stop_agent()
             if self.ota is not None:
                 self.ota.stop()
             self.notifier.close()
@@ -206,7 +222,7 @@ class Supervisor:
         self._publish_status("restarting")
         self._crash_loop_rollback()
 
-    def _restart_gracefully(self, reason: str, with_backoff: bool) -> None:
+    def restart_gracefully(self, reason: str, with_backoff: bool) -> None:
         """Drain and stop the server, then start it again (at once, or after the crash backoff)."""
         if self.child is None:
             return
@@ -281,7 +297,7 @@ class Supervisor:
         if self._rss_strikes >= RSS_STRIKES:
             reason = f"server RSS {rss:.0f} MB > max_rss_mb {limit}"
             self.last_error = reason
-            self._restart_gracefully(reason, with_backoff=True)
+            self.restart_gracefully(reason, with_backoff=True)
 
     def _check_hang(self) -> None:
         hang_s = self.settings.supervisor.hang_timeout_s
@@ -337,6 +353,46 @@ class Supervisor:
         except OSError as exc:
             log.warning("cannot write the runtime plan to %s: %s", path, exc)
 
+    # -- work other threads hand to the loop (the fleet agent: reload, restart) -----------------------
+    def call_in_loop(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """Run `fn` on the supervisor's own thread (it owns the child and the settings); its result."""
+        done, box = threading.Event(), list[Any]()
+        self._calls.put((fn, box, done))
+        self._wake.set()
+        if not done.wait(timeout_s):
+            raise TimeoutError("the supervisor did not get to it in time")
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0] if box else None
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, box, done = self._calls.get_nowait()
+            try:
+                box.append(fn())
+            except Exception as exc:
+                box.append(exc)
+            done.set()
+
+    # -- the fleet agent ------------------------------------------------------------------------------
+    def _start_agent(self) -> None:
+        if not self.settings.fleet.broker:
+            return
+        from edgeserve.supervisor.fleet_services import SupervisorServices
+
+        try:
+            from edgeserve.fleet.agent import FleetAgent
+        except ImportError as exc:  # paho-mqtt missing: serve anyway, say why there is no agent
+            log.error("fleet agent off: %s (pip install 'edgeserve[fleet]')", exc)
+            return
+        self.agent = FleetAgent(self.settings.fleet, self.state_dir, SupervisorServices(self), __version__)
+        self.agent.start()
+
+    def _stop_agent(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+            self.agent = None
+
     # -- bundles --------------------------------------------------------------------------------------
     def _recover_store(self) -> None:
         from edgeserve.ota.installer import recover
@@ -350,7 +406,7 @@ class Supervisor:
         if done:
             self.last_error = f"bundle install {done}"
 
-    def _make_installer(self) -> Installer:
+    def make_installer(self) -> Installer:
         from edgeserve.ota.activate import LiveActivator, TrialRunner
         from edgeserve.repository.layout import list_models
 
@@ -374,7 +430,7 @@ class Supervisor:
         return Installer(self.store, activator, policy=policy, accelerators=accelerators,
                          other_models=repository_models)  # fmt: skip
 
-    def _on_install(self, outcome: Outcome) -> None:
+    def on_install(self, outcome: Outcome) -> None:
         if outcome.ok:
             self._committed_at = time.monotonic()
             self._crashes_since_commit = 0
@@ -418,10 +474,10 @@ class Supervisor:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 return True
             if signum == signal.SIGHUP:
-                self._reload()
+                self.reload()
         return False
 
-    def _reload(self) -> None:
+    def reload(self) -> None:
         monotonic_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
         self.notifier.send(RELOADING=1, MONOTONIC_USEC=monotonic_usec)
         try:
@@ -441,13 +497,17 @@ class Supervisor:
         ):
             failures, self.backoff = self.backoff.failures, self._new_backoff()
             self.backoff.failures = failures
+        if any(name.startswith("fleet.") for name in changed):
+            log.info("reload: fleet settings changed; reconnecting the agent")
+            self._stop_agent()
+            self._start_agent()
         if not changed:
             log.info("reload: settings unchanged")
         elif needs_restart:
             log.info(
                 "reload: %s changed; the server restarts for %s", ", ".join(changed), ", ".join(needs_restart)
             )
-            self._restart_gracefully(f"settings changed: {', '.join(needs_restart)}", with_backoff=False)
+            self.restart_gracefully(f"settings changed: {', '.join(needs_restart)}", with_backoff=False)
         else:
             log.info("reload: applying live: %s", ", ".join(changed))
             if self.child is not None:

@@ -1,0 +1,548 @@
+"""The device's fleet agent: commands in, answers, state, events, health and metrics out.
+
+It lives in the supervisor, so it stays connected while the server restarts. Threads, each with one
+job and stopped by `stop()`: paho's network loop (never blocked by a command), `fleet-long` (one long
+command at a time, the others queued up to a bound), `fleet-short` (get_status, cancel), and
+`fleet-pump` (sends buffered events in order, state, health, metrics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+import paho.mqtt.client as mqtt
+
+from edgeserve.config import FleetSection
+from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
+from edgeserve.fleet.persist import RUNNING, CommandLedger, Outbox
+from edgeserve.fleet.protocol import (
+    ACCEPTED,
+    FAILED,
+    IN_PROGRESS,
+    LONG_VERBS,
+    REJECTED,
+    SUCCEEDED,
+    Command,
+    CommandError,
+    Topics,
+    parse_command,
+    utc,
+)
+from edgeserve.fsutil import write_json_atomic
+
+log = logging.getLogger("edgeserve.fleet")
+
+Report = Callable[[str, float | None, str], None]
+
+
+class FleetCommandFailed(Exception):
+    """A command ran and failed: FAILED with this message."""
+
+
+class DeviceServices(Protocol):
+    """What the agent may ask of the device (the supervisor implements it)."""
+
+    def install(
+        self, url: str, sha256: str | None, report: Report, cancel: threading.Event
+    ) -> dict[str, Any]: ...
+    def rollback(self, to_version: int, report: Report) -> dict[str, Any]: ...
+    def set_model(self, model: str, active: bool) -> dict[str, Any]: ...
+    def set_config(self, changes: dict[str, dict[str, Any]]) -> dict[str, Any]: ...
+    def restart_runtime(self) -> dict[str, Any]: ...
+    def gc(self) -> dict[str, Any]: ...
+    def status(self) -> dict[str, Any]: ...
+    def info(self) -> dict[str, Any]: ...
+    def health(self) -> dict[str, Any]: ...
+    def metrics(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Reply:
+    topic: str
+    correlation: bytes | None = None
+
+
+@dataclass
+class _Job:
+    command: Command
+    reply: _Reply
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class FleetAgent:
+    def __init__(
+        self, settings: FleetSection, state_dir: Path, services: DeviceServices, version: str
+    ) -> None:
+        self.settings = settings
+        self.services = services
+        self.version = version
+        self.device = device_id(settings)
+        self.topics = Topics(settings.fleet, self.device)
+        self.v5 = settings.protocol == "5"
+        folder = state_dir / "fleet"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.ledger = CommandLedger(folder / "commands.json")
+        self.outbox = Outbox(folder)
+        self._applied_path = folder / "applied.json"
+        self.boot_id = uuid.uuid4().hex[:12]
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._long: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.max_queued_commands + 1)
+        self._short: queue.Queue[_Job | None] = queue.Queue(maxsize=64)
+        self._jobs: dict[str, _Job] = {}  # queued or running long commands, by cmd_id
+        self._jobs_lock = threading.Lock()
+        self._running: _Job | None = None
+        self._last_health: dict[str, Any] | None = None
+        self._reported_dirty = threading.Event()
+        self._pending_replies: list[tuple[_Reply, dict[str, Any]]] = []
+        self._threads: list[threading.Thread] = []
+        self.client = make_client(
+            settings,
+            f"edgeserve-{settings.fleet}-{self.device}",
+            self.topics.state,
+            {"online": False, "device": self.device},
+        )
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+        self._finish_interrupted()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (
+            ("fleet-long", self._long_worker),
+            ("fleet-short", self._short_worker),
+            ("fleet-pump", self._pump),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        connect(self.client, self.settings)
+        log.info(
+            "fleet agent: device %s of fleet %s on %s", self.device, self.settings.fleet, self.settings.broker
+        )
+
+    def stop(self) -> None:
+        """Say goodbye (retained offline state), stop every thread."""
+        self._stop.set()
+        with self._jobs_lock:
+            for job in self._jobs.values():
+                job.cancel.set()
+        for q in (self._long, self._short):
+            with contextlib.suppress(queue.Full):
+                q.put_nowait(None)
+        if self.connected.is_set():
+            info = self.client.publish(
+                self.topics.state,
+                payload({"online": False, "device": self.device, "at": _now()}),
+                qos=1,
+                retain=True,
+            )
+            with contextlib.suppress(RuntimeError, ValueError):
+                info.wait_for_publish(2)
+        self.client.disconnect()
+        self.client.loop_stop()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    # -- connection -------------------------------------------------------------------------------
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        if reason.is_failure:
+            log.warning("fleet broker refused the connection: %s", reason)
+            return
+        client.subscribe(self.topics.cmd("+"), qos=1)
+        client.subscribe(self.topics.desired, qos=1)
+        self._publish(
+            self.topics.state,
+            {
+                "online": True,
+                "device": self.device,
+                "boot_id": self.boot_id,
+                "version": self.version,
+                "at": _now(),
+            },
+            retain=True,
+        )
+        self.connected.set()
+        self._reported_dirty.set()
+        self._last_health = None  # re-send health and info at every connect
+        log.info("fleet broker connected (session present: %s)", getattr(flags, "session_present", "?"))
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        self.connected.clear()
+        if not self._stop.is_set():
+            log.warning("fleet broker connection lost (%s); reconnecting with backoff", reason)
+
+    def _publish(
+        self,
+        topic: str,
+        data: dict[str, Any],
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        expiry_s: int | None = None,
+        correlation: bytes | None = None,
+    ) -> mqtt.MQTTMessageInfo:
+        properties = publish_properties(expiry_s, correlation) if self.v5 else None
+        return self.client.publish(topic, payload(data), qos=qos, retain=retain, properties=properties)
+
+    # -- commands in ------------------------------------------------------------------------------
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            if message.topic == self.topics.desired:
+                self._on_desired(message)
+            elif message.topic.startswith(self.topics.cmd("")):
+                self._on_command(message)
+        except Exception:  # a bad message must never stop the network loop
+            log.exception("fleet message on %s could not be handled", message.topic)
+
+    def _reply_to(self, message: mqtt.MQTTMessage, cmd_id: str | None) -> _Reply | None:
+        props = getattr(message, "properties", None)
+        topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        if topic:
+            return _Reply(str(topic), bytes(correlation) if correlation is not None else None)
+        return _Reply(self.topics.resp(cmd_id)) if cmd_id else None
+
+    def _on_command(self, message: mqtt.MQTTMessage) -> None:
+        verb = message.topic[len(self.topics.cmd("")) :]
+        try:
+            raw = json.loads(message.payload)
+            raw_id = raw.get("cmd_id") if isinstance(raw, dict) else None
+        except ValueError:
+            raw, raw_id = None, None
+        cmd_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= 128 else None
+        reply = self._reply_to(message, cmd_id)
+        if message.retain:  # a retained rollback would replay at every reconnect
+            return self._answer(
+                reply, cmd_id, REJECTED, error="retained commands are never run; publish without retain"
+            )
+        if isinstance(raw, dict) and raw.get("device") not in (None, self.device):
+            return self._answer(
+                reply,
+                cmd_id,
+                REJECTED,
+                error=f"command for device {raw.get('device')}, this is {self.device}",
+            )
+        try:
+            command = parse_command(verb, message.payload)
+        except CommandError as exc:
+            log.info("fleet command %s on %s rejected: %s", cmd_id, verb, exc)
+            return self._answer(reply, cmd_id, REJECTED, error=str(exc))
+        assert reply is not None
+        seen = self.ledger.get(command.cmd_id)
+        if seen is not None:  # delivered again (QoS 1) or sent twice: the first outcome, not a second run
+            status = seen.get("status")
+            if status == RUNNING:
+                return self._answer(reply, command.cmd_id, IN_PROGRESS, duplicate=True)
+            return self._answer(
+                reply,
+                command.cmd_id,
+                str(status),
+                duplicate=True,
+                **{k: seen[k] for k in ("result", "error") if k in seen},
+            )
+        job = _Job(command, reply)
+        if command.verb in LONG_VERBS:
+            self._enqueue_long(job)
+        else:
+            try:
+                self._short.put_nowait(job)
+            except queue.Full:
+                self._answer(reply, command.cmd_id, REJECTED, error="busy: too many status requests")
+
+    def _enqueue_long(self, job: _Job) -> None:
+        cmd_id = job.command.cmd_id
+        with self._jobs_lock:
+            try:
+                self._long.put_nowait(job)
+            except queue.Full:
+                running = self._running.command.cmd_id if self._running else "-"
+                self._answer(
+                    job.reply,
+                    cmd_id,
+                    REJECTED,
+                    error=f"busy: {running} runs and {self._long.qsize()} command(s) wait",
+                )
+                return
+            self._jobs[cmd_id] = job
+        self.ledger.record(
+            cmd_id,
+            {
+                "verb": job.command.verb,
+                "status": RUNNING,
+                "reply": job.reply.topic,
+                "correlation": _hex(job.reply.correlation),
+            },
+        )
+        ahead = self._long.qsize() - 1 + (1 if self._running else 0)
+        self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=max(0, ahead))
+
+    def _on_desired(self, message: mqtt.MQTTMessage) -> None:
+        try:
+            desired = json.loads(message.payload or b"{}")
+            generation = int(desired.get("generation", 0))
+        except (ValueError, TypeError, AttributeError):
+            log.warning("fleet: desired state is not JSON with a generation; ignored")
+            return
+        if generation <= self._applied().get("generation", 0):
+            self._reported_dirty.set()
+            return
+        bundle = desired.get("bundle") or {}
+        if not isinstance(bundle, dict) or not isinstance(bundle.get("url"), str):
+            self._applied_write(generation, "ignored: no bundle.url in the desired state")
+            return
+        now = datetime.now(timezone.utc)
+        command = Command(
+            f"desired-{generation}",
+            "deploy_bundle",
+            now,
+            now,
+            {"url": bundle["url"], "sha256": bundle.get("sha256"), "generation": generation},
+        )
+        if self.ledger.get(command.cmd_id) is None:
+            self._enqueue_long(_Job(command, _Reply(self.topics.resp(command.cmd_id))))
+
+    # -- commands run -----------------------------------------------------------------------------
+    def _long_worker(self) -> None:
+        while not self._stop.is_set():
+            job = self._long.get()
+            if job is None:
+                return
+            with self._jobs_lock:
+                self._running = job
+            try:
+                self._run(job)
+            finally:
+                with self._jobs_lock:
+                    self._running = None
+                    self._jobs.pop(job.command.cmd_id, None)
+                self._reported_dirty.set()
+
+    def _short_worker(self) -> None:
+        while not self._stop.is_set():
+            job = self._short.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        command = job.command
+        if job.cancel.is_set():
+            return self._final(job, FAILED, error="cancelled before it started")
+        last: dict[str, Any] = {"at": 0.0, "state": ""}
+
+        def report(state: str, progress: float | None, message: str) -> None:
+            now = time.monotonic()
+            if state != last["state"]:
+                self.outbox.add(
+                    self.topics.events,
+                    {"cmd_id": command.cmd_id, "state": state, "message": message, "at": _now()},
+                )
+            if state != last["state"] or now - float(last["at"]) >= 1.0:
+                last["at"], last["state"] = now, state
+                self._answer(
+                    job.reply, command.cmd_id, IN_PROGRESS, progress=progress, state=state, message=message
+                )
+
+        try:
+            result = self._execute(command, report, job.cancel)
+        except FleetCommandFailed as exc:
+            return self._final(job, FAILED, error=str(exc))
+        except Exception as exc:  # the agent survives any failure of a command
+            log.exception("fleet command %s failed", command.cmd_id)
+            return self._final(job, FAILED, error=f"internal error: {type(exc).__name__}: {exc}")
+        self._final(job, SUCCEEDED, result=result)
+
+    def _execute(self, command: Command, report: Report, cancel: threading.Event) -> dict[str, Any]:
+        args, services = command.args, self.services
+        if command.verb == "deploy_bundle":
+            result = services.install(args["url"], args.get("sha256"), report, cancel)
+            if "generation" in args:
+                self._applied_write(int(args["generation"]), "applied")
+            return result
+        if command.verb == "rollback":
+            return services.rollback(int(args["to_version"]), report)
+        if command.verb in ("activate_model", "deactivate_model"):
+            return services.set_model(str(args["model"]), command.verb == "activate_model")
+        if command.verb == "set_config":
+            return services.set_config(args)
+        if command.verb == "restart_runtime":
+            return services.restart_runtime()
+        if command.verb == "gc":
+            return services.gc()
+        if command.verb == "get_status":
+            return {**services.status(), "agent": self._agent_status()}
+        if command.verb == "cancel":
+            return self._cancel(str(args["cmd_id"]))
+        raise FleetCommandFailed(f"verb {command.verb} is not handled")  # pragma: no cover
+
+    def _cancel(self, cmd_id: str) -> dict[str, Any]:
+        with self._jobs_lock:
+            job = self._jobs.get(cmd_id)
+            running = self._running is job and job is not None
+        if job is None:
+            raise FleetCommandFailed(f"no queued or running command {cmd_id}")
+        job.cancel.set()
+        return {"cancelled": cmd_id, "was": "running" if running else "queued"}
+
+    def _final(self, job: _Job, status: str, **fields: Any) -> None:
+        cmd_id = job.command.cmd_id
+        if job.command.verb in LONG_VERBS:
+            self.ledger.record(cmd_id, {"verb": job.command.verb, "status": status, **fields})
+        self._answer(job.reply, cmd_id, status, **fields)
+        log.info("fleet command %s (%s): %s %s", cmd_id, job.command.verb, status, fields.get("error", ""))
+
+    def _answer(self, reply: _Reply | None, cmd_id: str | None, status: str, **fields: Any) -> None:
+        if reply is None:  # no cmd_id and no ResponseTopic: nobody to tell
+            log.warning(
+                "fleet: a command without cmd_id or ResponseTopic was %s: %s", status, fields.get("error")
+            )
+            return
+        body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": _now(), **fields}
+        self._publish(reply.topic, body, correlation=reply.correlation)
+
+    def _finish_interrupted(self) -> None:
+        """Commands an earlier run accepted and never finished: FAILED (the installer's recovery at
+        start undid whatever was half done), answered as soon as the broker is back."""
+        for cmd_id, entry in self.ledger.interrupted():
+            error = "interrupted: the device restarted while it ran; what was under way was undone"
+            self.ledger.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
+            reply = _Reply(
+                str(entry.get("reply") or self.topics.resp(cmd_id)), _unhex(entry.get("correlation"))
+            )
+            self._pending_replies.append((reply, {"cmd_id": cmd_id, "status": FAILED, "error": error}))
+
+    # -- state out --------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        next_metrics = 0.0
+        while not self._stop.wait(0.2):
+            if not self.connected.is_set():
+                continue
+            while self._pending_replies:
+                reply, body = self._pending_replies.pop(0)
+                self._answer(reply, body.pop("cmd_id"), body.pop("status"), **body)
+            self._flush_events()
+            now = time.monotonic()
+            if self._reported_dirty.is_set():
+                self._reported_dirty.clear()
+                self._publish_reported()
+            if now >= next_metrics:
+                next_metrics = now + self.settings.metrics_interval_s
+                self._publish_health_and_metrics()
+
+    def _flush_events(self) -> None:
+        while self.connected.is_set() and not self._stop.is_set():
+            entry = self.outbox.peek()
+            if entry is None:
+                return
+            info = self._publish(entry["topic"], {**entry["payload"], "seq": entry["seq"]})
+            try:
+                info.wait_for_publish(5)
+            except (RuntimeError, ValueError):
+                return
+            if not info.is_published():
+                return  # not acknowledged yet: the same event first, next round
+            self.outbox.ack(int(entry["seq"]))
+
+    def _publish_reported(self) -> None:
+        try:
+            status = self.services.status()
+        except Exception as exc:
+            status = {"error": f"{type(exc).__name__}: {exc}"}
+        applied = self._applied()
+        running = self._running.command.cmd_id if self._running else None
+        self._publish(
+            self.topics.reported,
+            {
+                **status,
+                "generation": applied.get("generation", 0),
+                "generation_outcome": applied.get("outcome", ""),
+                "running": running,
+                "queued": self._long.qsize(),
+                "at": _now(),
+            },
+            retain=True,
+        )
+
+    def _publish_health_and_metrics(self) -> None:
+        if self._last_health is None:
+            with contextlib.suppress(Exception):
+                self._publish(
+                    self.topics.info,
+                    {
+                        "device": self.device,
+                        "fleet": self.settings.fleet,
+                        "edgeserve": self.version,
+                        "boot_id": self.boot_id,
+                        **self.services.info(),
+                    },
+                    retain=True,
+                )
+        try:
+            health = self.services.health()
+        except Exception as exc:
+            health = {"status": "failing", "checks": [f"health probe failed: {exc}"]}
+        if health != self._last_health:
+            self._last_health = health
+            self._publish(self.topics.health, {**health, "at": _now()}, retain=True)
+        try:
+            metrics = self.services.metrics()
+        except Exception as exc:
+            metrics = {"error": str(exc)}
+        expiry = int(self.settings.metrics_interval_s * 2) + 1
+        self._publish(self.topics.metrics, {**metrics, "at": _now()}, qos=0, expiry_s=expiry)
+
+    # -- small state ------------------------------------------------------------------------------
+    def _applied(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self._applied_path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _applied_write(self, generation: int, outcome: str) -> None:
+        write_json_atomic(self._applied_path, {"generation": generation, "outcome": outcome, "at": _now()})
+        self._reported_dirty.set()
+
+    def _agent_status(self) -> dict[str, Any]:
+        with self._jobs_lock:
+            running = self._running.command.cmd_id if self._running else None
+        return {
+            "connected": self.connected.is_set(),
+            "running": running,
+            "queued": self._long.qsize(),
+            "events_buffered": len(self.outbox),
+            "events_dropped": self.outbox.dropped,
+            "boot_id": self.boot_id,
+        }
+
+
+def _now() -> str:
+    return utc(datetime.now(timezone.utc))
+
+
+def _hex(data: bytes | None) -> str | None:
+    return data.hex() if data is not None else None
+
+
+def _unhex(text: Any) -> bytes | None:
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        return None

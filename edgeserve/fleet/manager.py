@@ -1,0 +1,819 @@
+"""The fleet side of the MQTT surface in `edgeserve.fleet.protocol`: list the devices from their retained
+topics, send one command and follow its answers, roll a bundle out in staged waves, watch the fleet.
+
+    with FleetManager("mqtt://broker:1883", "plant-7") as fleet:
+        for record in fleet.devices():
+            print(record["device"], record["online"], record["active_version"])
+        answer = fleet.send("cam-01", "get_status", {})
+        report = fleet.deploy("https://repo/bundle-v8.tar", selector="cam-*", canary_percent=10, wave_size=20)
+
+One paho-mqtt 2.x client, its network loop in a background thread (paho reconnects by itself and the
+subscriptions are made again at every connect). The manager keeps a live cache of every device's retained
+`state`, `info`, `health` and `reported`; `devices()` waits for the broker to have delivered the retained
+picture (a round trip on the manager's own topic after the subscriptions were acknowledged) and returns it.
+
+Commands are QoS 1 and never retained, with a fresh `cmd_id`, `issued_at` now and `expires_at` now + the
+timeout. With MQTT 5 they carry ResponseTopic `es/v1/{fleet}/manager/{client_id}/resp` (subscribed at
+connect) and CorrelationData = the cmd_id's bytes; with MQTT 3.1.1 the manager subscribes to the device's
+`resp/{cmd_id}` before it publishes. The answer stream is ACCEPTED, IN_PROGRESS..., then one of SUCCEEDED,
+FAILED, REJECTED; no final answer before the timeout gives a synthetic {"status": "TIMEOUT"}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import math
+import queue
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from edgeserve.fleet.protocol import (
+    FINAL,
+    PREFIX,
+    SUCCEEDED,
+    VERBS,
+    CommandError,
+    Topics,
+    check_args,
+    check_segment,
+    utc,
+)
+
+TIMEOUT = "TIMEOUT"  # synthetic status: no final answer in time (never sent by a device)
+SKIPPED = "SKIPPED"  # deploy: the device was offline when the rollout started
+NOT_ATTEMPTED = "NOT_ATTEMPTED"  # deploy: a later wave that was never sent because the rollout stopped
+RETAINED_LEAVES = ("state", "info", "health", "reported")
+WATCH_LEAVES = ("state", "health", "events", "reported")
+
+Json = dict[str, Any]
+UpdateCallback = Callable[[Json], None]
+ProgressCallback = Callable[[Json], None]
+WatchCallback = Callable[[str, str, Json, bool], None]
+
+
+class FleetError(RuntimeError):
+    """The broker cannot be reached or refused us, or a request to the manager is wrong."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+        if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+            raise FleetError(f"broker URL {url!r}: the scheme must be mqtt:// or mqtts://")
+        tls = parts.scheme in ("mqtts", "ssl")
+        if not parts.hostname:
+            raise FleetError(f"broker URL {url!r} has no host")
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError:
+            raise FleetError(f"broker URL {url!r} has a bad port") from None
+        return cls(unquote(parts.hostname), port, tls)
+
+
+@dataclass
+class _Pending:
+    cmd_id: str
+    device: str
+    verb: str
+    sink: queue.Queue[tuple[str, Json]]
+    unsubscribe: str | None = None
+    updates: list[Json] = field(default_factory=list)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _json(payload: bytes) -> Json | None:
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _as_version(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def device_record(device: str, topics: dict[str, Json]) -> Json:
+    """One device's retained topics merged into a flat record (missing topics give None fields)."""
+    state, info = topics.get("state", {}), topics.get("info", {})
+    health, reported = topics.get("health", {}), topics.get("reported", {})
+    bundle: Json = info["bundle"] if isinstance(info.get("bundle"), dict) else {}
+    active = _as_version(reported.get("active_version"))
+    previous = _as_version(reported.get("previous_version"))
+    return {
+        "device": device,
+        "online": state.get("online") is True,
+        "version": state.get("version", info.get("edgeserve")),
+        "boot_id": state.get("boot_id"),
+        "since": state.get("at"),
+        "active_version": active if active is not None else _as_version(bundle.get("active_version")),
+        "previous_version": previous if previous is not None else _as_version(bundle.get("previous_version")),
+        "bundle_name": bundle.get("name"),
+        "generation": reported.get("generation"),
+        "phase": reported.get("phase"),
+        "health": health.get("status"),
+        "health_checks": health.get("checks", []),
+        "hardware": info.get("hardware"),
+        "backends": info.get("backends"),
+        "models": reported.get("models"),
+        "seen": sorted(topics),
+    }
+
+
+def select_devices(records: Iterable[Json], selector: str) -> list[str]:
+    """Device ids for a selector: "all", "online", or a comma list of ids and globs ("cam-*,door-2").
+
+    An id without glob characters must be a known device (FleetError otherwise); a glob that matches
+    nothing is an error as well, so that a typo cannot turn into an empty rollout.
+    """
+    records = list(records)
+    known = {r["device"]: r for r in records}
+    selector = selector.strip()
+    if selector in ("", "all"):
+        return sorted(known)
+    if selector == "online":
+        return sorted(d for d, r in known.items() if r["online"])
+    chosen: set[str] = set()
+    for item in (part.strip() for part in selector.split(",")):
+        if not item:
+            continue
+        if any(ch in item for ch in "*?["):
+            matched = fnmatch.filter(known, item)
+            if not matched:
+                raise FleetError(f"selector {item!r} matches no device of the fleet")
+            chosen.update(matched)
+        elif item in known:
+            chosen.add(item)
+        else:
+            raise FleetError(f"device {item!r} is not known to the fleet (no retained state/info)")
+    return sorted(chosen)
+
+
+def plan_waves(devices: list[str], canary_percent: float, wave_size: int) -> list[list[str]]:
+    """The canary wave (ceil(canary% of N), at least 1; none when the percent is 0), then wave_size waves."""
+    if wave_size < 1:
+        raise FleetError("wave size must be at least 1")
+    if not 0 <= canary_percent <= 100:
+        raise FleetError("canary percent must be between 0 and 100")
+    waves: list[list[str]] = []
+    rest = list(devices)
+    if canary_percent > 0 and rest:
+        count = max(1, math.ceil(canary_percent / 100 * len(rest) - 1e-9))
+        waves.append(rest[:count])
+        rest = rest[count:]
+    waves.extend(rest[i : i + wave_size] for i in range(0, len(rest), wave_size))
+    return waves
+
+
+class FleetManager:
+    """A connection to the fleet's broker (see the module text). Use as a context manager, or call
+    `connect()` and `close()`."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        fleet: str,
+        *,
+        client_id: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        protocol: str = "5",
+        connect_timeout_s: float = 10.0,
+        keepalive_s: int = 30,
+    ) -> None:
+        self.address = BrokerAddress.parse(broker_url)
+        self.fleet = check_segment(fleet, "fleet")
+        self.client_id = check_segment(client_id or f"mgr-{uuid.uuid4().hex[:12]}", "client id")
+        if protocol not in ("5", "3.1.1", "311"):
+            raise FleetError(f"protocol {protocol!r}: use 5 or 3.1.1")
+        self.mqtt5 = protocol == "5"
+        self.username, self.password = username, password
+        self.ca_file, self.cert_file, self.key_file = ca_file, cert_file, key_file
+        self.connect_timeout_s, self.keepalive_s = connect_timeout_s, keepalive_s
+        self.response_topic = f"{PREFIX}/{self.fleet}/manager/{self.client_id}/resp"
+        self._sync_topic = f"{PREFIX}/{self.fleet}/manager/{self.client_id}/sync"
+        self._lock = threading.Lock()
+        self._cache: dict[str, dict[str, Json]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._watchers: list[WatchCallback] = []
+        self._suback: dict[int, threading.Event] = {}
+        self._early_acks: set[int] = set()
+        self._syncs: dict[str, threading.Event] = {}
+        self._connected = threading.Event()
+        self._ready = threading.Event()  # connected and the base subscriptions acknowledged
+        self._connect_error: str | None = None
+        self._client: Any = None
+
+    # -- connection ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> FleetManager:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self) -> FleetManager:
+        import paho.mqtt.client as mqtt
+
+        kwargs: dict[str, Any] = {"client_id": self.client_id}
+        if self.mqtt5:
+            kwargs["protocol"] = mqtt.MQTTv5
+        else:
+            kwargs.update(protocol=mqtt.MQTTv311, clean_session=True)
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, **kwargs)
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
+        if self.address.tls or self.ca_file or self.cert_file:
+            try:
+                client.tls_set(
+                    ca_certs=self.ca_file,
+                    certfile=self.cert_file,
+                    keyfile=self.key_file,
+                    cert_reqs=ssl.CERT_REQUIRED,
+                    tls_version=ssl.PROTOCOL_TLS_CLIENT,
+                )
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                raise FleetError(f"TLS files: {exc}") from None
+        client.reconnect_delay_set(min_delay=1, max_delay=10)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
+        self._client = client
+        where = f"{'mqtts' if self.address.tls else 'mqtt'}://{self.address.host}:{self.address.port}"
+        try:
+            if self.mqtt5:
+                client.connect(
+                    self.address.host, self.address.port, keepalive=self.keepalive_s, clean_start=True
+                )
+            else:
+                client.connect(self.address.host, self.address.port, keepalive=self.keepalive_s)
+        except (OSError, ssl.SSLError) as exc:
+            self._client = None
+            raise FleetError(f"cannot connect to the broker at {where}: {exc}") from None
+        client.loop_start()
+        deadline = time.monotonic() + self.connect_timeout_s
+        while not self._ready.wait(0.05):
+            if self._connect_error or time.monotonic() > deadline:
+                break
+        if not self._ready.is_set():
+            reason = self._connect_error or f"no CONNACK/SUBACK within {self.connect_timeout_s:g} s"
+            self.close()
+            raise FleetError(f"broker at {where} refused or did not answer: {reason}")
+        return self
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            client.disconnect()
+        finally:
+            client.loop_stop()
+        self._ready.clear()
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if getattr(reason_code, "is_failure", False):
+            self._connect_error = str(reason_code)
+            client.disconnect()  # do not let paho retry bad credentials forever
+            return
+        self._connected.set()
+        topics = [(Topics.fleet_wildcard(self.fleet, leaf), 1) for leaf in RETAINED_LEAVES]
+        topics += [(self.response_topic, 1), (self._sync_topic, 1)]
+        if self._watchers:
+            topics.append((Topics.fleet_wildcard(self.fleet, "events"), 1))
+        done = threading.Event()
+        _result, mid = client.subscribe(topics)
+        with self._lock:
+            self._suback[mid] = done
+        threading.Thread(target=self._mark_ready, args=(done,), daemon=True).start()
+
+    def _mark_ready(self, done: threading.Event) -> None:
+        if done.wait(self.connect_timeout_s):
+            self._ready.set()
+
+    def _on_disconnect(
+        self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any
+    ) -> None:
+        self._ready.clear()
+        if not self._connected.is_set() and self._connect_error is None:
+            self._connect_error = f"the broker closed the connection before CONNACK ({reason_code})"
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reason_codes: Any, properties: Any) -> None:
+        with self._lock:
+            done = self._suback.pop(mid, None)
+            if done is None:
+                self._early_acks.add(mid)  # acknowledged before the caller registered the mid
+        if done is not None:
+            done.set()
+
+    def _require_client(self) -> Any:
+        if self._client is None:
+            raise FleetError("the manager is not connected (use `with FleetManager(...)` or connect())")
+        return self._client
+
+    def _subscribe(self, topics: list[tuple[str, int]], timeout_s: float) -> None:
+        client = self._require_client()
+        done = threading.Event()
+        result, mid = client.subscribe(topics)
+        with self._lock:
+            if mid in self._early_acks:
+                self._early_acks.discard(mid)
+                done.set()
+            else:
+                self._suback[mid] = done
+        if result != 0 or not done.wait(timeout_s):
+            raise FleetError(f"the broker did not acknowledge the subscription to {topics[0][0]}")
+
+    def _sync(self, timeout_s: float) -> bool:
+        """Wait until every message the broker queued for us before now has arrived (a round trip through
+        our own topic: the broker delivers to one session in order)."""
+        if not self._ready.wait(timeout_s):
+            return False
+        token = uuid.uuid4().hex
+        done = threading.Event()
+        with self._lock:
+            self._syncs[token] = done
+        self._require_client().publish(self._sync_topic, token.encode(), qos=1)
+        try:
+            return done.wait(timeout_s)
+        finally:
+            with self._lock:
+                self._syncs.pop(token, None)
+
+    # -- incoming -----------------------------------------------------------------------------------
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        topic: str = msg.topic
+        if topic == self._sync_topic:
+            with self._lock:
+                done = self._syncs.get(msg.payload.decode("ascii", "replace"))
+            if done is not None:
+                done.set()
+            return
+        body = _json(msg.payload)
+        if topic == self.response_topic:
+            correlation = getattr(msg.properties, "CorrelationData", None) if msg.properties else None
+            cmd_id = correlation.decode("utf-8", "replace") if correlation else None
+            self._answer(cmd_id or (body or {}).get("cmd_id"), body)
+            return
+        try:
+            _fleet, device, rest = Topics.parse(topic)
+        except ValueError:
+            return
+        if rest.startswith("resp/"):
+            self._answer(rest[5:], body)
+            return
+        if rest in RETAINED_LEAVES:
+            with self._lock:
+                topics = self._cache.setdefault(device, {})
+                if body is None and not msg.payload:
+                    topics.pop(rest, None)  # a retained message cleared with an empty payload
+                    if not topics:
+                        self._cache.pop(device, None)
+                elif body is not None:
+                    topics[rest] = body
+        if rest in WATCH_LEAVES and body is not None:
+            with self._lock:
+                watchers = list(self._watchers)
+            for watcher in watchers:
+                with contextlib.suppress(Exception):  # a watcher must not kill the network loop
+                    watcher(device, rest, body, bool(msg.retain))
+
+    def _answer(self, cmd_id: str | None, body: Json | None) -> None:
+        if not cmd_id or body is None:
+            return
+        with self._lock:
+            pending = self._pending.get(cmd_id)
+        if pending is not None:
+            pending.sink.put((cmd_id, body))
+
+    # -- devices ------------------------------------------------------------------------------------
+
+    def devices(self, timeout_s: float = 5.0) -> list[Json]:
+        """Every device with a retained topic in the fleet, merged (see `device_record`), sorted by id."""
+        if not self._sync(timeout_s):
+            raise FleetError(f"the broker did not deliver the fleet's retained topics within {timeout_s:g} s")
+        return self.cached_devices()
+
+    def cached_devices(self) -> list[Json]:
+        with self._lock:
+            snapshot = {device: dict(topics) for device, topics in self._cache.items()}
+        return [device_record(device, topics) for device, topics in sorted(snapshot.items())]
+
+    def device(self, device: str) -> Json | None:
+        with self._lock:
+            topics = dict(self._cache.get(device, {}))
+        return device_record(device, topics) if topics else None
+
+    # -- commands -----------------------------------------------------------------------------------
+
+    def issue(
+        self,
+        device: str,
+        verb: str,
+        args: Json | None = None,
+        timeout_s: float = 60.0,
+        *,
+        sink: queue.Queue[tuple[str, Json]] | None = None,
+        cmd_id: str | None = None,
+    ) -> _Pending:
+        """Publish one command and return its pending record (answers go to `sink`); see `send`."""
+        check_segment(device, "device")
+        if verb not in VERBS:
+            raise FleetError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
+        args = dict(args or {})
+        try:
+            check_args(verb, args)
+        except CommandError as exc:
+            raise FleetError(str(exc)) from None
+        client = self._require_client()
+        cmd_id = cmd_id or f"{self.client_id}-{uuid.uuid4().hex[:16]}"
+        topics = Topics(self.fleet, device)
+        pending = _Pending(cmd_id, device, verb, sink or queue.Queue())
+        with self._lock:
+            self._pending[cmd_id] = pending
+        properties = None
+        if self.mqtt5:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            properties = Properties(PacketTypes.PUBLISH)
+            properties.ResponseTopic = self.response_topic
+            properties.CorrelationData = cmd_id.encode()
+        else:
+            pending.unsubscribe = topics.resp(cmd_id)
+            try:
+                self._subscribe([(pending.unsubscribe, 1)], min(timeout_s, 10.0))
+            except FleetError:
+                self.forget(pending)
+                raise
+        issued = _now()
+        body = {
+            "cmd_id": cmd_id,
+            "issued_at": utc(issued),
+            # whole seconds on the wire: round the expiry up so that a 1.5 s timeout is not 1 s
+            "expires_at": utc(issued + timedelta(seconds=math.ceil(timeout_s + issued.microsecond / 1e6))),
+            "args": args,
+        }
+        info = client.publish(
+            topics.cmd(verb), json.dumps(body).encode(), qos=1, retain=False, properties=properties
+        )
+        if info.rc != 0:
+            self.forget(pending)
+            raise FleetError(f"publish to {topics.cmd(verb)} failed (paho rc {info.rc})")
+        return pending
+
+    def forget(self, pending: _Pending) -> None:
+        with self._lock:
+            self._pending.pop(pending.cmd_id, None)
+        if pending.unsubscribe and self._client is not None:
+            self._client.unsubscribe(pending.unsubscribe)
+
+    def send(
+        self,
+        device: str,
+        verb: str,
+        args: Json | None = None,
+        timeout_s: float = 60.0,
+        on_update: UpdateCallback | None = None,
+        *,
+        cmd_id: str | None = None,
+    ) -> Json:
+        """Send one command and wait for its final answer; `on_update` sees every answer as it comes
+        (ACCEPTED, IN_PROGRESS..., the final one). No final answer in `timeout_s`: {"status": "TIMEOUT"}."""
+        pending = self.issue(device, verb, args, timeout_s, cmd_id=cmd_id)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    _, body = (
+                        pending.sink.get(timeout=max(0.0, left)) if left > 0 else pending.sink.get_nowait()
+                    )
+                except queue.Empty:
+                    return self._timeout(pending, timeout_s)
+                pending.updates.append(body)
+                if on_update is not None:
+                    on_update(body)
+                if body.get("status") in FINAL:
+                    return body
+        finally:
+            self.forget(pending)
+
+    @staticmethod
+    def _timeout(pending: _Pending, timeout_s: float) -> Json:
+        last = pending.updates[-1] if pending.updates else None
+        return {
+            "cmd_id": pending.cmd_id,
+            "status": TIMEOUT,
+            "error": f"no final answer from {pending.device} within {timeout_s:g} s"
+            + (f" (last: {last.get('status')})" if last else " (no answer at all)"),
+            "last": last,
+        }
+
+    def send_many(
+        self,
+        targets: dict[str, Json],
+        verb: str,
+        timeout_s: float,
+        on_update: Callable[[str, Json], None] | None = None,
+    ) -> dict[str, Json]:
+        """The same verb to several devices at once ({device: args}) -> {device: final answer}."""
+        sink: queue.Queue[tuple[str, Json]] = queue.Queue()
+        pendings: dict[str, _Pending] = {}
+        outcomes: dict[str, Json] = {}
+        try:
+            for device, args in targets.items():
+                try:
+                    pendings[device] = self.issue(device, verb, args, timeout_s, sink=sink)
+                except FleetError as exc:
+                    outcomes[device] = {"status": "REJECTED", "error": f"not sent: {exc}"}
+            by_cmd = {p.cmd_id: p for p in pendings.values()}
+            deadline = time.monotonic() + timeout_s
+            while len(outcomes) < len(targets):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    cmd_id, body = sink.get(timeout=left)
+                except queue.Empty:
+                    break
+                pending = by_cmd.get(cmd_id)
+                if pending is None or pending.device in outcomes:
+                    continue
+                pending.updates.append(body)
+                if on_update is not None:
+                    on_update(pending.device, body)
+                if body.get("status") in FINAL:
+                    outcomes[pending.device] = body
+            for device, pending in pendings.items():
+                if device not in outcomes:
+                    outcomes[device] = self._timeout(pending, timeout_s)
+                    if on_update is not None:
+                        on_update(device, outcomes[device])
+        finally:
+            for pending in pendings.values():
+                self.forget(pending)
+        return outcomes
+
+    # -- staged rollout -----------------------------------------------------------------------------
+
+    def deploy(
+        self,
+        url: str,
+        sha256: str | None = None,
+        selector: str = "all",
+        canary_percent: float = 10.0,
+        wave_size: int = 10,
+        pause_s: float = 0.0,
+        max_failure_ratio: float = 0.0,
+        on_progress: ProgressCallback | None = None,
+        *,
+        timeout_s: float = 600.0,
+        rollback_timeout_s: float = 300.0,
+        include_offline: bool = False,
+        discover_timeout_s: float = 5.0,
+    ) -> Json:
+        """Staged rollout of a bundle (see ota/fleet.md): the canary wave, then waves of `wave_size`, each
+        sent at once and waited for; after each wave the failure ratio over every device tried so far is
+        checked, and above `max_failure_ratio` the rollout stops and the devices of that wave that had
+        committed the new version are rolled back to the version they ran before. Offline devices are
+        skipped (SKIPPED) unless `include_offline`."""
+        args: Json = {"url": url}
+        if sha256:
+            args["sha256"] = sha256
+        try:
+            check_args("deploy_bundle", args)
+        except CommandError as exc:
+            raise FleetError(str(exc)) from None
+        if not 0 <= max_failure_ratio <= 1:
+            raise FleetError("max failure ratio must be between 0 and 1")
+        emit = on_progress or (lambda event: None)
+        started = time.monotonic()
+        records = {r["device"]: r for r in self.devices(discover_timeout_s)}
+        selected = select_devices(records.values(), selector)
+        skipped = [] if include_offline else [d for d in selected if not records[d]["online"]]
+        targets = [d for d in selected if d not in skipped]
+        waves = plan_waves(targets, canary_percent, wave_size)
+        before = {d: records[d]["active_version"] for d in selected}
+        outcomes: dict[str, Json] = {
+            d: {
+                "status": SKIPPED,
+                "wave": None,
+                "error": "offline at the start of the rollout",
+                "previous_version": before[d],
+            }
+            for d in skipped
+        }
+        emit(
+            {
+                "event": "start",
+                "url": url,
+                "selected": len(selected),
+                "skipped": skipped,
+                "devices": targets,
+                "waves": [len(w) for w in waves],
+            }
+        )
+        wave_reports: list[Json] = []
+        tried = failed = 0
+        stopped_at: int | None = None
+        reason = None
+        rollback: Json = {}
+        for index, wave in enumerate(waves):
+            kind = "canary" if index == 0 and canary_percent > 0 else "wave"
+            if index > 0 and pause_s > 0:
+                emit({"event": "pause", "seconds": pause_s, "next_wave": index})
+                time.sleep(pause_s)
+            emit({"event": "wave_start", "wave": index, "kind": kind, "devices": wave})
+            wave_started = time.monotonic()
+
+            def on_update(device: str, body: Json, wave_no: int = index) -> None:
+                emit(
+                    {
+                        "event": "device",
+                        "wave": wave_no,
+                        "device": device,
+                        "status": body.get("status"),
+                        "progress": body.get("progress"),
+                        "message": body.get("message"),
+                        "error": body.get("error"),
+                    }
+                )
+
+            answers = self.send_many({d: args for d in wave}, "deploy_bundle", timeout_s, on_update)
+            wave_failed = [d for d in wave if answers[d].get("status") != SUCCEEDED]
+            for device in wave:
+                answer = answers[device]
+                outcomes[device] = {
+                    "status": answer.get("status"),
+                    "wave": index,
+                    "previous_version": before[device],
+                    "result": answer.get("result"),
+                    "error": answer.get("error"),
+                    "cmd_id": answer.get("cmd_id"),
+                }
+            tried += len(wave)
+            failed += len(wave_failed)
+            ratio = failed / tried if tried else 0.0
+            report = {
+                "wave": index,
+                "kind": kind,
+                "devices": wave,
+                "size": len(wave),
+                "succeeded": len(wave) - len(wave_failed),
+                "failed": wave_failed,
+                "failure_ratio": round(ratio, 4),
+                "duration_s": round(time.monotonic() - wave_started, 3),
+            }
+            wave_reports.append(report)
+            emit({"event": "wave_done", **report, "tried": tried, "failed_total": failed})
+            if ratio > max_failure_ratio:
+                stopped_at = index
+                reason = (
+                    f"failure ratio {failed}/{tried} = {ratio:.3f} is over {max_failure_ratio:g} "
+                    f"after wave {index} ({kind})"
+                )
+                emit({"event": "stop", "wave": index, "reason": reason})
+                rollback = self._roll_back_wave(wave, answers, before, rollback_timeout_s, emit, outcomes)
+                break
+        not_attempted = [
+            d for w in waves[(stopped_at + 1) if stopped_at is not None else len(waves) :] for d in w
+        ]
+        for device in not_attempted:
+            outcomes[device] = {"status": NOT_ATTEMPTED, "wave": None, "previous_version": before[device]}
+        succeeded = sum(1 for o in outcomes.values() if o["status"] == SUCCEEDED)
+        counts = {
+            "selected": len(selected),
+            "skipped_offline": len(skipped),
+            "tried": tried,
+            "succeeded": succeeded,
+            "failed": failed,
+            "not_attempted": len(not_attempted),
+            "rolled_back": sum(
+                1 for r in rollback.get("devices", {}).values() if r.get("status") == SUCCEEDED
+            ),
+        }
+        result = {
+            "url": url,
+            "sha256": sha256,
+            "selector": selector,
+            "canary_percent": canary_percent,
+            "wave_size": wave_size,
+            "max_failure_ratio": max_failure_ratio,
+            "waves": wave_reports,
+            "planned_waves": [len(w) for w in waves],
+            "stopped": stopped_at is not None,
+            "stopped_at_wave": stopped_at,
+            "reason": reason,
+            "rollback": rollback or None,
+            "devices": dict(sorted(outcomes.items())),
+            "counts": counts,
+            "duration_s": round(time.monotonic() - started, 3),
+            "ok": stopped_at is None and failed == 0 and not skipped and bool(selected),
+        }
+        emit(
+            {
+                "event": "done",
+                "ok": result["ok"],
+                "stopped": result["stopped"],
+                "counts": counts,
+                "duration_s": result["duration_s"],
+            }
+        )
+        return result
+
+    def _roll_back_wave(
+        self,
+        wave: list[str],
+        answers: dict[str, Json],
+        before: dict[str, int | None],
+        timeout_s: float,
+        emit: ProgressCallback,
+        outcomes: dict[str, Json],
+    ) -> Json:
+        """Roll back the devices of the stopped wave that committed the new version: SUCCEEDED, or a
+        `reported` active version that moved away from the one before the rollout (a late commit after a
+        timeout). A device whose install failed kept its old version by itself and gets nothing."""
+        self._sync(5.0)
+        committed: dict[str, Json] = {}
+        skipped: dict[str, str] = {}
+        for device in wave:
+            now = self.device(device) or {}
+            moved = now.get("active_version") is not None and now.get("active_version") != before[device]
+            if answers[device].get("status") != SUCCEEDED and not moved:
+                continue
+            if before[device] is None:
+                skipped[device] = "no active version before the rollout: nothing to roll back to"
+                continue
+            committed[device] = {"to_version": before[device]}
+        emit({"event": "rollback_start", "devices": sorted(committed), "cannot": skipped})
+        started = time.monotonic()
+
+        def on_update(device: str, body: Json) -> None:
+            emit(
+                {
+                    "event": "rollback_device",
+                    "device": device,
+                    "status": body.get("status"),
+                    "progress": body.get("progress"),
+                    "error": body.get("error"),
+                }
+            )
+
+        answers_rb = self.send_many(committed, "rollback", timeout_s, on_update) if committed else {}
+        devices: dict[str, Json] = {}
+        for device, answer in answers_rb.items():
+            devices[device] = {
+                "to_version": committed[device]["to_version"],
+                "status": answer.get("status"),
+                "error": answer.get("error"),
+            }
+            outcomes[device]["rollback"] = devices[device]
+        for device, why in skipped.items():
+            outcomes[device]["rollback"] = {"status": SKIPPED, "error": why}
+        report = {"devices": devices, "cannot": skipped, "duration_s": round(time.monotonic() - started, 3)}
+        emit({"event": "rollback_done", **report})
+        return report
+
+    # -- watch --------------------------------------------------------------------------------------
+
+    def watch(self, on_message: WatchCallback, timeout_s: float = 10.0) -> Callable[[], None]:
+        """Call `on_message(device, leaf, body, retained)` for every state/health/events/reported message
+        of the fleet (the retained ones first); returns a function that stops the watch."""
+        with self._lock:
+            self._watchers.append(on_message)
+        topics = [(Topics.fleet_wildcard(self.fleet, leaf), 1) for leaf in WATCH_LEAVES]
+        self._subscribe(topics, timeout_s)  # subscribing again replays the retained messages
+
+        def stop() -> None:
+            with self._lock:
+                if on_message in self._watchers:
+                    self._watchers.remove(on_message)
+                last = not self._watchers
+            if last and self._client is not None:
+                self._client.unsubscribe(Topics.fleet_wildcard(self.fleet, "events"))
+
+        return stop

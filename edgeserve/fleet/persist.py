@@ -1,0 +1,114 @@
+"""What the agent must not forget across restarts: the commands it has seen (so none runs twice) and
+the events it could not send yet (so none is lost while the broker is away)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+from edgeserve.fsutil import write_json_atomic
+
+RUNNING = "RUNNING"  # a ledger mark: accepted, no final status yet
+
+
+class CommandLedger:
+    """cmd_id -> the command's first outcome (bounded, oldest forgotten first), fsync'd on change."""
+
+    def __init__(self, path: Path, keep: int = 1000) -> None:
+        self.path = path
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        try:
+            data = json.loads(path.read_text())
+            for cmd_id, entry in data.items():
+                if isinstance(entry, dict):
+                    self._entries[str(cmd_id)] = entry
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def get(self, cmd_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            entry = self._entries.get(cmd_id)
+            return dict(entry) if entry is not None else None
+
+    def record(self, cmd_id: str, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self._entries[cmd_id] = {**entry, "at": time.time()}
+            self._entries.move_to_end(cmd_id)
+            while len(self._entries) > self.keep:
+                self._entries.popitem(last=False)
+            write_json_atomic(self.path, self._entries)
+
+    def interrupted(self) -> list[tuple[str, dict[str, Any]]]:
+        """Commands accepted by an earlier run that never finished (the agent was killed)."""
+        with self._lock:
+            return [(k, dict(v)) for k, v in self._entries.items() if v.get("status") == RUNNING]
+
+
+class Outbox:
+    """Events in order, on disk until the broker acknowledged them (QoS 1 PUBACK).
+
+    `events.jsonl` is append-only (one fsync'd line per event); `events.acked` holds the last sequence
+    number the broker took. Bounded: past `keep` unsent events the oldest are dropped and counted."""
+
+    def __init__(self, folder: Path, keep: int = 10_000) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.log_path = folder / "events.jsonl"
+        self.acked_path = folder / "events.acked"
+        self.keep = keep
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._pending: deque[dict[str, Any]] = deque()
+        try:
+            acked = int(self.acked_path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            acked = 0
+        self._seq = acked
+        try:
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut by a power loss: the events after it are whole
+                    continue
+                self._seq = max(self._seq, int(entry.get("seq", 0)))
+                if int(entry.get("seq", 0)) > acked:
+                    self._pending.append(entry)
+        except OSError:
+            pass
+
+    def add(self, topic: str, payload: dict[str, Any]) -> None:
+        with self._lock:
+            self._seq += 1
+            entry = {"seq": self._seq, "topic": topic, "payload": payload}
+            with open(self.log_path, "a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._pending.append(entry)
+            while len(self._pending) > self.keep:
+                self._pending.popleft()
+                self.dropped += 1
+
+    def peek(self) -> dict[str, Any] | None:
+        with self._lock:
+            return dict(self._pending[0]) if self._pending else None
+
+    def ack(self, seq: int) -> None:
+        with self._lock:
+            while self._pending and int(self._pending[0]["seq"]) <= seq:
+                self._pending.popleft()
+            tmp = self.acked_path.with_suffix(".tmp")
+            tmp.write_text(str(seq))
+            os.replace(tmp, self.acked_path)
+            if not self._pending and self.log_path.exists() and self.log_path.stat().st_size > 1 << 20:
+                self.log_path.unlink()  # all sent: start a fresh log instead of growing this one
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending)
