@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from edgeserve.ota.manifest import FORMAT, dump_manifest, rfc3339
 from edgeserve.ota.signing import keygen, load_private
@@ -223,7 +223,7 @@ def flip_bit(data: bytes, index: int, bit: int = 0) -> bytes:
 
 
 def flip_manifest_bit(body: bytes) -> bytes:
-    """One bit of the bundle name flipped: still valid JSON with the same key_id, no longer what was signed."""
+    """One bit of the bundle name flipped: valid JSON, same key_id, no longer the signed bytes."""
     index = body.index(b'"name":"') + len(b'"name":"')
     return flip_bit(body, index)
 
@@ -277,8 +277,9 @@ def write_bundle(
     """Write exactly `members`, in order, as a tar (gzip when `compress`); returns `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as raw:
-        stream: IO[bytes] = (
-            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=compresslevel) if compress else raw
+        stream = cast(
+            "IO[bytes]",
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=compresslevel) if compress else raw,
         )
         with tarfile.open(fileobj=stream, mode="w", format=tar_format) as tar:
             for member in members:

@@ -29,7 +29,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hostile import (  # noqa: E402
+from hostile import (
     INVALID_SIGNATURES,
     Bundle,
     Member,
@@ -55,10 +55,10 @@ from hostile import (  # noqa: E402
     zeros,
 )
 
-from edgeserve.ota import archive, build, manifest, policy, signing  # noqa: E402
-from edgeserve.ota.errors import BundleRefused  # noqa: E402
-from edgeserve.ota.manifest import Manifest, dump_manifest  # noqa: E402
-from edgeserve.ota.policy import Policy  # noqa: E402
+from edgeserve.ota import archive, build, manifest, policy, signing
+from edgeserve.ota.errors import BundleRefused
+from edgeserve.ota.manifest import Manifest, dump_manifest
+from edgeserve.ota.policy import Policy
 
 MODEL = bytes(range(256)) * 64 + b"weights"  # 16391 bytes
 CONFIG = b'name: "m"\nmax_batch_size: 8\n'
@@ -161,7 +161,9 @@ class Env:
     ) -> BundleRefused:
         """Run the check and assert a clean refusal; `extracted=False`: staging must not even exist."""
         before = snapshot(self.root, self.staging)
-        untouched = {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in outside if p.exists()}
+        untouched = {
+            p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in outside if p.exists()
+        }
         result = self.check(path, **kwargs)
         after = snapshot(self.root, self.staging)
         assert isinstance(result, BundleRefused), f"accepted: {result.name} v{result.version}"
@@ -215,7 +217,9 @@ def test_bundle_from_build_bundle_passes_all_five_steps(env: Env, compress: bool
     (repo / "m" / "1" / "model.onnx").write_bytes(weights)
     (repo / "m" / "config.pbtxt").write_bytes(CONFIG)
     out = env.root / "out" / "demo-7.esb"
-    request = build.BuildRequest(repo, "demo", 7, env.signer.private_path, out, arch=[ARCH], compress=compress)
+    request = build.BuildRequest(
+        repo, "demo", 7, env.signer.private_path, out, arch=[ARCH], compress=compress
+    )
     build.build_bundle(request)
     result = env.check(out, installed={"demo": 6})
     assert isinstance(result, Manifest), f"refused: {result}"
@@ -286,7 +290,9 @@ def test_missing_signature_member(env: Env, tail: str) -> None:
 
 def test_signature_member_that_is_a_symlink(env: Env) -> None:
     body = dump_manifest(env.manifest())
-    path = write_bundle(env.root / "b.esb", [regular("manifest.json", body), symlink("manifest.sig", "/dev/zero")])
+    path = write_bundle(
+        env.root / "b.esb", [regular("manifest.json", body), symlink("manifest.sig", "/dev/zero")]
+    )
     env.refused(path, "signature", r"manifest\.sig", extracted=False)
 
 
@@ -298,7 +304,9 @@ def test_signature_by_an_unknown_key(env: Env) -> None:
 
 
 def test_signature_by_another_key_claiming_a_trusted_key_id(env: Env) -> None:
-    path = Bundle(env.manifest(), good_members()).write(env.root / "b.esb", env.signer, "wrong-key", intruder=env.intruder)
+    path = Bundle(env.manifest(), good_members()).write(
+        env.root / "b.esb", env.signer, "wrong-key", intruder=env.intruder
+    )
     env.refused(path, "signature", r"bad signature", extracted=False)
 
 
@@ -314,7 +322,9 @@ def test_signature_by_the_other_trusted_key_than_declared(env: Env) -> None:
 def test_garbage_signature_length(env: Env, length: int) -> None:
     body = dump_manifest(env.manifest())
     garbage = (env.signer.sign(body) * 100)[:length]
-    path = write_bundle(env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", garbage)])
+    path = write_bundle(
+        env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", garbage)]
+    )
     env.refused(path, "signature", r"64-byte|signature", extracted=False)
 
 
@@ -352,13 +362,17 @@ def test_manifest_json_member_that_is_not_a_regular_file(env: Env, kind: str) ->
 
 def test_signed_manifest_that_is_not_json(env: Env) -> None:
     body = b"\xff\xfe not json"
-    path = write_bundle(env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", env.signer.sign(body))])
+    path = write_bundle(
+        env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", env.signer.sign(body))]
+    )
     env.refused(path, "signature", r"unknown key|signature", extracted=False)
 
 
 def test_signed_manifest_that_is_a_json_list(env: Env) -> None:
     body = json.dumps([env.manifest()]).encode()
-    path = write_bundle(env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", env.signer.sign(body))])
+    path = write_bundle(
+        env.root / "b.esb", [regular("manifest.json", body), regular("manifest.sig", env.signer.sign(body))]
+    )
     env.refused(path, "signature", r"unknown key|signature", extracted=False)
 
 
@@ -380,7 +394,9 @@ def test_signed_manifest_with_a_bad_field(env: Env, field: str, value: Any, word
 
 
 def test_not_a_bundle_at_all(env: Env) -> None:
-    for i, blob in enumerate([b"", b"\x1f", b"\x1f\x8b" + os.urandom(200), os.urandom(4096), b"PK\x03\x04" * 300]):
+    for i, blob in enumerate(
+        [b"", b"\x1f", b"\x1f\x8b" + os.urandom(200), os.urandom(4096), b"PK\x03\x04" * 300]
+    ):
         path = env.root / f"junk{i}.esb"
         path.write_bytes(blob)
         env.refused(path, ("format", "truncated"), r"bundle|tar|read", extracted=False)
@@ -395,7 +411,11 @@ def test_oversized_manifest_is_refused_without_reading_it_all(env: Env, compress
     body = dump_manifest(data)
     body = body[:-1] + b" " * (size - len(body)) + b"}"  # valid JSON, just large
     assert len(body) == size
-    members = [regular("manifest.json", body), regular("manifest.sig", env.signer.sign(body)), *good_members()]
+    members = [
+        regular("manifest.json", body),
+        regular("manifest.sig", env.signer.sign(body)),
+        *good_members(),
+    ]
     path = write_bundle(env.root / "b.esb", members, compress=compress)
     del body, members
     tracemalloc.start()
@@ -455,8 +475,13 @@ def test_tar_download_cut_inside_the_header(env: Env, where: str) -> None:
 def _cut_points(full: Path, start: int, compress: bool) -> dict[str, int]:
     length = full.stat().st_size
     if compress:  # random data: the compressed model file fills the middle of the file
-        return {"model-early": length // 2, "model-late": length - 64, "trailer-1": length - 1,
-                "trailer-4": length - 4, "trailer-8": length - 8}
+        return {
+            "model-early": length // 2,
+            "model-late": length - 64,
+            "trailer-1": length - 1,
+            "trailer-4": length - 4,
+            "trailer-8": length - 8,
+        }
     return {"model-early": start + 1, "model-mid": start + 50_000, "model-last-byte": start + 99_999}
 
 
@@ -491,8 +516,8 @@ def test_small_gzip_download_cut_is_refused(env: Env, where: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: archive._open_stream maps EOFError to reason 'format' ('not a bundle'): a gzip bundle under "
-    "1 MiB cut inside its model file or gzip trailer is refused as 'format', not 'truncated' (resume logic keys on it)",
+    reason="BUG: archive._open_stream maps EOFError to reason 'format' ('not a bundle'): a gzip bundle "
+    "under 1 MiB cut inside its model file or gzip trailer is refused as 'format', not 'truncated'",
 )
 @pytest.mark.parametrize("where", ["model-early", "trailer-4"])
 def test_small_gzip_download_cut_is_refused_as_truncated(env: Env, where: str) -> None:
@@ -610,18 +635,32 @@ def _(env: Env) -> Attack:
 # -- policy on a well-signed manifest
 @attack("downgrade")
 def _(env: Env) -> Attack:
-    return Attack(env.manifest(version=4), good_members(), "downgrade", r"v4.*older.*v5", check={"installed": {"demo": 5}})
+    return Attack(
+        env.manifest(version=4),
+        good_members(),
+        "downgrade",
+        r"v4.*older.*v5",
+        check={"installed": {"demo": 5}},
+    )
 
 
 @attack("replay")
 def _(env: Env) -> Attack:
-    return Attack(env.manifest(version=5), good_members(), "replay", r"v5.*already installed", check={"installed": {"demo": 5}})
+    return Attack(
+        env.manifest(version=5),
+        good_members(),
+        "replay",
+        r"v5.*already installed",
+        check={"installed": {"demo": 5}},
+    )
 
 
 @attack("expired")
 def _(env: Env) -> Attack:
     data = env.manifest(expires_at=env.now + timedelta(days=1))
-    return Attack(data, good_members(), "expired", r"expired", check={"now": env.now + timedelta(days=1, seconds=1)})
+    return Attack(
+        data, good_members(), "expired", r"expired", check={"now": env.now + timedelta(days=1, seconds=1)}
+    )
 
 
 @attack("expired-long-ago")
@@ -632,7 +671,9 @@ def _(env: Env) -> Attack:
 
 @attack("incompatible-arch")
 def _(env: Env) -> Attack:
-    return Attack(env.manifest(arch=["aarch64", "armv7l"]), good_members(), "incompatible", r"aarch64.*x86_64")
+    return Attack(
+        env.manifest(arch=["aarch64", "armv7l"]), good_members(), "incompatible", r"aarch64.*x86_64"
+    )
 
 
 @attack("incompatible-accelerators")
@@ -648,13 +689,20 @@ def _(env: Env) -> Attack:
 
 @attack("min-edgeserve-too-high")
 def _(env: Env) -> Attack:
-    return Attack(env.manifest(min_edgeserve="99.0.0"), good_members(), "incompatible", r"edgeserve >= 99\.0\.0")
+    return Attack(
+        env.manifest(min_edgeserve="99.0.0"), good_members(), "incompatible", r"edgeserve >= 99\.0\.0"
+    )
 
 
 @attack("unpacked-size-over-policy")
 def _(env: Env) -> Attack:
-    return Attack(env.manifest(), good_members(), "oversized", r"over the policy cap",
-                  check={"policy_": Policy(max_unpacked_bytes=len(MODEL))})
+    return Attack(
+        env.manifest(),
+        good_members(),
+        "oversized",
+        r"over the policy cap",
+        check={"policy_": Policy(max_unpacked_bytes=len(MODEL))},
+    )
 
 
 @attack("unpacked-size-over-default-policy")
@@ -666,8 +714,13 @@ def _(env: Env) -> Attack:
 @attack("file-count-over-policy")
 def _(env: Env) -> Attack:
     files = [(f"models/m/1/part{i:03d}.bin", bytes([i])) for i in range(11)]
-    return Attack(env.manifest(files), good_members(files), "oversized", r"11 files.*cap of 10",
-                  check={"policy_": Policy(max_files=10)})
+    return Attack(
+        env.manifest(files),
+        good_members(files),
+        "oversized",
+        r"11 files.*cap of 10",
+        check={"policy_": Policy(max_files=10)},
+    )
 
 
 # -- a manifest that is valid JSON but lies
@@ -718,7 +771,9 @@ def _(env: Env) -> Attack:
 def _(env: Env) -> Attack:
     target = env.outside_path("dotdot-target")  # staging is root/state/staging: ../../x is root/x
     members = [regular(f"../../{target.name}", b"pwned"), *good_members()]
-    return Attack(env.manifest(), members, "path", r"\.\.", outside=[target, env.root / "state" / target.name])
+    return Attack(
+        env.manifest(), members, "path", r"\.\.", outside=[target, env.root / "state" / target.name]
+    )
 
 
 @attack("models-dotdot-member")
@@ -736,13 +791,18 @@ def _(env: Env) -> Attack:
     target = env.outside_path("listed-dotdot")
     name = f"models/m/../../../{target.name}"
     files = [*FILES, (name, b"pwned")]
-    return Attack(env.manifest(files, models={"m": [1]}), good_members(files), "path", r"\.\.", outside=[target])
+    return Attack(
+        env.manifest(files, models={"m": [1]}), good_members(files), "path", r"\.\.", outside=[target]
+    )
 
 
 @attack("pax-path-override-dotdot")
 def _(env: Env) -> Attack:
     target = env.outside_path("pax-target")
-    members = [regular("models/m/1/innocent.bin", b"pwned", pax={"path": f"../../{target.name}"}), *good_members()]
+    members = [
+        regular("models/m/1/innocent.bin", b"pwned", pax={"path": f"../../{target.name}"}),
+        *good_members(),
+    ]
     return Attack(env.manifest(), members, "path", r"\.\.", outside=[target])
 
 
@@ -797,7 +857,9 @@ def _(env: Env) -> Attack:
     outside_dir.mkdir()
     files = [*FILES, ("models/m/1/d/pwn.bin", b"pwned")]
     members = [symlink("models/m/1/d", str(outside_dir)), *good_members(files)]
-    return Attack(env.manifest(files), members, "link", r"symlink", outside=[outside_dir, outside_dir / "pwn.bin"])
+    return Attack(
+        env.manifest(files), members, "link", r"symlink", outside=[outside_dir, outside_dir / "pwn.bin"]
+    )
 
 
 @attack("symlink-relative-escape")
@@ -884,9 +946,7 @@ def _(env: Env) -> Attack:
     return Attack(env.manifest(), members, "duplicate", r"twice")
 
 
-_OSERROR_BUG = (
-    "BUG: archive.extract lets an OSError from the staging tree escape instead of BundleRefused: "
-)
+_OSERROR_BUG = "BUG: archive.extract lets an OSError from the staging tree escape instead of BundleRefused: "
 
 
 @attack(
@@ -910,12 +970,15 @@ def _(env: Env) -> Attack:
 
 @attack(
     "manifest-lists-a-file-and-a-file-below-it",
-    bug=_OSERROR_BUG + "a signed manifest listing models/m/1/a and models/m/1/a/b (parse_manifest accepts it) "
+    bug=_OSERROR_BUG
+    + "a signed manifest listing models/m/1/a and models/m/1/a/b (parse_manifest accepts it) "
     "-> FileExistsError from mkdir of the parent",
 )
 def _(env: Env) -> Attack:
     files = [("models/m/1/a", b"first"), ("models/m/1/a/b", b"second")]
-    return Attack(env.manifest(files), good_members(files), ("duplicate", "path", "manifest"), r"models/m/1/a")
+    return Attack(
+        env.manifest(files), good_members(files), ("duplicate", "path", "manifest"), r"models/m/1/a"
+    )
 
 
 # -- bombs
@@ -930,13 +993,17 @@ def _(env: Env) -> Attack:
 @attack("bomb-pax-header")
 def _(env: Env) -> Attack:
     members = [*good_members(), regular("models/m/1/x", b"x", pax={"comment": "A" * 16 * 2**20})]
-    return Attack(env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1)
+    return Attack(
+        env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1
+    )
 
 
 @attack("bomb-many-folders")
 def _(env: Env) -> Attack:
     members = [*good_members(), *(directory(f"models/m/1/d{i:05d}/") for i in range(12_000))]
-    return Attack(env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1)
+    return Attack(
+        env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1
+    )
 
 
 def _attack_params() -> list[Any]:
@@ -988,7 +1055,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot mount a 1 MiB tmpfs for the disk-full test: {exc}")
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs for the disk-full test: {done.stderr.strip() or done.returncode}")
+        pytest.skip(
+            f"cannot mount a 1 MiB tmpfs for the disk-full test: {done.stderr.strip() or done.returncode}"
+        )
     try:
         yield mountpoint
     finally:
@@ -999,20 +1068,26 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_disk_full_while_extracting(env: Env, small_tmpfs: Path, compress: bool) -> None:
     weights = os.urandom(3 * 2**20)  # larger than the 1 MiB disk
     files = [("models/m/1/model.bin", weights)]
-    path = Bundle(env.manifest(files), good_members(files)).write(env.root / "big.esb", env.signer, compress=compress)
+    path = Bundle(env.manifest(files), good_members(files)).write(
+        env.root / "big.esb", env.signer, compress=compress
+    )
     env.staging = small_tmpfs / "staging"
     env.refused(path, "disk", r"disk full.*model\.bin")
 
 
 def test_check_disk_on_the_small_tmpfs(env: Env, small_tmpfs: Path) -> None:
     with pytest.raises(BundleRefused) as info:
-        policy.check_disk(small_tmpfs / "staging", 2 * 2**20, Policy(disk_margin_bytes=0), "unpacking demo v2")
+        policy.check_disk(
+            small_tmpfs / "staging", 2 * 2**20, Policy(disk_margin_bytes=0), "unpacking demo v2"
+        )
     assert info.value.reason == "disk" and "\n" not in info.value.message
     assert "unpacking demo v2" in info.value.message
     policy.check_disk(small_tmpfs / "staging", 100_000, Policy(disk_margin_bytes=0), "a small file")
 
 
-@pytest.mark.parametrize(("free", "refused"), [(0, True), (64 * 2**20 + 999_999, True), (64 * 2**20 + 1_000_000, False)])
+@pytest.mark.parametrize(
+    ("free", "refused"), [(0, True), (64 * 2**20 + 999_999, True), (64 * 2**20 + 1_000_000, False)]
+)
 def test_check_disk_refuses_when_free_space_is_too_small(
     env: Env, monkeypatch: pytest.MonkeyPatch, free: int, refused: bool
 ) -> None:
