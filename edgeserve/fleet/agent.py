@@ -105,6 +105,7 @@ class FleetAgent:
         self._running: _Job | None = None
         self._last_health: dict[str, Any] | None = None
         self._reported_dirty = threading.Event()
+        self._info_due = threading.Event()
         self._pending_replies: list[tuple[_Reply, dict[str, Any]]] = []
         self._threads: list[threading.Thread] = []
         self.client = make_client(
@@ -156,6 +157,10 @@ class FleetAgent:
         for thread in self._threads:
             thread.join(timeout=5)
 
+    def state_changed(self) -> None:
+        """The device changed (models, readiness, bundle): re-send reported and health soon."""
+        self._reported_dirty.set()
+
     # -- connection -------------------------------------------------------------------------------
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
@@ -179,6 +184,7 @@ class FleetAgent:
         self.connected.set()
         self._reported_dirty.set()
         self._last_health = None  # re-send health and info at every connect
+        self._info_due.set()
         log.info("fleet broker connected (session present: %s)", getattr(flags, "session_present", "?"))
 
     def _on_disconnect(
@@ -442,6 +448,7 @@ class FleetAgent:
             if self._reported_dirty.is_set():
                 self._reported_dirty.clear()
                 self._publish_reported()
+                self._publish_health()
             if now >= next_metrics:
                 next_metrics = now + self.settings.metrics_interval_s
                 self._publish_health_and_metrics()
@@ -481,7 +488,8 @@ class FleetAgent:
         )
 
     def _publish_health_and_metrics(self) -> None:
-        if self._last_health is None:
+        if self._info_due.is_set():
+            self._info_due.clear()
             with contextlib.suppress(Exception):
                 self._publish(
                     self.topics.info,
@@ -494,6 +502,15 @@ class FleetAgent:
                     },
                     retain=True,
                 )
+        self._publish_health()
+        try:
+            metrics = self.services.metrics()
+        except Exception as exc:
+            metrics = {"error": str(exc)}
+        expiry = int(self.settings.metrics_interval_s * 2) + 1
+        self._publish(self.topics.metrics, {**metrics, "at": _now()}, qos=0, expiry_s=expiry)
+
+    def _publish_health(self) -> None:
         try:
             health = self.services.health()
         except Exception as exc:
@@ -501,12 +518,6 @@ class FleetAgent:
         if health != self._last_health:
             self._last_health = health
             self._publish(self.topics.health, {**health, "at": _now()}, retain=True)
-        try:
-            metrics = self.services.metrics()
-        except Exception as exc:
-            metrics = {"error": str(exc)}
-        expiry = int(self.settings.metrics_interval_s * 2) + 1
-        self._publish(self.topics.metrics, {**metrics, "at": _now()}, qos=0, expiry_s=expiry)
 
     # -- small state ------------------------------------------------------------------------------
     def _applied(self) -> dict[str, Any]:

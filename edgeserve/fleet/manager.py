@@ -95,6 +95,13 @@ class _Pending:
     updates: list[Json] = field(default_factory=list)
 
 
+def _segment(value: str, what: str) -> str:
+    try:
+        return check_segment(value, what)
+    except ValueError as exc:
+        raise FleetError(str(exc)) from None
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -203,8 +210,8 @@ class FleetManager:
         keepalive_s: int = 30,
     ) -> None:
         self.address = BrokerAddress.parse(broker_url)
-        self.fleet = check_segment(fleet, "fleet")
-        self.client_id = check_segment(client_id or f"mgr-{uuid.uuid4().hex[:12]}", "client id")
+        self.fleet = _segment(fleet, "fleet")
+        self.client_id = _segment(client_id or f"mgr-{uuid.uuid4().hex[:12]}", "client id")
         if protocol not in ("5", "3.1.1", "311"):
             raise FleetError(f"protocol {protocol!r}: use 5 or 3.1.1")
         self.mqtt5 = protocol == "5"
@@ -440,7 +447,7 @@ class FleetManager:
         cmd_id: str | None = None,
     ) -> _Pending:
         """Publish one command and return its pending record (answers go to `sink`); see `send`."""
-        check_segment(device, "device")
+        _segment(device, "device")
         if verb not in VERBS:
             raise FleetError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
         args = dict(args or {})

@@ -66,7 +66,10 @@ def _open_stream(path: Path, cap: int) -> tuple[BinaryIO, tarfile.TarFile]:
             inner = cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
         capped = io.BufferedReader(_CappedReader(inner, cap), buffer_size=CHUNK)
         return raw, tarfile.open(fileobj=capped, mode="r|")
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except EOFError as exc:
+        raw.close()
+        raise BundleRefused("truncated", f"the bundle ends early: {exc}") from None
+    except (tarfile.TarError, OSError) as exc:
         raw.close()
         raise BundleRefused("format", f"not a bundle (tar or tar.gz): {exc}") from None
 
@@ -134,7 +137,12 @@ def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | Non
             if member.isdir():
                 if name.count("/") < 1 or name.split("/")[0] != "models":
                     raise BundleRefused("path", f"folder {name!r} is outside models/")
-                (dest / name).mkdir(parents=True, exist_ok=True)
+                try:
+                    (dest / name).mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise BundleRefused(
+                        "duplicate", f"folder {name} clashes with a file of that name"
+                    ) from None
                 continue
             entry = expected.get(name)
             if entry is None:
@@ -144,6 +152,10 @@ def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | Non
             written += _write_file(tar, member, dest / name, entry.sha256, entry.size)
             if progress is not None:
                 progress(written, total)
+        # Read to the end: gzip checks its CRC and length only there (a cut or padded download).
+        stream = tar.fileobj
+        while stream is not None and stream.read(CHUNK):
+            pass
     except CORRUPT as exc:
         raise BundleRefused("truncated", f"the archive ends early or is corrupt: {exc}") from None
     finally:
@@ -179,10 +191,10 @@ def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, sha
     source = tar.extractfile(member)
     if source is None:  # pragma: no cover - isreg() was checked
         raise BundleRefused("type", f"{member.name} has no data")
-    target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     count = 0
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as out:
             while chunk := source.read(CHUNK):
@@ -196,6 +208,10 @@ def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path, sha
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise BundleRefused("disk", f"disk full while writing {member.name}") from None
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP):
+            raise BundleRefused(
+                "duplicate", f"{member.name} clashes with another member: {exc.strerror}"
+            ) from None
         raise
     if count != size:
         raise BundleRefused("truncated", f"{member.name} ends after {count} of {size} bytes")

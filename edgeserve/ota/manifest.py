@@ -177,6 +177,10 @@ def parse_manifest(raw: bytes) -> Manifest:
     paths = [f.path for f in files]
     if len(set(paths)) != len(paths):
         raise BundleRefused("duplicate", "the manifest lists a file twice")
+    folders = {str(parent) for path in paths for parent in PurePosixPath(path).parents}
+    clash = next((path for path in paths if path in folders), None)
+    if clash is not None:
+        raise BundleRefused("duplicate", f"the manifest lists {clash} both as a file and as a folder")
     for path in paths:
         if path.split("/")[1] not in models:
             raise BundleRefused("manifest", f"file {path} belongs to no model listed in 'models'")

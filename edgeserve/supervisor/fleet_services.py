@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
-from edgeserve.config import ConfigError
+from edgeserve.config import ConfigError, load_settings_with_sources
 from edgeserve.fleet.agent import FleetCommandFailed, Report
 from edgeserve.fsutil import write_text_atomic
 from edgeserve.ota.errors import StoreError
@@ -96,11 +96,18 @@ class SupervisorServices:
         candidate.parent.mkdir(parents=True, exist_ok=True)
         candidate.write_text(text)
         try:
-            new, _ = load_layered_with_overlay(self.sup.config_path, self.sup.cli_overrides, candidate)
+            # The values themselves first (no environment or flags that could hide a bad one) ...
+            load_settings_with_sources(self.sup.config_path, {}, None, overlay=candidate)
+            new, sources = load_layered_with_overlay(self.sup.config_path, self.sup.cli_overrides, candidate)
         except ConfigError as exc:
             raise FleetCommandFailed(f"refused: {exc}".replace(str(candidate), "set_config")) from None
         finally:
             candidate.unlink(missing_ok=True)
+        # ... then what would not take effect: set by the environment or a command-line flag.
+        shadowed = [f"{section}.{key} (set by {sources[f'{section}.{key}']})" for section, values in changes.items()
+                    for key in values if sources.get(f"{section}.{key}", str(candidate)) != str(candidate)]  # fmt: skip
+        if shadowed:
+            raise FleetCommandFailed(f"refused: would not take effect: {', '.join(shadowed)}")
         restart = restart_fields(self.sup.settings, new)
         write_text_atomic(overlay_path, text)
         self.sup.call_in_loop(self.sup.reload, timeout_s=60)

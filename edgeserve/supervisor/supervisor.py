@@ -142,6 +142,7 @@ class Supervisor:
         except OSError as exc:
             log.error("bundle installs through this appliance are off: %s", exc)
             self.ota = None
+        self._start_agent()
         if self.notifier.watchdog_interval_s:
             log.info(
                 "systemd watchdog: pinging every %.1fs while the server answers",
@@ -246,6 +247,8 @@ class Supervisor:
             self._next_health_at = time.monotonic() + (STARTING_POLL_S if not self.server_ready else interval)
             return
         self.last_answer_at = time.monotonic()
+        if self.agent is not None and (self.view is None or self.view.models != view.models):
+            self.agent.state_changed()
         self.view = view
         expected = self._expected(view)
         ready_names = {m.name for m in view.models if m.state == "READY"}

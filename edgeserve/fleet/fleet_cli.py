@@ -1,0 +1,343 @@
+"""`edgeserve fleet ...`: the fleet operator's commands over MQTT (see ota/fleet.md).
+
+    edgeserve fleet devices
+    edgeserve fleet send cam-01 get_status
+    edgeserve fleet send cam-01 set_config '{"server": {"log_level": "DEBUG"}}'
+    edgeserve fleet deploy https://repo/bundle-v8.tar --devices 'cam-*' --canary 10% --wave-size 20 \
+        --pause 30 --max-failure-ratio 0.05 --sha256 <hex>
+    edgeserve fleet watch --seconds 60
+
+`add_commands(sub)` registers `fleet` on the top-level argparse subparsers; `main(argv)` runs the
+`fleet` command alone (tests, `python -m edgeserve.fleet.fleet_cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from edgeserve.fleet.protocol import SUCCEEDED, VERBS
+
+ENV_BROKER = "EDGESERVE_FLEET_BROKER"
+ENV_FLEET = "EDGESERVE_FLEET_FLEET"
+DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+
+
+def _common_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("broker")
+    group.add_argument(
+        "--broker",
+        default=None,
+        help=f"mqtt://host:port or mqtts://host:port (default: ${ENV_BROKER} or {DEFAULT_BROKER})",
+    )
+    group.add_argument(
+        "--fleet", default=None, help=f"fleet name, the topic level after es/v1/ (or ${ENV_FLEET})"
+    )
+    group.add_argument("--username")
+    group.add_argument("--password", help="or $EDGESERVE_FLEET_PASSWORD")
+    group.add_argument("--ca-file", help="CA certificate(s) that signed the broker's certificate (PEM)")
+    group.add_argument("--cert-file", help="client certificate (PEM) for brokers that require one")
+    group.add_argument("--key-file", help="the client certificate's private key (PEM)")
+    group.add_argument("--protocol", choices=["5", "3.1.1"], default="5", help="MQTT version (default 5)")
+    group.add_argument("--client-id", help="MQTT client id of this manager (default: random mgr-...)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (JSON lines)")
+
+
+def _percent(value: str) -> float:
+    text = value.strip().removesuffix("%")
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a percentage (e.g. 10%)") from None
+    if not 0 <= number <= 100:
+        raise argparse.ArgumentTypeError("the canary percentage must be between 0% and 100%")
+    return number
+
+
+def _ratio(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number between 0 and 1") from None
+    if not 0 <= number <= 1:
+        raise argparse.ArgumentTypeError("the failure ratio must be between 0 and 1")
+    return number
+
+
+def add_commands(sub: Any) -> argparse.ArgumentParser:
+    """Register `fleet` (devices, send, deploy, watch) on the top-level subparsers; returns its parser."""
+    fleet = sub.add_parser(
+        "fleet", help="manage a fleet of appliances over MQTT (devices, send, deploy, watch)"
+    )
+    actions = fleet.add_subparsers(dest="fleet_command", required=True)
+
+    devices = actions.add_parser("devices", help="list the fleet's devices from their retained topics")
+    devices.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    _common_flags(devices)
+    devices.set_defaults(func=_guarded(_devices))
+
+    send = actions.add_parser("send", help="send one command to one device and follow its answers")
+    send.add_argument("device")
+    send.add_argument("verb", choices=VERBS)
+    send.add_argument("args_json", nargs="?", default="{}", help="the command's args as a JSON object")
+    send.add_argument("--timeout", type=float, default=120.0, help="seconds before the command expires")
+    _common_flags(send)
+    send.set_defaults(func=_guarded(_send))
+
+    deploy = actions.add_parser(
+        "deploy", help="staged rollout of a bundle: canary, waves, stop and roll back"
+    )
+    deploy.add_argument("bundle_url", help="http(s):// or file:// URL the devices download the bundle from")
+    deploy.add_argument("--devices", default="all", help="all | online | ids and globs, comma separated")
+    deploy.add_argument(
+        "--canary", type=_percent, default=10.0, help="canary wave size, e.g. 10%% (0 = none)"
+    )
+    deploy.add_argument("--wave-size", type=int, default=10, help="devices per wave after the canary")
+    deploy.add_argument("--pause", type=float, default=0.0, help="seconds between waves")
+    deploy.add_argument(
+        "--max-failure-ratio", type=_ratio, default=0.0, help="stop when failed/tried goes over this (0..1)"
+    )
+    deploy.add_argument("--sha256", help="the bundle's SHA-256 (64 hex digits)")
+    deploy.add_argument("--timeout", type=float, default=600.0, help="per-device install timeout (s)")
+    deploy.add_argument("--include-offline", action="store_true", help="send to offline devices as well")
+    _common_flags(deploy)
+    deploy.set_defaults(func=_guarded(_deploy))
+
+    watch = actions.add_parser("watch", help="print the fleet's state/health/events/reported messages")
+    watch.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
+    _common_flags(watch)
+    watch.set_defaults(func=_guarded(_watch))
+    parser: argparse.ArgumentParser = fleet
+    return parser
+
+
+def _manager(args: argparse.Namespace) -> Any:
+    from edgeserve.fleet.manager import FleetManager
+
+    fleet = args.fleet or os.environ.get(ENV_FLEET)
+    if not fleet:
+        raise _UsageError(f"no fleet: give --fleet NAME or set {ENV_FLEET}")
+    return FleetManager(
+        args.broker or os.environ.get(ENV_BROKER) or DEFAULT_BROKER,
+        fleet,
+        client_id=args.client_id,
+        username=args.username or os.environ.get("EDGESERVE_FLEET_USERNAME"),
+        password=args.password or os.environ.get("EDGESERVE_FLEET_PASSWORD"),
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        protocol=args.protocol,
+    )
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _out(args: argparse.Namespace, text: str, data: Any, stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    print(json.dumps(data, default=str) if args.json else text, file=stream, flush=True)
+
+
+def _devices(args: argparse.Namespace) -> int:
+    with _manager(args) as manager:
+        records = manager.devices(args.timeout)
+    if args.json:
+        print(json.dumps(records, default=str, indent=2))
+        return 0
+    if not records:
+        print(f"no devices in fleet {manager.fleet} (no retained state/info under es/v1/{manager.fleet}/)")
+        return 0
+    rows = [("DEVICE", "ONLINE", "BUNDLE", "PREVIOUS", "HEALTH", "EDGESERVE", "SINCE")]
+    for r in records:
+        rows.append(
+            (
+                r["device"],
+                "yes" if r["online"] else "no",
+                _v(r["active_version"]),
+                _v(r["previous_version"]),
+                r["health"] or "-",
+                str(r["version"] or "-"),
+                str(r["since"] or "-"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    online = sum(1 for r in records if r["online"])
+    print(f"{len(records)} devices, {online} online")
+    return 0
+
+
+def _v(version: Any) -> str:
+    return f"v{version}" if version is not None else "-"
+
+
+def _describe(update: dict[str, Any]) -> str:
+    parts = [str(update.get("status"))]
+    if update.get("progress") is not None:
+        parts.append(f"{float(update['progress']) * 100:.0f}%")
+    for key in ("message", "error"):
+        if update.get(key):
+            parts.append(str(update[key]))
+    if update.get("result") is not None:
+        parts.append("result " + json.dumps(update["result"], default=str))
+    return " ".join(parts)
+
+
+def _send(args: argparse.Namespace) -> int:
+    try:
+        command_args = json.loads(args.args_json)
+    except ValueError as exc:
+        raise _UsageError(f"ARGS_JSON is not JSON: {exc}") from None
+    if not isinstance(command_args, dict):
+        raise _UsageError("ARGS_JSON must be a JSON object")
+    with _manager(args) as manager:
+
+        def on_update(update: dict[str, Any]) -> None:
+            _out(args, f"{args.device} {args.verb}: {_describe(update)}", {"update": update})
+
+        answer = manager.send(args.device, args.verb, command_args, args.timeout, on_update)
+        if answer.get("status") == "TIMEOUT":
+            _out(args, f"{args.device} {args.verb}: {_describe(answer)}", {"update": answer})
+    _out(args, f"outcome: {answer.get('status')}", {"outcome": answer})
+    return 0 if answer.get("status") == SUCCEEDED else 1
+
+
+def _progress_line(event: dict[str, Any]) -> str | None:
+    kind = event["event"]
+    if kind == "start":
+        skipped = (
+            f", {len(event['skipped'])} offline skipped: {','.join(event['skipped'])}"
+            if event["skipped"]
+            else ""
+        )
+        waves = event["waves"]
+        return f"rollout of {event['url']}: {event['selected']} devices selected{skipped}; waves {waves}"
+    if kind == "pause":
+        return f"pause {event['seconds']:g} s before wave {event['next_wave']}"
+    if kind == "wave_start":
+        devices = ",".join(event["devices"])
+        return f"wave {event['wave']} ({event['kind']}, {len(event['devices'])} devices): {devices}"
+    if kind == "device":
+        if event["status"] == "ACCEPTED":
+            return None  # one line per device for the start is noise; progress and the outcome count
+        return f"  {event['device']}: {_describe(event)}"
+    if kind == "wave_done":
+        failed = f" failed: {','.join(event['failed'])}" if event["failed"] else ""
+        return (
+            f"wave {event['wave']} done in {event['duration_s']:.1f} s: {event['succeeded']}/{event['size']} "
+            f"succeeded{failed}; failure ratio so far {event['failed_total']}/{event['tried']}"
+        )
+    if kind == "stop":
+        return f"STOP: {event['reason']}"
+    if kind == "rollback_start":
+        cannot = f"; cannot: {event['cannot']}" if event["cannot"] else ""
+        devices = ",".join(event["devices"])
+        return f"rolling back {len(event['devices'])} devices of the stopped wave: {devices}{cannot}"
+    if kind == "rollback_device":
+        return None if event["status"] == "ACCEPTED" else f"  rollback {event['device']}: {_describe(event)}"
+    if kind == "rollback_done":
+        ok = sum(1 for r in event["devices"].values() if r["status"] == SUCCEEDED)
+        return f"rollback done in {event['duration_s']:.1f} s: {ok}/{len(event['devices'])} rolled back"
+    if kind == "done":
+        c = event["counts"]
+        verdict = "STOPPED" if event["stopped"] else ("OK" if event["ok"] else "INCOMPLETE")
+        return (
+            f"{verdict} in {event['duration_s']:.1f} s: {c['succeeded']} succeeded, {c['failed']} failed, "
+            f"{c['not_attempted']} not attempted, {c['skipped_offline']} offline skipped, "
+            f"{c['rolled_back']} rolled back (of {c['selected']} selected)"
+        )
+    return None
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    if args.wave_size < 1:
+        raise _UsageError("--wave-size must be at least 1")
+
+    def on_progress(event: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(event, default=str), flush=True)
+            return
+        line = _progress_line(event)
+        if line is not None:
+            print(line, flush=True)
+
+    with _manager(args) as manager:
+        report = manager.deploy(
+            args.bundle_url,
+            args.sha256,
+            args.devices,
+            args.canary,
+            args.wave_size,
+            args.pause,
+            args.max_failure_ratio,
+            on_progress,
+            timeout_s=args.timeout,
+            include_offline=args.include_offline,
+        )
+    if args.json:
+        print(json.dumps({"report": report}, default=str), flush=True)
+    return 0 if report["ok"] else 1
+
+
+def _watch(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def on_message(device: str, leaf: str, body: dict[str, Any], retained: bool) -> None:
+        with lock:
+            if args.json:
+                record = {"device": device, "topic": leaf, "retained": retained, "body": body}
+                print(json.dumps(record, default=str), flush=True)
+            else:
+                mark = " (retained)" if retained else ""
+                print(
+                    f"{time.strftime('%H:%M:%S')} {device} {leaf}{mark}: {json.dumps(body, default=str)}",
+                    flush=True,
+                )
+
+    with _manager(args) as manager:
+        end_watch = manager.watch(on_message)
+        try:
+            stop.wait(args.seconds)  # None: until Ctrl-C
+        except KeyboardInterrupt:
+            pass
+        finally:
+            end_watch()
+    return 0
+
+
+def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """FleetError and usage errors are one line on stderr and exit 2; Ctrl-C is exit 130."""
+
+    def run(args: argparse.Namespace) -> int:
+        from edgeserve.fleet.manager import FleetError
+
+        try:
+            return int(command(args))
+        except (FleetError, _UsageError) as exc:
+            print(f"edgeserve fleet: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`edgeserve fleet ...` on its own: argv starts after `fleet` (e.g. ["devices", "--fleet", "f"])."""
+    parser = argparse.ArgumentParser(prog="edgeserve")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["fleet", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
