@@ -43,7 +43,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if args.log_level:
         overrides["logging"]["level"] = args.log_level
     if args.state_dir:
-        overrides["server"]["state_dir"] = str(args.state_dir)
+        overrides["server"]["state_dir"] = str(Path(args.state_dir).resolve())
     return overrides
 
 
@@ -123,6 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
     supervised = args.control_socket is not None
     if supervised:
         _die_with_supervisor()
+    else:  # alone, the server is the one to finish or undo an interrupted bundle install
+        _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
     try:
@@ -132,6 +134,24 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _recover_bundles(state_dir: Path) -> None:
+    from edgeserve.ota.errors import StoreError
+    from edgeserve.ota.installer import recover
+    from edgeserve.ota.store import Store
+
+    store = Store(state_dir)
+    if not store.journal_path.exists():
+        return
+    try:
+        with store.lock():  # an install in progress (another process) holds it: leave it alone
+            done = recover(store)
+    except (StoreError, OSError) as exc:
+        print(f"edgeserve: bundle store {store.root}: {exc}", file=sys.stderr)
+        return
+    if done:
+        print(f"edgeserve: bundle install {done}", file=sys.stderr)
 
 
 def _die_with_supervisor() -> None:

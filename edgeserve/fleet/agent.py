@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
@@ -98,7 +99,8 @@ class FleetAgent:
         self.boot_id = uuid.uuid4().hex[:12]
         self.connected = threading.Event()
         self._stop = threading.Event()
-        self._long: queue.Queue[_Job | None] = queue.Queue(maxsize=settings.max_queued_commands + 1)
+        self._max_jobs = settings.max_queued_commands + 1  # the running one and those waiting
+        self._long: queue.Queue[_Job | None] = queue.Queue(maxsize=self._max_jobs + 1)
         self._short: queue.Queue[_Job | None] = queue.Queue(maxsize=64)
         self._jobs: dict[str, _Job] = {}  # queued or running long commands, by cmd_id
         self._jobs_lock = threading.Lock()
@@ -168,7 +170,10 @@ class FleetAgent:
         if reason.is_failure:
             log.warning("fleet broker refused the connection: %s", reason)
             return
-        client.subscribe(self.topics.cmd("+"), qos=1)
+        if self.v5:  # keep the retain flag as published: a retained command is refused even when live
+            client.subscribe(self.topics.cmd("+"), options=SubscribeOptions(qos=1, retainAsPublished=True))
+        else:
+            client.subscribe(self.topics.cmd("+"), qos=1)
         client.subscribe(self.topics.desired, qos=1)
         self._publish(
             self.topics.state,
@@ -275,29 +280,19 @@ class FleetAgent:
     def _enqueue_long(self, job: _Job) -> None:
         cmd_id = job.command.cmd_id
         with self._jobs_lock:
-            try:
-                self._long.put_nowait(job)
-            except queue.Full:
+            if len(self._jobs) >= self._max_jobs:
                 running = self._running.command.cmd_id if self._running else "-"
-                self._answer(
-                    job.reply,
-                    cmd_id,
-                    REJECTED,
-                    error=f"busy: {running} runs and {self._long.qsize()} command(s) wait",
-                )
+                waiting = len(self._jobs) - (1 if self._running else 0)
+                self._answer(job.reply, cmd_id, REJECTED,
+                             error=f"busy: {running} runs and {waiting} command(s) wait")  # fmt: skip
                 return
+            # Recorded before the worker can see it: the final outcome is always written after this.
+            self.ledger.record(cmd_id, {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
+                                        "correlation": _hex(job.reply.correlation)})  # fmt: skip
+            ahead = len(self._jobs)
             self._jobs[cmd_id] = job
-        self.ledger.record(
-            cmd_id,
-            {
-                "verb": job.command.verb,
-                "status": RUNNING,
-                "reply": job.reply.topic,
-                "correlation": _hex(job.reply.correlation),
-            },
-        )
-        ahead = self._long.qsize() - 1 + (1 if self._running else 0)
-        self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=max(0, ahead))
+            self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=ahead)
+            self._long.put_nowait(job)
 
     def _on_desired(self, message: mqtt.MQTTMessage) -> None:
         try:

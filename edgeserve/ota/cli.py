@@ -137,17 +137,18 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _state_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
-    return _settings(args)[1:]
+    _, state_dir, config, _ = _settings(args)
+    return state_dir, config
 
 
-def _settings(args: argparse.Namespace) -> tuple[Any, Path, Path | None]:
+def _settings(args: argparse.Namespace) -> tuple[Any, Path, Path | None, dict[str, str]]:
     """(settings, state folder, settings file) as `edgeserve run` with the same flags would see them."""
     from edgeserve.settings_tools import load_layered, resolve_state_dir
 
     config = getattr(args, "config", None)
     settings, sources = load_layered(config)
     state_dir = args.state_dir if args.state_dir is not None else resolve_state_dir(settings, sources)[0]
-    return settings, state_dir, config
+    return settings, Path(state_dir).resolve(), config, sources
 
 
 class _Progress:
@@ -185,11 +186,22 @@ def _offline_installer(args: argparse.Namespace) -> Any:
     from edgeserve.ota.store import Store
     from edgeserve.supervisor.report import device_accelerators
 
-    settings, state_dir, config = _settings(args)
+    settings, state_dir, config, sources = _settings(args)
     ota = settings.ota
+    from edgeserve.repository.layout import list_models
+
     trial = TrialRunner(state_dir, config, load_timeout_s=ota.load_timeout_s, window_s=ota.trial_window_s)
+    repository = settings.server.model_repository
+
+    def repository_models() -> set[str]:
+        # Only a configured repository: the default "models" of the current folder may not be the one
+        # the appliance serves (its start refuses a clash anyway).
+        configured = "server.model_repository" in sources
+        return set(list_models(repository)) if configured and repository.is_dir() else set()
+
     return Installer(Store(state_dir), OfflineActivator(trial), accelerators=device_accelerators(settings),
-                     policy=Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20))  # fmt: skip
+                     policy=Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20),
+                     other_models=repository_models)  # fmt: skip
 
 
 def _through_appliance(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | None:
@@ -240,9 +252,14 @@ def _rollback(args: argparse.Namespace) -> int:
     result = _through_appliance(state_dir, {"op": "rollback", "to": args.to_version})
     if result is not None:
         return _finish(result)
+    from edgeserve.ota.installer import recover
+
     progress = _Progress()
     try:
-        outcome = _offline_installer(args).rollback(args.to_version, progress)
+        installer = _offline_installer(args)
+        with installer.store.lock():
+            recover(installer.store)
+        outcome = installer.rollback(args.to_version, progress)
     except StoreError as exc:
         return _fail(str(exc))
     finally:

@@ -187,6 +187,8 @@ class Installer:
             COMMITTED, f"{new.label} serves", installed=(manifest.name, manifest.version)
         )
         report(COMMITTED, 1.0, f"{new.label} serves" + (f" (previous: {old.label})" if old else ""))
+        if bundle.parent == self.store.downloads:
+            bundle.unlink(missing_ok=True)
         removed = self.store.gc()
         if removed:
             log.info("removed old bundles: %s", ", ".join(removed))
@@ -205,7 +207,8 @@ class Installer:
                          progress=lambda done, total: report(DOWNLOADING, done / total if total else None,
                                                              f"{done} bytes"))  # fmt: skip
             except DownloadError as exc:
-                raise BundleRefused("download", str(exc)) from None
+                code = "hash" if "sha256" in str(exc) else "download"
+                raise BundleRefused(code, str(exc)) from None
             return target
         path = Path(source.removeprefix("file://"))
         if not path.is_file():
@@ -278,7 +281,8 @@ class Installer:
                 self.store.record_event(FAILED, with_error)
                 return Outcome(False, FAILED, with_error, target.name, target.version)
             self.store.point(self.store.previous_link, active)
-            self.store.record_event(ROLLED_BACK, f"rolled back to {target.label}", version=target.version)
+            self.store.record_event(ROLLED_BACK, f"rolled back to {target.label}", name=target.name,
+                                    version=target.version)  # fmt: skip
             report(ROLLED_BACK, 1.0, f"{target.label} serves")
             return Outcome(True, ROLLED_BACK, f"{target.label} serves", target.name, target.version)
 

@@ -104,8 +104,13 @@ class SupervisorServices:
         finally:
             candidate.unlink(missing_ok=True)
         # ... then what would not take effect: set by the environment or a command-line flag.
-        shadowed = [f"{section}.{key} (set by {sources[f'{section}.{key}']})" for section, values in changes.items()
-                    for key in values if sources.get(f"{section}.{key}", str(candidate)) != str(candidate)]  # fmt: skip
+        mine = str(candidate)
+        shadowed = [
+            f"{section}.{key} (set by {sources[f'{section}.{key}']})"
+            for section, values in changes.items()
+            for key in values
+            if sources.get(f"{section}.{key}", mine) != mine
+        ]
         if shadowed:
             raise FleetCommandFailed(f"refused: would not take effect: {', '.join(shadowed)}")
         restart = restart_fields(self.sup.settings, new)

@@ -260,7 +260,7 @@ class Supervisor:
         if not self.ready_sent and self._loading(view):
             self.notifier.send(EXTEND_TIMEOUT_USEC=int(EXTEND_BY_S * 1e6))
         self._publish_status("serving" if now_ready else "loading")
-        self._next_health_at = time.monotonic() + (interval if now_ready else min(interval, 0.5))
+        self._next_health_at = time.monotonic() + (interval if now_ready else STARTING_POLL_S)
 
     def _expected(self, view: ServerView) -> set[str] | None:
         server = self.settings.server
@@ -282,6 +282,7 @@ class Supervisor:
 
     def _on_server_ready(self) -> None:
         assert self.child is not None
+        self.note = ""  # "restart in 1.0s" is history once it serves again; the restart count stays
         if self.plan_written_for != self.child.pid:
             self.plan_written_for = self.child.pid
             self._write_device_plan(served_models(self._configs))
@@ -408,6 +409,12 @@ class Supervisor:
             return
         if done:
             self.last_error = f"bundle install {done}"
+        last = next(
+            (h for h in reversed(self.store.journal()["history"]) if h.get("state") == "COMMITTED"), None
+        )
+        age = time.time() - float(last.get("finished_at", 0)) if last else None
+        if age is not None and age < CRASH_WINDOW_S:  # a switch just before a restart or power cycle counts
+            self._committed_at = time.monotonic() - age
 
     def make_installer(self) -> Installer:
         from edgeserve.ota.activate import LiveActivator, TrialRunner
@@ -460,7 +467,7 @@ class Supervisor:
                 self.store.point(self.store.current_link, previous)
                 self.store.point(self.store.previous_link, active)
                 self.store.record_event("ROLLED_BACK", f"{reason}: rolled back to {previous.label}",
-                                        version=previous.version)  # fmt: skip
+                                        name=previous.name, version=previous.version)  # fmt: skip
         except StoreError as exc:
             log.error("crash-loop rollback not possible now: %s", exc)
             return
