@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,6 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
+    import asyncio
+
     try:
         server = Server(settings, reload_settings=lambda: loader()[0], control_socket=args.control_socket)
         asyncio.run(server.serve_forever())
@@ -186,6 +185,9 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _api(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> Any:
+    import urllib.error
+    import urllib.request
+
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(
         url, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -282,9 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--config", type=Path, help="settings TOML file")
     config.set_defaults(func=_config)
 
+    from edgeserve.fleet.fleet_cli import add_commands as add_fleet_commands
     from edgeserve.ota.cli import add_commands
 
     add_commands(sub, lambda p: p.add_argument("--config", type=Path, help="settings TOML file"))
+    add_fleet_commands(sub)
 
     models = sub.add_parser("models", help="list, load or unload models on a running server")
     models.add_argument("action", choices=["list", "load", "unload"])
