@@ -117,7 +117,10 @@ def probe_cpu(root: FsRoot) -> CpuInfo:
         for key, value in block.items():
             merged.setdefault(key, value)
 
-    arch = (root.read_line("proc/sys/kernel/arch") or "").strip()
+    # On this box the userland's architecture is what runs the runtimes (a 32-bit userland on a 64-bit
+    # kernel, or an emulated one, reports the kernel's arch in /proc); captured trees use the file.
+    arch = platform.machine() if root.is_live else ""
+    arch = arch or (root.read_line("proc/sys/kernel/arch") or "").strip()
     if not arch:
         if "flags" in merged:
             arch = "x86_64" if " lm " in f" {merged['flags']} " else "x86"
