@@ -258,3 +258,20 @@ def test_tls_with_client_certificates(tmp_path: Path, fleet: Fleet) -> None:
             app.stop()
     finally:
         broker.kill()
+
+
+def test_desired_state_applied_once_per_generation(device: Appliance, manager: Commander, fleet: Fleet) -> None:
+    import json
+
+    desired = {"generation": 7, "bundle": {"url": fleet.bundle(2).as_uri()}}
+    manager.client.publish(f"{manager.base}/desired", json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
+    reported = manager.wait_on("reported", lambda b: b.get("generation") == 7 and b.get("active_version") == 2,
+                               timeout_s=120)  # fmt: skip
+    assert reported["generation_outcome"] == "applied"
+    # The retained desired state comes again at every reconnect: the generation is not applied twice.
+    device.signal(signal.SIGHUP)
+    manager.client.publish(f"{manager.base}/desired", json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
+    time.sleep(2)
+    installs = [h for h in edgeserve_status(fleet)["history"] if h.get("version") == 2]
+    assert len(installs) == 1
+    manager.client.publish(f"{manager.base}/desired", b"", qos=1, retain=True)  # clear the retained state
