@@ -34,6 +34,8 @@ class Commander:
         self._connected = threading.Event()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.name,
                                   protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)  # fmt: skip
+        if "username" in tls:
+            self.client.username_pw_set(tls.pop("username"), tls.pop("password"))
         if tls:
             self.client.tls_set(ca_certs=tls["ca_file"], certfile=tls["cert_file"], keyfile=tls["key_file"])
         self.client.on_connect = self._on_connect

@@ -275,3 +275,18 @@ def test_desired_state_applied_once_per_generation(device: Appliance, manager: C
     installs = [h for h in edgeserve_status(fleet)["history"] if h.get("version") == 2]
     assert len(installs) == 1
     manager.client.publish(f"{manager.base}/desired", b"", qos=1, retain=True)  # clear the retained state
+
+
+def test_username_and_password(tmp_path: Path, fleet: Fleet) -> None:
+    broker = Mosquitto(tmp_path / "auth-broker", users={"cam-1": "s3cret"}).start()
+    try:
+        app = _device(broker, fleet, tmp_path, extra='username = "cam-1"\npassword = "s3cret"\n')
+        manager_options = {"username": "cam-1", "password": "s3cret"}
+        manager = Commander("127.0.0.1", broker.port, "lab", "cam-1", **manager_options)
+        try:
+            assert manager.wait(manager.send("get_status"))["status"] == "SUCCEEDED"
+        finally:
+            manager.close()
+            app.stop()
+    finally:
+        broker.kill()
