@@ -35,8 +35,15 @@ def _infer_mlp(base_port: int) -> np.ndarray:
     return out
 
 
+SLOW_WARMUP = """backend: "onnxruntime"
+max_batch_size: 1
+model_warmup [{ name: "slow" batch_size: 1 count: 20
+  inputs { key: "images" value: { data_type: TYPE_FP32 dims: [3, 1024, 1024] random_data: true } } }]
+"""
+
+
 def test_ready_only_once_models_serve(mlp_repo: Path, appliance_factory: ApplianceFactory) -> None:
-    write_model(mlp_repo, "conv", "conv")
+    write_model(mlp_repo, "conv", "conv", config=SLOW_WARMUP)  # seconds of warm-up: a long load
     app = appliance_factory(mlp_repo)
     ready = app.notify.wait_for("READY", "1", timeout=90)
     # At the moment systemd hears READY=1, every model answers.
@@ -48,6 +55,8 @@ def test_ready_only_once_models_serve(mlp_repo: Path, appliance_factory: Applian
     assert re.search(r"conv=\w+", ready.fields["STATUS"]) and "mlp=onnxruntime" in ready.fields["STATUS"]
     before = [m for m in app.notify.snapshot() if m.at < ready.at]
     assert all("READY" not in m.fields for m in before)
+    # While it loads, the start timeout is extended (systemd would otherwise give up on a long load).
+    assert any(int(m.fields.get("EXTEND_TIMEOUT_USEC", 0)) >= 10_000_000 for m in before), before
     assert any("loading" in m.fields.get("STATUS", "") or "starting" in m.fields.get("STATUS", "")
                for m in before)  # fmt: skip
     assert len(app.notify.with_key("READY")) == 1
