@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from edgeserve import __version__
 from edgeserve.config import Settings
+from edgeserve.fsutil import write_json_atomic
 from edgeserve.supervisor.control import ModelState
 
 log = logging.getLogger("edgeserve.supervisor")
@@ -46,6 +50,48 @@ def device_plan(settings: Settings) -> dict[str, Any]:
         "memory_budget_bytes": planner.memory_budget(),
         "models": {},
     }
+
+
+def write_plan(path: Path, settings: Settings, models: dict[str, object] | None = None) -> None:
+    try:
+        plan = device_plan(settings)
+        plan["models"] = models or {}
+        write_json_atomic(path, plan)
+    except OSError as exc:
+        log.warning("cannot write the runtime plan to %s: %s", path, exc)
+
+
+Call = tuple[Callable[[], Any], list[Any], threading.Event]
+
+
+class LoopCalls:
+    """Work other threads (the fleet agent) hand to the supervisor's loop, which owns the child and
+    the settings; each caller waits for its own result."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self._wake = wake
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
+
+    def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        done, box = threading.Event(), list[Any]()
+        self._queue.put((fn, box, done))
+        self._wake.set()
+        if not done.wait(timeout_s):
+            raise TimeoutError("the supervisor did not get to it in time")
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0] if box else None
+
+    def run_pending(self) -> None:
+        while not self._queue.empty():
+            fn, box, done = self._queue.get_nowait()
+            try:
+                box.append(fn())
+            except Exception as exc:
+                box.append(exc)
+            done.set()
 
 
 def device_accelerators(settings: Settings) -> set[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import signal
 import tempfile
@@ -21,27 +20,19 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 from edgeserve.config import ConfigError, Settings
-from edgeserve.fsutil import write_json_atomic
 from edgeserve.logs import forward_line, set_level
-from edgeserve.ota.errors import StoreError
 
 if TYPE_CHECKING:
     from edgeserve.fleet.agent import FleetAgent
 from edgeserve.ota.installer import Installer, Outcome
-from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
+from edgeserve.supervisor.bundles import BundleKeeper
 from edgeserve.supervisor.child import ServerProcess, describe_exit
 from edgeserve.supervisor.control import ServerControl, ServerUnreachable, ServerView
 from edgeserve.supervisor.notify import Notifier
 from edgeserve.supervisor.ota_service import OtaService
-from edgeserve.supervisor.report import (
-    PLAN_FILE,
-    device_accelerators,
-    device_plan,
-    served_models,
-    status_line,
-)
+from edgeserve.supervisor.report import PLAN_FILE, LoopCalls, served_models, status_line, write_plan
 
 log = logging.getLogger("edgeserve.supervisor")
 
@@ -49,7 +40,6 @@ SettingsLoader = Callable[[], tuple[Settings, dict[str, str]]]
 RSS_STRIKES = 3  # consecutive samples over max_rss_mb before a restart: one spike is not a leak
 EXTEND_BY_S = 30.0  # each EXTEND_TIMEOUT_USEC buys this long; renewed every health round
 STARTING_POLL_S = 0.1  # health poll while the server is not ready yet, to report READY promptly
-CRASH_WINDOW_S = 600.0  # crashes this soon after a bundle switch count against the bundle
 
 
 class Backoff:
@@ -108,13 +98,10 @@ class Supervisor:
         self._signals: list[int] = []
         self._wake = threading.Event()
         self.store = Store(self.state_dir)
+        self.bundles = BundleKeeper(self.store, self.control)
         self.ota: OtaService | None = None
-        self._committed_at: float | None = None  # monotonic time of the last bundle switch
-        self._crashes_since_commit = 0
         self.agent: FleetAgent | None = None
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
-            queue.SimpleQueue()
-        )
+        self._calls = LoopCalls(self._wake)
 
     def _new_backoff(self) -> Backoff:
         sup = self.settings.supervisor
@@ -135,7 +122,9 @@ class Supervisor:
         started = time.monotonic()
         log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
         self._write_device_plan()
-        self._recover_store()
+        recovered = self.bundles.recover()
+        if recovered:
+            self.last_error = recovered
         self.ota = OtaService(self.store, self.make_installer, self.on_install)
         try:
             self.ota.start()
@@ -153,7 +142,7 @@ class Supervisor:
                 stop = self._handle_signals()
                 if stop:
                     return self._shutdown()
-                self._run_calls()
+                self._calls.run_pending()
                 self._step()
                 if not self.ready_sent and self.server_ready:
                     self.ready_sent = True
@@ -349,34 +338,12 @@ class Supervisor:
             self.notifier.send(STATUS=text)
 
     def _write_device_plan(self, models: dict[str, object] | None = None) -> None:
-        path = self.state_dir / PLAN_FILE
-        try:
-            plan = device_plan(self.settings)
-            plan["models"] = models or {}
-            write_json_atomic(path, plan)
-        except OSError as exc:
-            log.warning("cannot write the runtime plan to %s: %s", path, exc)
+        write_plan(self.state_dir / PLAN_FILE, self.settings, models)
 
     # -- work other threads hand to the loop (the fleet agent: reload, restart) -----------------------
     def call_in_loop(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         """Run `fn` on the supervisor's own thread (it owns the child and the settings); its result."""
-        done, box = threading.Event(), list[Any]()
-        self._calls.put((fn, box, done))
-        self._wake.set()
-        if not done.wait(timeout_s):
-            raise TimeoutError("the supervisor did not get to it in time")
-        if box and isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0] if box else None
-
-    def _run_calls(self) -> None:
-        while not self._calls.empty():
-            fn, box, done = self._calls.get_nowait()
-            try:
-                box.append(fn())
-            except Exception as exc:
-                box.append(exc)
-            done.set()
+        return self._calls.call(fn, timeout_s)
 
     # -- the fleet agent ------------------------------------------------------------------------------
     def _start_agent(self) -> None:
@@ -397,85 +364,24 @@ class Supervisor:
             self.agent.stop()
             self.agent = None
 
-    # -- bundles --------------------------------------------------------------------------------------
-    def _recover_store(self) -> None:
-        from edgeserve.ota.installer import recover
-
-        try:
-            with self.store.lock():
-                done = recover(self.store)
-        except (StoreError, OSError) as exc:
-            log.error("bundle store %s: %s", self.store.root, exc)
-            return
-        if done:
-            self.last_error = f"bundle install {done}"
-        last = next(
-            (h for h in reversed(self.store.journal()["history"]) if h.get("state") == "COMMITTED"), None
-        )
-        age = time.time() - float(last.get("finished_at", 0)) if last else None
-        if age is not None and age < CRASH_WINDOW_S:  # a switch just before a restart or power cycle counts
-            self._committed_at = time.monotonic() - age
-
+    # -- bundles: the keeper does the work; the loop keeps the status and the restart timing -----------
     def make_installer(self) -> Installer:
-        from edgeserve.ota.activate import LiveActivator, TrialRunner
-        from edgeserve.repository.layout import list_models
-
-        repository = self.settings.server.model_repository
-        ota = self.settings.ota
-
-        def trial_log(line: str) -> None:
-            forward_line(f"[trial] {line}")
-
-        trial = TrialRunner(self.state_dir, self.config_path, load_timeout_s=ota.load_timeout_s,
-                            window_s=ota.trial_window_s, log_line=trial_log)  # fmt: skip
-
-        def repository_models() -> set[str]:
-            return set(list_models(repository)) if repository.is_dir() else set()
-
-        activator = LiveActivator(self.control, trial, load_timeout_s=ota.load_timeout_s,
-                                  window_s=min(ota.trial_window_s, 5.0),
-                                  memory_bytes=ota.trial_memory_mb * 2**20 or None)  # fmt: skip
-        policy = Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20)
-        accelerators = device_accelerators(self.settings)
-        return Installer(self.store, activator, policy=policy, accelerators=accelerators,
-                         other_models=repository_models)  # fmt: skip
+        return self.bundles.make_installer(self.settings, self.config_path)
 
     def on_install(self, outcome: Outcome) -> None:
         if outcome.ok:
-            self._committed_at = time.monotonic()
-            self._crashes_since_commit = 0
+            self.bundles.committed()
             self.note = f"bundle {outcome.reason}"
         else:
             self.last_error = f"bundle install {outcome.state}: {outcome.reason}"
         self._wake.set()
 
     def _crash_loop_rollback(self) -> None:
-        """A server that keeps dying soon after a bundle switch: go back to the previous bundle."""
-        if self._committed_at is None or time.monotonic() - self._committed_at > CRASH_WINDOW_S:
-            return
-        self._crashes_since_commit += 1
-        previous = self.store.previous()
-        limit = self.settings.ota.crash_rollback_restarts
-        if not limit or self._crashes_since_commit < limit or previous is None:
-            return
-        active = self.store.active()
-        reason = (
-            f"the server crashed {self._crashes_since_commit} times after {active.label if active else '-'}"
-        )
-        try:
-            with self.store.lock():
-                self.store.point(self.store.current_link, previous)
-                self.store.point(self.store.previous_link, active)
-                self.store.record_event("ROLLED_BACK", f"{reason}: rolled back to {previous.label}",
-                                        name=previous.name, version=previous.version)  # fmt: skip
-        except StoreError as exc:
-            log.error("crash-loop rollback not possible now: %s", exc)
-            return
-        self._committed_at = None
-        self.last_error = f"{reason}; rolled back to {previous.label}"
-        log.error("%s; rolled back to %s", reason, previous.label)
-        self.next_start_at = time.monotonic()  # start the old bundle now, no backoff
-        self.backoff.failures = 0
+        reason = self.bundles.crashed(self.settings.ota.crash_rollback_restarts)
+        if reason:
+            self.last_error = reason
+            self.next_start_at = time.monotonic()  # start the old bundle now, no backoff
+            self.backoff.failures = 0
 
     # -- signals: stop and reload ---------------------------------------------------------------------
     def _handle_signals(self) -> bool:

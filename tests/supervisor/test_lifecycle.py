@@ -157,7 +157,13 @@ def test_sigterm_under_load_answers_every_accepted_request(
         client.close()
         for answer in answers:
             if isinstance(answer, InferenceServerException):
-                record("stream-unavailable" if "shutting down" in str(answer) else f"stream-error: {answer}")
+                text = str(answer)
+                if "shutting down" in text:
+                    record("stream-unavailable")
+                elif "Exceeds maximum queue size" in text:  # an explicit, fast rejection under overload
+                    record("stream-rejected")
+                else:
+                    record(f"stream-error: {text}")
             else:
                 record("stream-ok")
         record(f"stream-unanswered={sent - len(answers)}")
