@@ -15,18 +15,17 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
-from edgeserve.fleet.persist import RUNNING, CommandLedger, Outbox
+from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
@@ -40,32 +39,9 @@ from edgeserve.fleet.protocol import (
     parse_command,
     utc,
 )
-from edgeserve.fsutil import write_json_atomic
+from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
 
 log = logging.getLogger("edgeserve.fleet")
-
-Report = Callable[[str, float | None, str], None]
-
-
-class FleetCommandFailed(Exception):
-    """A command ran and failed: FAILED with this message."""
-
-
-class DeviceServices(Protocol):
-    """What the agent may ask of the device (the supervisor implements it)."""
-
-    def install(
-        self, url: str, sha256: str | None, report: Report, cancel: threading.Event
-    ) -> dict[str, Any]: ...
-    def rollback(self, to_version: int, report: Report) -> dict[str, Any]: ...
-    def set_model(self, model: str, active: bool) -> dict[str, Any]: ...
-    def set_config(self, changes: dict[str, dict[str, Any]]) -> dict[str, Any]: ...
-    def restart_runtime(self) -> dict[str, Any]: ...
-    def gc(self) -> dict[str, Any]: ...
-    def status(self) -> dict[str, Any]: ...
-    def info(self) -> dict[str, Any]: ...
-    def health(self) -> dict[str, Any]: ...
-    def metrics(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -95,7 +71,7 @@ class FleetAgent:
         folder.mkdir(parents=True, exist_ok=True)
         self.ledger = CommandLedger(folder / "commands.json")
         self.outbox = Outbox(folder)
-        self._applied_path = folder / "applied.json"
+        self._generation = Generation(folder / "applied.json")
         self.boot_id = uuid.uuid4().hex[:12]
         self.connected = threading.Event()
         self._stop = threading.Event()
@@ -301,12 +277,13 @@ class FleetAgent:
         except (ValueError, TypeError, AttributeError):
             log.warning("fleet: desired state is not JSON with a generation; ignored")
             return
-        if generation <= self._applied().get("generation", 0):
+        if generation <= self._generation.read().get("generation", 0):
             self._reported_dirty.set()
             return
         bundle = desired.get("bundle") or {}
         if not isinstance(bundle, dict) or not isinstance(bundle.get("url"), str):
-            self._applied_write(generation, "ignored: no bundle.url in the desired state")
+            self._generation.write(generation, "ignored: no bundle.url in the desired state")
+            self._reported_dirty.set()
             return
         now = datetime.now(timezone.utc)
         command = Command(
@@ -371,27 +348,12 @@ class FleetAgent:
         self._final(job, SUCCEEDED, result=result)
 
     def _execute(self, command: Command, report: Report, cancel: threading.Event) -> dict[str, Any]:
-        args, services = command.args, self.services
-        if command.verb == "deploy_bundle":
-            result = services.install(args["url"], args.get("sha256"), report, cancel)
-            if "generation" in args:
-                self._applied_write(int(args["generation"]), "applied")
-            return result
-        if command.verb == "rollback":
-            return services.rollback(int(args["to_version"]), report)
-        if command.verb in ("activate_model", "deactivate_model"):
-            return services.set_model(str(args["model"]), command.verb == "activate_model")
-        if command.verb == "set_config":
-            return services.set_config(args)
-        if command.verb == "restart_runtime":
-            return services.restart_runtime()
-        if command.verb == "gc":
-            return services.gc()
-        if command.verb == "get_status":
-            return {**services.status(), "agent": self._agent_status()}
-        if command.verb == "cancel":
-            return self._cancel(str(args["cmd_id"]))
-        raise FleetCommandFailed(f"verb {command.verb} is not handled")  # pragma: no cover
+        result = execute(command, self.services, report, cancel, cancel_command=self._cancel,
+                         agent_status=self._agent_status)  # fmt: skip
+        if command.verb == "deploy_bundle" and "generation" in command.args:
+            self._generation.write(int(command.args["generation"]), "applied")
+            self._reported_dirty.set()
+        return result
 
     def _cancel(self, cmd_id: str) -> dict[str, Any]:
         with self._jobs_lock:
@@ -467,7 +429,7 @@ class FleetAgent:
             status = self.services.status()
         except Exception as exc:
             status = {"error": f"{type(exc).__name__}: {exc}"}
-        applied = self._applied()
+        applied = self._generation.read()
         running = self._running.command.cmd_id if self._running else None
         self._publish(
             self.topics.reported,
@@ -515,17 +477,6 @@ class FleetAgent:
             self._publish(self.topics.health, {**health, "at": _now()}, retain=True)
 
     # -- small state ------------------------------------------------------------------------------
-    def _applied(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self._applied_path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _applied_write(self, generation: int, outcome: str) -> None:
-        write_json_atomic(self._applied_path, {"generation": generation, "outcome": outcome, "at": _now()})
-        self._reported_dirty.set()
-
     def _agent_status(self) -> dict[str, Any]:
         with self._jobs_lock:
             running = self._running.command.cmd_id if self._running else None

@@ -51,6 +51,23 @@ class CommandLedger:
             return [(k, dict(v)) for k, v in self._entries.items() if v.get("status") == RUNNING]
 
 
+class Generation:
+    """The `desired` generation applied last, and how it ended (a generation is applied once)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def write(self, generation: int, outcome: str) -> None:
+        write_json_atomic(self.path, {"generation": generation, "outcome": outcome, "at": time.time()})
+
+
 class Outbox:
     """Events in order, on disk until the broker acknowledged them (QoS 1 PUBACK).
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 from edgeserve.config import ConfigError, load_settings_with_sources
-from edgeserve.fleet.agent import FleetCommandFailed, Report
+from edgeserve.fleet.services import FleetCommandFailed, Report
 from edgeserve.fsutil import write_text_atomic
 from edgeserve.ota.errors import StoreError
 from edgeserve.settings_tools import OVERLAY, load_layered_with_overlay, restart_fields, toml_text
