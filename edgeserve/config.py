@@ -42,7 +42,13 @@ class HttpSection:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
-    max_input_bytes: int = 64 * 1024 * 1024
+    # Request body limit (also decompressed); 0 = sized for the device (edgeserve/frontends/limits.py).
+    max_input_bytes: int = 0
+    max_connections: int = 512  # open connections in all; more are answered 503 and closed
+    max_connections_per_client: int = 64  # per peer address
+    # A request's headers (and a started body) must arrive within this: a slowloris peer is closed.
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass
@@ -50,7 +56,11 @@ class GrpcSection:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 8001
-    max_message_bytes: int = 2**31 - 1
+    max_message_bytes: int = 0  # 0 = sized for the device, as [http] max_input_bytes
+    max_concurrent_rpcs: int = 1024  # RPCs (streams included) at once; more get RESOURCE_EXHAUSTED
+    stream_idle_timeout_s: float = 300.0  # a ModelStreamInfer stream with nothing in flight is ended
+    connection_idle_timeout_s: float = 900.0  # a connection with no RPC this long is closed (GOAWAY)
+    keepalive_s: float = 60.0  # ping period: a half-open connection is found within this + 20 s
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -67,6 +77,8 @@ class ZmqSection:
     enabled: bool = True
     endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])
     max_inflight_per_client: int = 256
+    max_message_bytes: int = 0  # per request, all frames; 0 = sized for the device, as HTTP and gRPC
+    max_clients: int = 256  # client sockets known at once; a new one past this is refused
     # Run a request on the ZeroMQ thread itself (no hand-off to a worker) when its model's recent
     # compute time is under this and an instance is idle; 0 = always hand off.
     inline_max_us: int = 2000
@@ -181,8 +193,7 @@ class Settings:
         for section, port in (("http", self.http.port), ("grpc", self.grpc.port)):
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
-        if self.http.max_input_bytes <= 0:
-            fail("http.max_input_bytes", "must be positive")
+        self._validate_limits(fail)
         if bool(self.grpc.tls_cert) != bool(self.grpc.tls_key):
             fail("grpc.tls_cert", "tls_cert and tls_key must be set together")
         if self.zmq.inline_max_us < 0:
@@ -231,6 +242,40 @@ class Settings:
         self._validate_fleet(fail)
         if self.server.exit_timeout_s < 0:
             fail("server.exit_timeout_s", "must be 0 or a number of seconds")
+
+    def _validate_limits(self, fail: Any) -> None:
+        for path, value in (
+            ("http.max_input_bytes", self.http.max_input_bytes),
+            ("grpc.max_message_bytes", self.grpc.max_message_bytes),
+            ("zmq.max_message_bytes", self.zmq.max_message_bytes),
+        ):
+            if value < 0:
+                fail(path, "must be 0 (sized for the device) or a size in bytes")
+            elif 0 < value < 4096:
+                fail(path, f"{value} bytes is too small for any request; use 0 (sized for the device)")
+        if self.grpc.max_message_bytes > 2**31 - 1:
+            fail("grpc.max_message_bytes", f"must be at most {2**31 - 1} (gRPC's limit)")
+        for path, count in (
+            ("http.max_connections", self.http.max_connections),
+            ("http.max_connections_per_client", self.http.max_connections_per_client),
+            ("grpc.max_concurrent_rpcs", self.grpc.max_concurrent_rpcs),
+            ("zmq.max_clients", self.zmq.max_clients),
+        ):
+            if count < 1:
+                fail(path, "must be at least 1")
+        for path, seconds in (
+            ("http.header_timeout_s", self.http.header_timeout_s),
+            ("http.keepalive_timeout_s", self.http.keepalive_timeout_s),
+            ("grpc.keepalive_s", self.grpc.keepalive_s),
+        ):
+            if seconds <= 0:
+                fail(path, "must be a positive number of seconds")
+        for path, seconds in (
+            ("grpc.stream_idle_timeout_s", self.grpc.stream_idle_timeout_s),
+            ("grpc.connection_idle_timeout_s", self.grpc.connection_idle_timeout_s),
+        ):
+            if seconds < 0:
+                fail(path, "must be 0 (never) or a number of seconds")
 
     def _validate_fleet(self, fail: Any) -> None:
         fleet = self.fleet

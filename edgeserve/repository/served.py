@@ -147,6 +147,25 @@ def prepare_version(
     raise InferenceError(first.status, f"no backend could load it ({tried})")
 
 
+def hang_timeout_s(config: Any, where: str) -> float:
+    """The model config's `parameters { key: "hang_timeout_s" }`, else the scheduler's default."""
+    from edgeserve.scheduling.scheduler import DEFAULT_HANG_TIMEOUT_S
+
+    if "hang_timeout_s" not in config.parameters:
+        return DEFAULT_HANG_TIMEOUT_S
+    text = config.parameters["hang_timeout_s"].string_value
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise InferenceError(
+            Status.INVALID_ARG,
+            f"{where}: parameters.hang_timeout_s '{text}' must be 0 (never) or a number of seconds",
+        )
+    return value
+
+
 def build_served(name: str, model_dir: Path, prepared: PreparedVersion, seconds: float) -> ServedModel:
     """Put a started scheduler in front of a prepared version (call on the event loop thread)."""
     from edgeserve.scheduling.scheduler import Scheduler
@@ -154,8 +173,23 @@ def build_served(name: str, model_dir: Path, prepared: PreparedVersion, seconds:
 
     config = prepared.config
     stats = ModelStats(name, prepared.version)
+    choice = prepared.choice
+    where = str(model_dir / "config.pbtxt")
+
+    def replacement() -> Instance:
+        """A fresh instance for one the scheduler found hung: loaded and warmed up as at load."""
+        instance = get_backend(choice.backend_name).load(choice.model_path, config, choice.options)
+        try:
+            warmup.run([instance], warmup.samples(config, model_dir, where), where)
+        except BaseException:
+            close_instances([instance], f"model {name} version {prepared.version}")
+            raise
+        return instance
+
     try:
-        scheduler = Scheduler(name, prepared.version, config, prepared.instances, stats)
+        hang_s = hang_timeout_s(config, where)
+        scheduler = Scheduler(name, prepared.version, config, prepared.instances, stats,
+                              hang_timeout_s=hang_s, instance_factory=replacement)  # fmt: skip
         scheduler.start()
     except BaseException:
         close_instances(prepared.instances, f"model {name} version {prepared.version}")

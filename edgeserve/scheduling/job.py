@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,24 @@ class Job:
     timeout_us: int = 0  # request value: 0 = queue policy default
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     request_id: str = ""
+    client: str = ""  # who sent it (peer address, ZMQ identity): fair shares of a full queue
     # Filled by the scheduler:
     shape_key: tuple[Any, ...] = ()
     deadline_ns: int = 0  # 0 = none
     enqueue_ns: int = 0
+    finished: bool = False  # answered (set under the scheduler lock: a hung batch is answered once)
+
+
+# The client a frontend is submitting for, set around `DataPlane.submit` (a context variable: the
+# HTTP middleware and gRPC handlers set it per task, the ZeroMQ thread per message). The scheduler
+# stamps it on jobs that carry none, so a full queue is shared fairly between clients.
+CURRENT_CLIENT: ContextVar[str] = ContextVar("edgeserve_client", default="")
+
+
+@contextmanager
+def client_scope(client: str) -> Iterator[None]:
+    token = CURRENT_CLIENT.set(client)
+    try:
+        yield
+    finally:
+        CURRENT_CLIENT.reset(token)

@@ -4,6 +4,13 @@ around every call.
 
 Order: level 1 (highest) first; inside a level, jobs in arrival order, then the jobs whose timeout
 expired under the DELAY action (Triton's `delayed_queue_`), then the next level.
+
+Overload: a level holds at most `max_queue_size` jobs, and, unless the config set that size itself,
+no more than the scheduler's `soft_cap` (what the instances can work off in `MAX_QUEUE_WAIT_S`), so
+the wait of an accepted job stays bounded. A full level is shared fairly between clients
+(`Job.client`): a job from a client holding fewer queued jobs than the heaviest one takes the
+heaviest client's newest job's place (that job is rejected), so one flooding camera cannot starve
+the others; otherwise the new job is rejected with UNAVAILABLE at once.
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 TIMEOUT_MESSAGE = "Request timeout expired"
 
 
+# What a model's queue may hold when its config sets no max_queue_size: jobs its instances can work
+# off in this long (measured compute time per job), so at any overload an accepted request waits at
+# most about this long and the rest are refused at once.
+MAX_QUEUE_WAIT_S = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class QueuePolicy:
     """Triton's ModelQueuePolicy, with the hard cap folded into `max_queue_size`."""
@@ -35,6 +48,7 @@ class QueuePolicy:
     default_timeout_us: int = 0  # 0 = no timeout
     allow_timeout_override: bool = False
     max_queue_size: int = DEFAULT_HARD_QUEUE_CAP
+    explicit_size: bool = False  # the config set max_queue_size: no wait-based soft cap
 
     @classmethod
     def from_proto(cls, policy: Any, hard_cap: int = DEFAULT_HARD_QUEUE_CAP) -> QueuePolicy:
@@ -44,6 +58,7 @@ class QueuePolicy:
             default_timeout_us=int(policy.default_timeout_microseconds),
             allow_timeout_override=bool(policy.allow_timeout_override),
             max_queue_size=min(limit, hard_cap) if limit > 0 else hard_cap,
+            explicit_size=limit > 0,
         )
 
     def effective_timeout_us(self, requested_us: int) -> int:
@@ -54,15 +69,43 @@ class QueuePolicy:
 
 
 class _Level:
-    __slots__ = ("delayed", "jobs", "policy")
+    __slots__ = ("clients", "delayed", "jobs", "policy")
 
     def __init__(self, policy: QueuePolicy) -> None:
         self.policy = policy
         self.jobs: deque[Job] = deque()
         self.delayed: deque[Job] = deque()
+        self.clients: dict[str, int] = {}  # queued jobs per client
 
     def __len__(self) -> int:
         return len(self.jobs) + len(self.delayed)
+
+    def count(self, job: Job) -> None:
+        self.clients[job.client] = self.clients.get(job.client, 0) + 1
+
+    def uncount(self, job: Job) -> None:
+        left = self.clients.get(job.client, 0) - 1
+        if left > 0:
+            self.clients[job.client] = left
+        else:
+            self.clients.pop(job.client, None)
+
+    def evict_for(self, client: str) -> Job | None:
+        """Make room for a job of `client` in a full level: the newest job of the client holding the
+        most queued jobs, when that is at least two more than `client` holds (max-min fairness)."""
+        if len(self.clients) < 2 and client in self.clients:
+            return None
+        heaviest, most = max(self.clients.items(), key=lambda item: item[1], default=("", 0))
+        if heaviest == client or most <= self.clients.get(client, 0) + 1:
+            return None
+        for queue in (self.delayed, self.jobs):  # delayed jobs (timed out, DELAY) are the stalest
+            for i in range(len(queue) - 1, -1, -1):
+                victim = queue[i]
+                if victim.client == heaviest:
+                    del queue[i]
+                    self.uncount(victim)
+                    return victim
+        return None  # pragma: no cover - the counts say it is there
 
 
 class JobQueue:
@@ -128,18 +171,29 @@ class JobQueue:
             )
         return priority
 
-    def push(self, job: Job, level: int, now_ns: int) -> None:
-        """Queue `job` at `level`; sets its deadline. Raises UNAVAILABLE when the level is full."""
+    def push(self, job: Job, level: int, now_ns: int, soft_cap: int = 0) -> Job | None:
+        """Queue `job` at `level`; sets its deadline. A full level (`max_queue_size`, or `soft_cap`
+        > 0 unless the config set the size) either makes room by evicting a heavier client's newest
+        job, returned for the caller to fail, or raises UNAVAILABLE."""
         entry = self._levels[level - 1]
-        if len(entry) >= entry.policy.max_queue_size:
-            raise InferenceError(Status.UNAVAILABLE, QUEUE_FULL_MESSAGE)
+        evicted: Job | None = None
+        limit = entry.policy.max_queue_size
+        if soft_cap > 0 and not entry.policy.explicit_size and soft_cap < limit:
+            limit = soft_cap
+        if len(entry) >= limit:
+            evicted = entry.evict_for(job.client)
+            if evicted is None:
+                raise InferenceError(Status.UNAVAILABLE, QUEUE_FULL_MESSAGE)
+            self._size -= 1
         timeout_us = entry.policy.effective_timeout_us(job.timeout_us)
         job.deadline_ns = job.arrival_ns + timeout_us * 1000 if timeout_us > 0 else 0
         job.enqueue_ns = now_ns
         entry.jobs.append(job)
+        entry.count(job)
         self._size += 1
         if job.deadline_ns and (self._next_deadline_ns == 0 or job.deadline_ns < self._next_deadline_ns):
             self._next_deadline_ns = job.deadline_ns
+        return evicted
 
     # -- timeouts ---------------------------------------------------------------------------------
     def expire(self, now_ns: int) -> list[Job]:
@@ -160,6 +214,7 @@ class JobQueue:
                         entry.delayed.append(job)
                     else:
                         rejected.append(job)
+                        entry.uncount(job)
                         self._size -= 1
                     continue
                 keep.append(job)
@@ -211,10 +266,15 @@ class JobQueue:
                     break
                 queue: deque[Job] = getattr(entry, attr)
                 while queue and left and id(queue[0]) in wanted:
-                    queue.popleft()
+                    entry.uncount(queue.popleft())
                     left -= 1
                 if left and queue and any(id(job) in wanted for job in queue):
-                    kept = deque(job for job in queue if id(job) not in wanted)
+                    kept: deque[Job] = deque()
+                    for job in queue:
+                        if id(job) in wanted:
+                            entry.uncount(job)
+                        else:
+                            kept.append(job)
                     left -= len(queue) - len(kept)
                     setattr(entry, attr, kept)
         self._size -= len(wanted) - left
@@ -224,6 +284,7 @@ class JobQueue:
         for entry in self._levels:
             entry.jobs.clear()
             entry.delayed.clear()
+            entry.clients.clear()
         self._size = 0
         self._next_deadline_ns = 0
         return jobs

@@ -19,6 +19,16 @@ run, so its worker leaves the queue to the other workers until the claim ends.
 Accounting: every request that reaches `submit` ends in exactly one `job.done` call and one stats
 record (`record_fail` for rejections here, including the ones `submit` raises; the caller records
 only the failures it finds before calling `submit`).
+
+Overload: see queue.py (a wait-based soft cap from the measured compute time per job, fair shares
+between clients); a rejection is immediate, never a wait.
+
+Hangs: a watchdog thread checks every scheduler's running batches. A job whose own deadline (request
+or policy timeout) passes while its batch runs is answered at once (UNAVAILABLE "Request timeout
+expired"). A batch still running after `hang_timeout_s` marks its instance hung: every job of the
+batch is answered (UNAVAILABLE), the worker thread is abandoned (a thread cannot be killed; when the
+call returns it closes the old instance and exits) and a fresh instance from `instance_factory`
+takes its place with a new worker. A result that arrives after its job was answered is dropped.
 """
 
 from __future__ import annotations
@@ -28,14 +38,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.job import Arrays, Job
-from edgeserve.scheduling.queue import DEFAULT_HARD_QUEUE_CAP, TIMEOUT_MESSAGE, JobQueue
+from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job
+from edgeserve.scheduling.queue import (
+    DEFAULT_HARD_QUEUE_CAP,
+    MAX_QUEUE_WAIT_S,
+    QUEUE_FULL_MESSAGE,
+    TIMEOUT_MESSAGE,
+    JobQueue,
+)
 from edgeserve.scheduling.stats import JobTiming, ModelStats
 
 if TYPE_CHECKING:
@@ -46,6 +63,45 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.scheduler")
 
 _NS_PER_S = 1_000_000_000
+
+# A batch running longer than this marks its instance hung (answered, replaced). Model config
+# parameter `hang_timeout_s` overrides it per model (see repository/served.py).
+DEFAULT_HANG_TIMEOUT_S = 30.0
+WATCHDOG_INTERVAL_S = 0.05
+HUNG_MESSAGE = "instance {index} did not answer in {seconds:g} s; it is being replaced"
+
+InstanceFactory = Callable[[], "Instance"]
+
+
+class _Watchdog:
+    """One daemon thread for every scheduler in the process: cheap checks of the running batches."""
+
+    def __init__(self) -> None:
+        self._schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, scheduler: Scheduler) -> None:
+        with self._lock:
+            self._schedulers.add(scheduler)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="edgeserve-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_INTERVAL_S)
+            with self._lock:
+                schedulers = list(self._schedulers)
+            now = time.monotonic_ns()
+            for scheduler in schedulers:
+                try:
+                    scheduler.check_running(now)
+                except Exception:  # pragma: no cover - a bug here must not stop the watchdog
+                    log.exception("watchdog check of %s failed", scheduler.model_name)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:
@@ -60,7 +116,10 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 
 class Scheduler:
     def __init__(self, model_name: str, version: int, config: ModelConfig, instances: list[Instance],
-                 stats: ModelStats, *, hard_queue_cap: int = DEFAULT_HARD_QUEUE_CAP) -> None:  # fmt: skip
+                 stats: ModelStats, *, hard_queue_cap: int = DEFAULT_HARD_QUEUE_CAP,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 instance_factory: InstanceFactory | None = None,
+                 max_queue_wait_s: float = MAX_QUEUE_WAIT_S) -> None:  # fmt: skip
         if not instances:
             raise InferenceError(Status.INTERNAL, f"model '{model_name}' version {version} has no instances")
         self.model_name = model_name
@@ -88,6 +147,17 @@ class Scheduler:
         self._running: set[int] = set()  # instances whose worker executes a batch
         self._claimed: set[int] = set()  # instances running an inline job on a frontend's thread
         self.compute_ewma_ns = 0  # recent compute time per batch; 0 = none measured yet
+        self.job_cost_ewma_ns = 0  # recent compute time per job (batch time / jobs in it)
+        self._max_wait_ns = int(max_queue_wait_s * _NS_PER_S)
+        # Soft queue cap (queue.py): never below a couple of full batches per instance.
+        self._cap_floor = max(8, 2 * len(self._instances) * max(1, self._target_rows))
+        self._soft_cap = 0  # 0 = none yet (nothing measured)
+        self._hang_ns = int(hang_timeout_s * _NS_PER_S)
+        self._factory = instance_factory
+        self._batches: dict[int, tuple[list[Job], int]] = {}  # instance index -> (jobs, start)
+        self._generation = [0] * len(self._instances)  # bumped when an instance is replaced
+        self._replacing: set[int] = set()
+        self.replaced = 0  # instances replaced after a hang
         self._accepting = True  # False once drain/close began
         self._stopping = False  # workers exit when they find the queue empty
         self._closed = False
@@ -98,14 +168,19 @@ class Scheduler:
             if self._threads or self._closed:
                 return
             for index, instance in enumerate(self._instances):
-                thread = threading.Thread(
-                    target=self._worker, args=(index, instance), daemon=True,
-                    name=f"edgeserve-{self.model_name}-v{self.version}-{index}",
-                )  # fmt: skip
-                self._threads.append(thread)
+                self._threads.append(self._make_thread(index, instance, 0))
             threads = list(self._threads)
         for thread in threads:
             thread.start()
+        if self._hang_ns > 0:
+            _WATCHDOG.add(self)
+
+    def _make_thread(self, index: int, instance: Instance, generation: int) -> threading.Thread:
+        suffix = f".{generation}" if generation else ""
+        return threading.Thread(
+            target=self._worker, args=(index, instance, generation), daemon=True,
+            name=f"edgeserve-{self.model_name}-v{self.version}-{index}{suffix}",
+        )  # fmt: skip
 
     @property
     def pending_count(self) -> int:
@@ -121,17 +196,21 @@ class Scheduler:
         UNAVAILABLE when unloading or when the priority level is full, INVALID_ARG for a bad priority."""
         if self._batching:
             job.shape_key = _shape_key(job)
+        if not job.client:
+            job.client = CURRENT_CLIENT.get()
         with self._lock:
             try:
                 if not self._accepting:
                     raise self._unloading()
                 level = self._queue.level_of(int(job.priority))
-                self._queue.push(job, level, time.monotonic_ns())
+                evicted = self._queue.push(job, level, time.monotonic_ns(), self._soft_cap)
             except InferenceError as exc:
                 reason = "REJECTED" if exc.status is Status.UNAVAILABLE and self._accepting else "OTHER"
                 self.stats.record_fail(time.monotonic_ns() - job.arrival_ns, reason)
                 raise
             self._wake_worker()
+        if evicted is not None:  # a heavier client's newest job made room for this one
+            self._fail([evicted], InferenceError(Status.UNAVAILABLE, QUEUE_FULL_MESSAGE), "REJECTED")
 
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
         """Run `job` on the calling thread if nothing is queued, an instance is idle, the model does
@@ -143,27 +222,37 @@ class Scheduler:
         with self._lock:
             if not self._accepting or self._queue or not self._threads:
                 return False
-            index = next(
-                (i for i in range(len(self._instances)) if i not in self._running and i not in self._claimed),
-                -1,
-            )
+            busy = self._running | self._claimed | self._replacing
+            index = next((i for i in range(len(self._instances)) if i not in busy), -1)
             if index < 0:
                 return False
             self._claimed.add(index)
             self._executing += 1
+            generation = self._generation[index]
+            instance = self._instances[index]
         now = time.monotonic_ns()
         job.enqueue_ns = now
         try:
-            self._execute(self._instances[index], [job], now)
+            self._execute(instance, [job], now, index)
         finally:
-            with self._lock:
+            self._end_inline(index, generation, instance)
+        return True
+
+    def _end_inline(self, index: int, generation: int, instance: Instance) -> None:
+        with self._lock:
+            if self._generation[index] != generation:
+                replaced = True  # declared hung while it ran here: the watchdog settled the counts
+            else:
+                replaced = False
                 self._claimed.discard(index)
                 self._executing -= 1
                 if self._queue:  # queued meanwhile: this instance's worker may be the one to take it
                     self._work.notify_all()
                 elif self._is_idle():
                     self._notify_idle()
-        return True
+        if replaced:
+            with contextlib.suppress(Exception):
+                instance.close()
 
     def _wake_worker(self) -> None:  # lock held
         # A worker whose instance is claimed goes back to sleep: wake them all so a free one runs.
@@ -257,26 +346,34 @@ class Scheduler:
         return [t for t in self._threads if t.is_alive() and t is not current]
 
     # -- workers ----------------------------------------------------------------------------------
-    def _worker(self, index: int, instance: Instance) -> None:
+    def _worker(self, index: int, instance: Instance, generation: int) -> None:
         while True:
-            jobs, expired, taken_ns = self._next_batch(index)
+            jobs, expired, taken_ns = self._next_batch(index, generation)
             if jobs is None:
                 return
             try:
                 if expired:
                     self._fail(expired, InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE), "REJECTED")
                 else:
-                    self._execute(instance, jobs, taken_ns)
+                    self._execute(instance, jobs, taken_ns, index)
             except BaseException:  # a bug here must not leave the executing count wrong
                 log.exception("%s version %d: worker failed", self.model_name, self.version)
             finally:
-                self._after_batch(index)
+                current = self._after_batch(index, generation)
+            if not current:  # this instance was declared hung and replaced meanwhile
+                log.warning("%s version %d: hung instance %d answered at last; closing it",
+                            self.model_name, self.version, index)  # fmt: skip
+                with contextlib.suppress(Exception):
+                    instance.close()
+                return
 
-    def _next_batch(self, index: int) -> tuple[list[Job] | None, list[Job], int]:
+    def _next_batch(self, index: int, generation: int) -> tuple[list[Job] | None, list[Job], int]:
         """(jobs to run, expired jobs to fail, time taken); jobs None = exit. Either list counts as
         executing (so `wait_idle` waits for its callbacks) until `_after_batch`."""
         with self._lock:
             while True:
+                if self._generation[index] != generation:
+                    return None, [], 0
                 now = time.monotonic_ns()
                 expired = self._queue.expire(now)
                 if expired:
@@ -304,15 +401,100 @@ class Scheduler:
                     self._wake_worker()  # another idle worker can take what is left
                 return jobs, [], now
 
-    def _after_batch(self, index: int) -> None:
+    def _after_batch(self, index: int, generation: int) -> bool:
+        """False when the instance was replaced while this batch ran (the watchdog settled the
+        counts then): the worker must exit."""
         with self._lock:
+            if self._generation[index] != generation:
+                return False
             self._executing -= 1
             self._running.discard(index)
             if self._is_idle():
                 self._notify_idle()
+            return True
 
-    def _execute(self, instance: Instance, jobs: list[Job], taken_ns: int) -> None:
+    # -- hangs ------------------------------------------------------------------------------------
+    def check_running(self, now_ns: int) -> None:
+        """Watchdog (its own thread): answer executing jobs past their deadline; replace an instance
+        whose batch has run longer than the hang timeout."""
+        if not self._batches:
+            return
+        timed_out: list[Job] = []
+        hung: list[tuple[int, list[Job]]] = []
+        with self._lock:
+            for index, (jobs, start_ns) in list(self._batches.items()):
+                if self._hang_ns and now_ns - start_ns >= self._hang_ns:
+                    del self._batches[index]
+                    hung.append((index, self._claim(jobs)))
+                    self._generation[index] += 1
+                    self._claimed.discard(index)
+                    self._running.discard(index)
+                    self._executing -= 1
+                    self._replacing.add(index)
+                    self._work.notify_all()  # an idle worker of a replaced (inline-run) instance exits
+                    continue
+                late = [j for j in jobs if j.deadline_ns and j.deadline_ns <= now_ns and not j.finished]
+                if late:
+                    timed_out.extend(self._claim(late))
+            if hung and self._is_idle():
+                self._notify_idle()
+        if timed_out:
+            error = InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE)
+            self._fail(timed_out, error, "REJECTED", claim=False)
+        for index, jobs in hung:
+            seconds = self._hang_ns / _NS_PER_S
+            log.error("%s version %d: instance %d hung (no answer in %g s); replacing it",
+                      self.model_name, self.version, index, seconds)  # fmt: skip
+            message = HUNG_MESSAGE.format(index=index, seconds=seconds)
+            prefix = f"{self.model_name} version {self.version}: "
+            self._fail(jobs, InferenceError(Status.UNAVAILABLE, prefix + message), "BACKEND", claim=False)
+            threading.Thread(target=self._replace, args=(index,), daemon=True,
+                             name=f"edgeserve-{self.model_name}-replace-{index}").start()  # fmt: skip
+
+    def _replace(self, index: int) -> None:
+        """Load a fresh instance for the hung one at `index` and start its worker."""
+        instance: Instance | None = None
+        if self._factory is not None:
+            try:
+                instance = self._factory()
+            except Exception:
+                log.exception("%s version %d: loading a replacement for instance %d failed",
+                              self.model_name, self.version, index)  # fmt: skip
+        with self._lock:
+            self._replacing.discard(index)
+            if instance is None or self._closed or self._stopping:
+                keep = None
+            else:
+                keep = instance
+                self._instances[index] = instance
+                thread = self._make_thread(index, instance, self._generation[index])
+                self._threads[index] = thread
+                self.replaced += 1
+                thread.start()
+        if instance is not None and keep is None:
+            with contextlib.suppress(Exception):
+                instance.close()
+        elif keep is not None:
+            log.info("%s version %d: instance %d replaced", self.model_name, self.version, index)
+        else:
+            log.error("%s version %d: instance %d stays out of service (no replacement)",
+                      self.model_name, self.version, index)  # fmt: skip
+
+    @property
+    def replacing(self) -> int:
+        return len(self._replacing)
+
+    def _claim(self, jobs: list[Job]) -> list[Job]:  # lock held
+        """The jobs not answered yet, marked answered (each job is answered exactly once)."""
+        live = [job for job in jobs if not job.finished]
+        for job in live:
+            job.finished = True
+        return live
+
+    def _execute(self, instance: Instance, jobs: list[Job], taken_ns: int, index: int) -> None:
         rows = sum(job.batch_size for job in jobs)
+        entry = (jobs, taken_ns)
+        self._batches[index] = entry  # a dict store: atomic, read by the watchdog
         try:
             inputs = self._assemble(jobs)
             infer_start = time.monotonic_ns()
@@ -321,14 +503,29 @@ class Scheduler:
             ewma = self.compute_ewma_ns
             spent = infer_end - infer_start
             self.compute_ewma_ns = spent if ewma == 0 else ewma + (spent - ewma) // 8
+            self._measure(spent, len(jobs))
             results = self._split(jobs, outputs, rows)
         except BaseException as exc:
+            with self._lock:
+                if self._batches.get(index) is entry:
+                    del self._batches[index]
             self._fail(jobs, self._backend_error(exc), "BACKEND")
             if not isinstance(exc, Exception):
                 raise
             return
+        with self._lock:
+            if self._batches.get(index) is entry:
+                del self._batches[index]
+            live = self._claim(jobs)
+        if not live:
+            return  # answered by the watchdog (timeout or hang) while it ran
+        if len(live) != len(jobs):
+            kept = {id(job) for job in live}
+            pairs = [(job, result) for job, result in zip(jobs, results, strict=True) if id(job) in kept]
+        else:
+            pairs = list(zip(jobs, results, strict=True))
         timings: list[JobTiming] = []
-        for job, result in zip(jobs, results, strict=True):
+        for job, result in pairs:
             self._deliver(job, result)
             end = time.monotonic_ns()
             timings.append(JobTiming(end - job.arrival_ns, taken_ns - job.enqueue_ns, end - infer_end))
@@ -368,7 +565,24 @@ class Scheduler:
         log.warning("%s version %d: inference failed: %s", self.model_name, self.version, exc)
         return InferenceError(Status.INTERNAL, f"{prefix}{exc}")
 
-    def _fail(self, jobs: list[Job], error: InferenceError, reason: str) -> None:
+    def _measure(self, spent_ns: int, jobs: int) -> None:
+        """Per-job compute time -> the wait-based soft cap of the queue."""
+        per_job = spent_ns // max(1, jobs)
+        ewma = self.job_cost_ewma_ns
+        ewma = per_job if ewma == 0 else ewma + (per_job - ewma) // 8
+        self.job_cost_ewma_ns = ewma
+        if ewma > 0 and self._max_wait_ns > 0:
+            self._soft_cap = max(self._cap_floor, self._max_wait_ns * len(self._instances) // ewma)
+
+    @property
+    def soft_queue_cap(self) -> int:
+        """Jobs the queue takes before refusing (0 = not measured yet: only the hard cap)."""
+        return self._soft_cap
+
+    def _fail(self, jobs: list[Job], error: InferenceError, reason: str, *, claim: bool = True) -> None:
+        if claim:
+            with self._lock:
+                jobs = self._claim(jobs)
         now = time.monotonic_ns()
         for job in jobs:
             self.stats.record_fail(now - job.arrival_ns, reason)

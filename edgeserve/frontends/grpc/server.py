@@ -4,11 +4,19 @@ Uses the message classes generated into `tritonclient.grpc.service_pb2` (the cod
 use), with our own method table so that ModelInfer / ModelStreamInfer get the zero-copy request
 deserializer and return pre-encoded bytes, and every other RPC gets a deserializer that answers a
 malformed message with INTERNAL "Unable to parse request" (as grpc C++ does) instead of a traceback.
+
+Bounds: messages up to `[grpc] max_message_bytes` (0 = sized for the device, as every frontend;
+bigger ones get RESOURCE_EXHAUSTED from gRPC itself, naming both sizes); `max_concurrent_rpcs` RPCs
+at once over every connection (more get RESOURCE_EXHAUSTED at once; a per-connection HTTP/2 stream
+limit would make grpc refuse streams with RST_STREAM instead); connections idle for
+`connection_idle_timeout_s` are closed; keepalive pings every `keepalive_s` drop a half-open
+connection; idle ModelStreamInfer streams end after `stream_idle_timeout_s` (stream.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -18,7 +26,9 @@ from edgeserve.frontends.grpc import wire
 from edgeserve.frontends.grpc.auth import AccessPolicy, server_credentials, warn_about_exposure
 from edgeserve.frontends.grpc.health import HealthService
 from edgeserve.frontends.grpc.servicer import InferenceServicer, guarded
-from edgeserve.frontends.grpc.stream import StreamHandler
+from edgeserve.frontends.grpc.stream import StreamHandler, peer_client
+from edgeserve.frontends.limits import request_limit
+from edgeserve.scheduling.job import client_scope
 
 if TYPE_CHECKING:
     from edgeserve.config import Settings
@@ -57,20 +67,39 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [
-        # Triton and tritonclient use INT32_MAX both ways; grpcio's 4 MiB receive default
-        # would refuse a camera frame.
+def server_options(max_message_bytes: int, settings: Any = None) -> list[tuple[str, Any]]:
+    """`settings`: the [grpc] section (connection bounds); None = the defaults."""
+    if settings is None:
+        from edgeserve.config import GrpcSection
+
+        settings = GrpcSection()
+    options: list[tuple[str, Any]] = [
+        # One limit on every frontend (frontends/limits.py); grpcio's 4 MiB receive default would
+        # refuse a camera frame, Triton's INT32_MAX lets a few requests exhaust a 4 GB box.
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # grpcio sets SO_REUSEPORT by default: a second server on the same port would silently share it.
         ("grpc.so_reuseport", 0),
-        # Triton's keepalive defaults (grpc_server.h)
-        ("grpc.keepalive_time_ms", 7_200_000),
+        # Keepalive pings find half-open connections (a peer that vanished without FIN).
+        ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
-        ("grpc.http2.max_pings_without_data", 2),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
+    if settings.connection_idle_timeout_s > 0:
+        options.append(("grpc.max_connection_idle_ms", int(settings.connection_idle_timeout_s * 1000)))
+    return options
+
+
+def _with_client(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """Tag the RPC's jobs with the peer's address (fair shares of a full model queue)."""
+
+    async def call(request: Any, context: Any) -> Any:
+        with client_scope(peer_client(context)):
+            return await handler(request, context)
+
+    return call
 
 
 class GrpcFrontend:
@@ -79,10 +108,13 @@ class GrpcFrontend:
     def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
         self.dataplane = dataplane
         self.settings = settings.grpc
-        self.max_message_bytes = int(self.settings.max_message_bytes)
+        self.max_message_bytes = request_limit(int(self.settings.max_message_bytes), settings)
         self.policy = AccessPolicy(self.settings.token, self.settings.admin_loopback_only)
         self.servicer = InferenceServicer(dataplane, self.policy, self.max_message_bytes)
-        self.stream = StreamHandler(dataplane, self.policy, self.max_message_bytes, STREAM_MAX_INFLIGHT)
+        self.stream = StreamHandler(
+            dataplane, self.policy, self.max_message_bytes, STREAM_MAX_INFLIGHT,
+            idle_timeout_s=self.settings.stream_idle_timeout_s,
+        )  # fmt: skip
         self.health = HealthService(dataplane)
         self.server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -97,7 +129,7 @@ class GrpcFrontend:
                 response_serializer=_serialize,
             )
         handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-            guarded(self.servicer.ModelInfer, self.policy),
+            _with_client(guarded(self.servicer.ModelInfer, self.policy)),
             request_deserializer=wire.deserialize_infer_request,
             response_serializer=wire.identity,
         )
@@ -117,7 +149,10 @@ class GrpcFrontend:
         return f"{host}:{self.settings.port}"
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=server_options(self.max_message_bytes))
+        server = grpc.aio.server(
+            options=server_options(self.max_message_bytes, self.settings),
+            maximum_concurrent_rpcs=self.settings.max_concurrent_rpcs,
+        )
         handlers = self.method_handlers()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: faster dispatch

@@ -10,6 +10,9 @@ it with `triton_grpc_error: true` metadata: then the first error ends the stream
 Half-close: the handler finishes once every submitted request is answered. Cancel (or the server
 stopping): the reader is cancelled; requests still running finish in the scheduler and their
 answers are dropped with the stream's queue.
+
+Idle: a stream with nothing in flight that sends nothing for `idle_timeout_s` is ended with
+DEADLINE_EXCEEDED (0 = never), so idle streams cannot pile up against `max_concurrent_rpcs`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import grpc
+
 from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy
 from edgeserve.frontends.grpc.servicer import grpc_code
 from edgeserve.protocol.errors import InferenceError, internal
 from edgeserve.protocol.inference import InferResponse
+from edgeserve.scheduling.job import client_scope
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import DataPlane
@@ -33,6 +39,17 @@ log = logging.getLogger("edgeserve.grpc")
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
 
 _READER_DONE = object()
+_IDLE = object()
+
+
+def peer_client(context: Context) -> str:
+    """The peer's address without its port ("ipv4:10.0.0.7"), for fair shares between clients."""
+    try:
+        peer = str(context.peer() or "")
+    except Exception:  # pragma: no cover - a context without a peer
+        return ""
+    head, sep, tail = peer.rpartition(":")
+    return head if sep and tail.isdigit() else peer
 
 
 class _Meta:
@@ -56,8 +73,9 @@ def grpc_error_mode(context: Context) -> bool:
 
 class StreamHandler:
     def __init__(self, dataplane: DataPlane, policy: AccessPolicy, max_message_bytes: int,
-                 max_inflight: int = 1024) -> None:  # fmt: skip
+                 max_inflight: int = 1024, *, idle_timeout_s: float = 0.0) -> None:  # fmt: skip
         self.dataplane = dataplane
+        self.idle_timeout_s = idle_timeout_s
         self.policy = policy
         self.max_message_bytes = max_message_bytes
         self.max_inflight = max_inflight
@@ -70,7 +88,8 @@ class StreamHandler:
             await context.abort(grpc_code(exc), exc.message)
         self.open_streams += 1
         try:
-            await self._serve(request_iterator, context, grpc_error_mode(context))
+            with client_scope(peer_client(context)):  # the reader task copies this context
+                await self._serve(request_iterator, context, grpc_error_mode(context))
         finally:
             self.open_streams -= 1
 
@@ -94,6 +113,7 @@ class StreamHandler:
         async def reader() -> None:
             try:
                 async for message in request_iterator:
+                    activity[0] = loop.time()
                     await slots.acquire()
                     state["inflight"] += 1
                     if isinstance(message, wire.Malformed):
@@ -118,6 +138,21 @@ class StreamHandler:
             finally:
                 answers.put_nowait(_READER_DONE)
 
+        activity = [loop.time()]
+        timer: list[asyncio.TimerHandle | None] = [None]
+        idle_s = self.idle_timeout_s
+
+        def check_idle() -> None:
+            now = loop.time()
+            if state["inflight"]:
+                activity[0] = now
+            elif now - activity[0] >= idle_s:
+                answers.put_nowait(_IDLE)
+                return
+            timer[0] = loop.call_at(activity[0] + idle_s, check_idle)
+
+        if idle_s > 0:
+            timer[0] = loop.call_later(idle_s, check_idle)
         reader_task = asyncio.create_task(reader(), name="grpc-stream-reader")
         reader_done = False
         try:
@@ -126,6 +161,11 @@ class StreamHandler:
                 if item is _READER_DONE:
                     reader_done = True
                     continue
+                if item is _IDLE:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"stream idle for {self.idle_timeout_s:g} s ([grpc] stream_idle_timeout_s); closed",
+                    )
                 meta, result = item
                 state["inflight"] -= 1
                 slots.release()
@@ -136,6 +176,8 @@ class StreamHandler:
                     payload = codec.encode_stream_error(payload, meta.id, meta.model_name, meta.model_version)
                 await context.write(payload)
         finally:
+            if timer[0] is not None:
+                timer[0].cancel()
             if not reader_task.done():
                 reader_task.cancel()
             try:

@@ -1,17 +1,27 @@
-"""The HTTP/REST frontend (KServe V2 + Triton extensions) on aiohttp."""
+"""The HTTP/REST frontend (KServe V2 + Triton extensions) on aiohttp.
+
+Connection bounds (`ConnectionGuard`, wrapped around aiohttp's protocol): at most
+`[http] max_connections` open connections and `max_connections_per_client` per peer address (more
+are answered 503 and closed at once); a request whose headers, or whose started body, stall longer
+than `header_timeout_s` is closed (slowloris); an idle keep-alive connection is closed after
+`keepalive_timeout_s`. The request body limit is `max_input_bytes` (frontends/limits.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from edgeserve.frontends.http.routes import HttpError, Routes, error_response
+from edgeserve.frontends.limits import request_limit
 from edgeserve.protocol.errors import InferenceError
+from edgeserve.scheduling.job import client_scope
 
 if TYPE_CHECKING:
     from edgeserve.config import Settings
@@ -25,13 +35,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure becomes `{"error": "..."}` with Triton's status code; nothing escapes."""
+    guard: ConnectionGuard | None = request.app.get(GUARD_KEY)
+    conn = guard.begin(request) if guard is not None else None
     try:
-        return await handler(request)
+        with client_scope(request.remote or ""):
+            return await handler(request)
     except InferenceError as exc:
         if exc.http_status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.path, exc.http_status, exc.message)
         return error_response(exc.http_status, exc.message)
     except HttpError as exc:
+        if exc.status == 413:
+            return error_response(413, f"{exc.message} ([http] max_input_bytes)")
         return error_response(exc.status, exc.message)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -53,6 +68,155 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # a bug must not take the server down
         log.exception("%s %s failed with an internal error", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    finally:
+        if conn is not None:
+            conn.end()
+
+
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b'Content-Length: %d\r\n\r\n{"error":"%s"}'
+)
+
+
+def _refusal(message: str) -> bytes:
+    body_len = len(message) + len('{"error":""}')
+    return _REFUSED % (body_len, message.encode())
+
+
+class _Conn(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the guard's bookkeeping around it."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard = guard
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.admitted = False
+        self.request: web.BaseRequest | None = None
+        self.pending_since = 0.0  # first byte of a request not yet handed to a handler (0 = none)
+        self.last_data = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else "unix"
+        refusal = self.guard.admit(self)
+        if refusal is not None:
+            transport.write(_refusal(refusal))
+            transport.close()
+            return
+        self.admitted = True
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.admitted:
+            return
+        now = time.monotonic()
+        self.last_data = now
+        if self.request is None and not self.pending_since:
+            self.pending_since = now
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.admitted else None
+
+    def pause_writing(self) -> None:
+        if self.admitted:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.admitted:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.guard.release(self)
+            self.inner.connection_lost(exc if isinstance(exc, Exception) or exc is None else None)
+
+    def end(self) -> None:
+        """The request's handler finished: the next request's headers are timed from their first byte."""
+        self.request = None
+        self.pending_since = 0.0
+
+
+class ConnectionGuard:
+    def __init__(self, max_total: int, max_per_client: int, stall_timeout_s: float) -> None:
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        self.stall_timeout_s = stall_timeout_s
+        self.conns: set[_Conn] = set()
+        self.per_client: dict[str, int] = {}
+        self.by_transport: dict[int, _Conn] = {}
+        self.refused = 0
+        self.stalled = 0
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def wrap(self, factory: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Conn(self, factory())
+
+    def admit(self, conn: _Conn) -> str | None:
+        if len(self.conns) >= self.max_total:
+            self.refused += 1
+            return f"too many connections (max {self.max_total}, [http] max_connections)"
+        if self.per_client.get(conn.client, 0) >= self.max_per_client:
+            self.refused += 1
+            return (
+                f"too many connections from {conn.client} "
+                f"(max {self.max_per_client}, [http] max_connections_per_client)"
+            )
+        self.conns.add(conn)
+        self.per_client[conn.client] = self.per_client.get(conn.client, 0) + 1
+        assert conn.transport is not None
+        self.by_transport[id(conn.transport)] = conn
+        return None
+
+    def release(self, conn: _Conn) -> None:
+        self.conns.discard(conn)
+        if conn.transport is not None:
+            self.by_transport.pop(id(conn.transport), None)
+        left = self.per_client.get(conn.client, 0) - 1
+        if left > 0:
+            self.per_client[conn.client] = left
+        else:
+            self.per_client.pop(conn.client, None)
+
+    def begin(self, request: web.Request) -> _Conn | None:
+        transport = request.transport
+        conn = self.by_transport.get(id(transport)) if transport is not None else None
+        if conn is not None:
+            conn.request = request
+            conn.pending_since = 0.0
+        return conn
+
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().call_later(1.0, self._sweep)
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        limit = self.stall_timeout_s
+        for conn in list(self.conns):
+            request = conn.request
+            if request is None:
+                stalled = bool(conn.pending_since) and now - conn.pending_since > limit
+            else:  # a body still arriving, with nothing received for too long
+                stalled = not request.content.is_eof() and now - conn.last_data > limit
+            if stalled and conn.transport is not None:
+                self.stalled += 1
+                log.info("http: closing a stalled connection from %s (nothing for %.0f s)",
+                         conn.client, limit)  # fmt: skip
+                conn.transport.abort()
+        self._sweeper = asyncio.get_running_loop().call_later(min(1.0, limit / 2), self._sweep)
+
+
+GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("edgeserve_connection_guard", ConnectionGuard)
 
 
 def build_app(dataplane: DataPlane, max_input_bytes: int) -> web.Application:
@@ -72,7 +236,13 @@ class HttpFrontend:
         self.settings = settings
         self.host = settings.http.host
         self.port = settings.http.port  # the bound port once started (port 0 picks a free one)
-        self.app = build_app(dataplane, settings.http.max_input_bytes)
+        self.max_input_bytes = request_limit(settings.http.max_input_bytes, settings)
+        self.app = build_app(dataplane, self.max_input_bytes)
+        http = settings.http
+        self.guard = ConnectionGuard(
+            http.max_connections, http.max_connections_per_client, http.header_timeout_s
+        )
+        self.app[GUARD_KEY] = self.guard
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -82,6 +252,7 @@ class HttpFrontend:
             access_log=None,
             auto_decompress=False,
             shutdown_timeout=self.settings.server.exit_timeout_s,
+            keepalive_timeout=self.settings.http.keepalive_timeout_s,
         )
         await runner.setup()
         try:
@@ -89,12 +260,16 @@ class HttpFrontend:
                 await web.UnixSite(runner, str(self.unix_path)).start()
                 self.unix_path.chmod(0o600)
             if self.tcp:
-                await web.TCPSite(runner, self.host, self.port, backlog=1024, reuse_address=True).start()
+                site = _GuardedSite(
+                    runner, self.guard, self.host, self.port, backlog=1024, reuse_address=True
+                )
+                await site.start()
         except OSError as exc:
             await runner.cleanup()
             where = f"{self.host}:{self.port}" if self.tcp else str(self.unix_path)
             raise RuntimeError(f"HTTP frontend cannot listen on {where}: {exc}") from exc
         self._runner = runner
+        self.guard.start()
         for address in runner.addresses:
             if isinstance(address, tuple) and len(address) >= 2:
                 self.port = int(address[1])
@@ -107,6 +282,26 @@ class HttpFrontend:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        self.guard.stop()
         runner._shutdown_timeout = grace_s
         await runner.cleanup()
         log.info("http frontend stopped")
+
+
+class _GuardedSite(web.TCPSite):
+    """TCPSite whose connections go through the guard (aiohttp's protocol wrapped, not replaced)."""
+
+    def __init__(self, runner: web.AppRunner, guard: ConnectionGuard, *args: Any, **kwargs: Any) -> None:
+        super().__init__(runner, *args, **kwargs)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # TCPSite.start, with the guard around the protocol factory
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._guard.wrap(server), self._host, self._port, ssl=self._ssl_context,
+            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+        )  # fmt: skip
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -51,7 +51,7 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _DONTWAIT = int(zmq.DONTWAIT)
 _MORE_DONTWAIT = int(zmq.SNDMORE) | _DONTWAIT
-MAX_MESSAGE_BYTES = 1 << 30  # per frame; a bigger one drops the connection (use shared memory)
+MAX_MESSAGE_BYTES = 1 << 30  # per frame when none is given; a bigger one drops the connection
 DRAIN_BATCH = 256  # messages handled before timers and callbacks get their turn
 GAP_WEIGHT = 0.125  # of the newest gap between requests in the average that turns spinning on
 JOIN_TIMEOUT_S = 10.0
@@ -97,6 +97,7 @@ class Router:
         on_disconnect: Callable[[], None],
         sndhwm: int,
         spin_us: int = 0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self._on_message = on_message
         self._on_disconnect = on_disconnect
@@ -107,7 +108,7 @@ class Router:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock: zmq.Socket[Any] | None = sock

@@ -8,6 +8,12 @@ in under `zmq.inline_max_us` with an instance idle, on the router thread itself.
 a client whose queue is full loses that reply (logged), a client that is gone is forgotten and its
 shared-memory regions are unregistered from the registry every frontend shares.
 Everything here except `_post`/`_reply` (worker threads) runs on the router thread.
+
+Bounds: a request (all its frames) larger than `zmq.max_message_bytes` (0 = sized for the device,
+the same limit as HTTP and gRPC) is refused with RESOURCE_EXHAUSTED (a single frame past it drops
+the connection: ZMQ_MAXMSGSIZE); at most `zmq.max_clients` client sockets are known at once (a new
+one past that is refused until idle ones are forgotten). A full model queue is shared fairly
+between clients (each request carries its client's identity; see scheduling/queue.py).
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from edgeserve import __version__, metrics
+from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.zmq import codec, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
+from edgeserve.scheduling.job import CURRENT_CLIENT
 
 if TYPE_CHECKING:
     from edgeserve.config import Settings
@@ -57,6 +65,9 @@ class ZmqFrontend:
         self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
         self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
         self.spin_us = settings.zmq.spin_us
+        self.max_message_bytes = request_limit(settings.zmq.max_message_bytes, settings)
+        self.max_clients = max(1, settings.zmq.max_clients)
+        self._refused_clients = 0
         self.bound: list[str] = []  # resolved endpoints (tcp://...:* gets its port)
         self._peers: dict[bytes, _Peer] = {}
         self._count_lock = threading.Lock()
@@ -75,8 +86,9 @@ class ZmqFrontend:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         router = Router(
-            self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight), spin_us=self.spin_us
-        )
+            self._handle, self._on_disconnect, sndhwm=max(1000, 2 * self.max_inflight), spin_us=self.spin_us,
+            max_message_bytes=self.max_message_bytes,
+        )  # fmt: skip
         try:
             router.bind(self.endpoints)
         except BaseException:
@@ -117,7 +129,16 @@ class ZmqFrontend:
             return
         peer = self._peers.get(ident)
         if peer is None:
-            peer = self._peers[ident] = _Peer(ident, envelope)
+            peer = _Peer(ident, envelope)
+            if len(self._peers) >= self.max_clients:
+                self._refused_clients += 1
+                error = InferenceError(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"too many zmq clients (max {self.max_clients}, [zmq] max_clients); try again later",
+                )
+                self._reply(peer, codec.error_reply(None, error))
+                return
+            self._peers[ident] = peer
         try:
             header = wire.loads(msg[index].buffer)
         except ValueError:
@@ -148,6 +169,12 @@ class ZmqFrontend:
         self._maybe_forget(peer)
 
     def _infer(self, peer: _Peer, header: dict[str, Any], frames: list[Any]) -> None:
+        size = sum(len(frame) for frame in frames)
+        if size > self.max_message_bytes:
+            raise InferenceError(
+                Status.RESOURCE_EXHAUSTED,
+                too_large_message(size, self.max_message_bytes, "[zmq] max_message_bytes"),
+            )
         if peer.inflight >= self.max_inflight:
             raise InferenceError(
                 Status.RESOURCE_EXHAUSTED,
@@ -179,8 +206,12 @@ class ZmqFrontend:
         # Inline only while no other request waits: under load the workers (and the batcher) do better.
         router = self._router
         inline = self.inline_max_ns if router is not None and not router.input_waiting() else 0
-        if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline):
-            self._inline_runs += 1
+        token = CURRENT_CLIENT.set(peer.owner)  # fair shares of a full queue, per client socket
+        try:
+            if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline):
+                self._inline_runs += 1
+        finally:
+            CURRENT_CLIENT.reset(token)
 
     def counters(self) -> dict[str, int]:
         """For /metrics (any thread: plain reads of ints the router thread updates)."""
@@ -190,6 +221,7 @@ class ZmqFrontend:
             "inline_runs": self._inline_runs,
             "spin_hits": router.spin_hits if router is not None else 0,
             "dropped_replies": self._dropped,
+            "refused_clients": self._refused_clients,
             "clients": len(self._peers),
             "inflight": self._inflight,
         }

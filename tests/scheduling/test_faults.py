@@ -1,0 +1,198 @@
+"""Fault injection at the scheduler: deliberately faulty instances (raise, wrong shapes, hang) around
+the real ONNX Runtime backend; a request timeout while a batch runs; fair shares of a full queue;
+the wait-based soft cap. Every request is answered exactly once and no worker is left wedged."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from sched_helpers import WAIT_S, GatedInstance, make_job, mlp_input
+
+from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.scheduling.job import Job, client_scope
+from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE, JobQueue, QueuePolicy
+
+BATCHING = "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 0 }\n"
+
+
+class Faulty:
+    """A real instance with one fault switched on: `mode` raise | shape | hang."""
+
+    def __init__(self, inner: Any, mode: str) -> None:
+        self.inner = inner
+        self.io = inner.io
+        self.mode = mode
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.closed = False
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, Any]:
+        self.entered.set()
+        if self.mode == "raise":
+            raise RuntimeError("injected backend failure")
+        result: dict[str, Any] = self.inner.infer(inputs, outputs)
+        if self.mode == "shape":
+            return {name: array[:1] for name, array in result.items()}  # drops rows of a batch
+        if self.mode == "hang":
+            self.release.wait(WAIT_S)
+        return result
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_backend_that_raises_answers_internal_and_keeps_serving(make_scheduler: Any) -> None:
+    scheduler, gated = make_scheduler("mlp", BATCHING)
+    gated[0].fail_on_call[1] = RuntimeError("injected backend failure")
+    job, result = make_job(mlp_input())
+    scheduler.submit(job)
+    error = result.error()
+    assert isinstance(error, InferenceError) and error.status is Status.INTERNAL
+    assert "injected backend failure" in error.message
+    job, result = make_job(mlp_input())
+    scheduler.submit(job)
+    assert result.outputs()["OUTPUT0"].shape == (1, 4)
+    assert scheduler.wait_idle(WAIT_S)
+
+
+def test_batch_with_too_few_rows_is_internal(make_scheduler: Any) -> None:
+    scheduler, gated = make_scheduler("mlp", BATCHING, open_gate=False)
+    blocker, blocker_result = make_job(mlp_input(seed=1))
+    scheduler.submit(blocker)
+    gated[0].wait_entered()
+    jobs = [make_job(mlp_input(seed=i)) for i in (2, 3)]
+    for job, _ in jobs:
+        scheduler.submit(job)
+    inner = gated[0].inner
+    gated[0].inner = Faulty(inner, "shape")
+    gated[0].gate.set()
+    assert isinstance(blocker_result.get(), dict) or blocker_result.calls == 1
+    for _, result in jobs:
+        error = result.error()
+        assert isinstance(error, InferenceError) and error.status is Status.INTERNAL
+        assert "expected 2 rows" in error.message
+    gated[0].inner = inner
+    job, result = make_job(mlp_input())
+    scheduler.submit(job)
+    assert result.outputs()["OUTPUT0"].shape == (1, 4)
+
+
+def test_hung_instance_is_answered_and_replaced(make_scheduler: Any) -> None:
+    replacements: list[GatedInstance] = []
+    made: dict[str, Any] = {}
+
+    def factory() -> Any:
+        fresh = GatedInstance(made["real"])
+        replacements.append(fresh)
+        return fresh
+
+    scheduler, gated = make_scheduler("mlp", BATCHING, hang_timeout_s=0.3, instance_factory=factory)
+    made["real"] = gated[0].inner
+    hung = Faulty(gated[0].inner, "hang")
+    # the worker thread holds its instance object: swap what it calls through the gated wrapper
+    gated[0].inner = hung
+    job, result = make_job(mlp_input())
+    start = time.monotonic()
+    scheduler.submit(job)
+    error = result.error()
+    waited = time.monotonic() - start
+    assert isinstance(error, InferenceError) and error.status is Status.UNAVAILABLE
+    assert "did not answer" in error.message and 0.25 <= waited < 3.0
+    deadline = time.monotonic() + WAIT_S
+    while scheduler.replaced == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.replaced == 1 and len(replacements) == 1
+    job, result = make_job(mlp_input())
+    scheduler.submit(job)
+    assert result.outputs()["OUTPUT0"].shape == (1, 4)
+    assert replacements[0].calls, "the replacement instance served the next request"
+    hung.release.set()  # the hung call returns at last: its result is dropped, its instance closed
+    deadline = time.monotonic() + WAIT_S
+    while not gated[0].closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gated[0].closed
+    assert result.calls == 1
+    assert scheduler.wait_idle(WAIT_S)
+
+
+def test_request_timeout_answers_while_the_batch_runs(make_scheduler: Any) -> None:
+    scheduler, gated = make_scheduler("mlp", BATCHING, open_gate=False)
+    job, result = make_job(mlp_input(), timeout_us=200_000)
+    start = time.monotonic()
+    scheduler.submit(job)
+    error = result.error()
+    assert isinstance(error, InferenceError) and "timeout" in error.message.lower()
+    assert time.monotonic() - start < 2.0
+    gated[0].gate.set()  # the batch finishes later: no second answer
+    assert scheduler.wait_idle(WAIT_S)
+    assert result.calls == 1
+
+
+# -- overload --------------------------------------------------------------------------------------
+def _job(client: str) -> tuple[Job, list[Any]]:
+    got: list[Any] = []
+    return Job(inputs={}, batch_size=1, done=got.append, client=client), got
+
+
+def test_full_queue_is_shared_fairly_between_clients() -> None:
+    queue = JobQueue([QueuePolicy(max_queue_size=4)], priorities=False)
+    flood = [_job("camera-a")[0] for _ in range(4)]
+    for job in flood:
+        assert queue.push(job, 1, 0) is None
+    with pytest.raises(InferenceError, match=QUEUE_FULL_MESSAGE):
+        queue.push(_job("camera-a")[0], 1, 0)  # the flooding client is refused
+    other, _ = _job("camera-b")
+    evicted = queue.push(other, 1, 0)  # a quieter client takes the flooder's newest slot
+    assert evicted is flood[-1] and len(queue) == 4
+    third, _ = _job("camera-c")
+    assert queue.push(third, 1, 0) is flood[-2]
+    with pytest.raises(InferenceError):
+        queue.push(_job("camera-b")[0], 1, 0)  # b holds 1, a holds 2: not 2 more than b
+    queue.remove([flood[0]])
+    assert queue.push(_job("camera-b")[0], 1, 0) is None
+    assert len(queue) == 4 and len(queue.pop_all()) == 4
+
+
+def test_soft_cap_bounds_the_wait_and_explicit_size_wins(make_scheduler: Any) -> None:
+    scheduler, _ = make_scheduler("mlp", BATCHING, max_queue_wait_s=0.5)
+    for _ in range(20):
+        job, result = make_job(mlp_input())
+        scheduler.submit(job)
+        result.get()
+    cost = scheduler.job_cost_ewma_ns
+    assert cost > 0
+    assert scheduler.soft_queue_cap == max(2 * 8, int(0.5e9) // cost)
+    policy = QueuePolicy.from_proto(type("P", (), {"max_queue_size": 5, "timeout_action": 0,
+                                                   "default_timeout_microseconds": 0,
+                                                   "allow_timeout_override": False})())  # fmt: skip
+    assert policy.explicit_size and policy.max_queue_size == 5
+
+
+def test_overload_rejects_at_once_and_recovers(make_scheduler: Any) -> None:
+    scheduler, gated = make_scheduler("mlp", BATCHING, open_gate=False, max_queue_wait_s=0.5)
+    scheduler._soft_cap = 16  # as measured for a slow model
+    results = []
+    rejected = 0
+    with client_scope("camera-a"):
+        for i in range(100):
+            job, result = make_job(mlp_input(seed=i))
+            start = time.monotonic()
+            try:
+                scheduler.submit(job)
+                results.append(result)
+            except InferenceError as exc:
+                assert exc.status is Status.UNAVAILABLE and time.monotonic() - start < 0.05
+                rejected += 1
+    assert scheduler.pending_count <= 16 and rejected >= 100 - 16 - 8  # one batch of 8 may be running
+    gated[0].gate.set()
+    for result in results:
+        assert result.outputs()["OUTPUT0"].shape == (1, 4)
+    assert scheduler.wait_idle(WAIT_S) and scheduler.pending_count == 0
+    job, result = make_job(mlp_input())
+    scheduler.submit(job)
+    assert result.outputs()["OUTPUT0"].shape == (1, 4)
