@@ -183,8 +183,10 @@ class DataPlane:
                         raise invalid_arg(f"input '{tensor.name}' has both shared memory and inline data")
                     lease = self.shm.acquire(tensor.shm)
                     leases.append(lease)
+                    # A sealed region is read in place (zero copy); any other is copied out once
+                    # with pread, so a client truncating its file gets an error, not a server SIGBUS.
                     tensor.data = datatypes.from_buffer(
-                        lease.view, tensor.datatype, tuple(tensor.shape), f"input '{tensor.name}'"
+                        lease.read(), tensor.datatype, tuple(tensor.shape), f"input '{tensor.name}'"
                     )
             inputs, batch_size = validation.validated_inputs(request, served.config, label)
             output_names = validation.requested_output_names(request, served.config, label)
@@ -345,10 +347,10 @@ class DataPlane:
 def _write_shm(name: str, array: Any, datatype: str, lease: ShmLease) -> None:
     payload = datatypes.to_wire_bytes(array, datatype)
     size = memoryview(payload).nbytes
-    capacity = lease.view.nbytes
+    capacity = lease.nbytes
     if size > capacity:
-        raise internal(
+        raise invalid_arg(
             f"shared memory size specified with the request for output '{name}' ({capacity} bytes) "
             f"should be at least {size} bytes to hold the results"
         )
-    lease.view[:size] = payload
+    lease.write(payload, f"output '{name}'")

@@ -1,15 +1,27 @@
-"""Registry of client-owned POSIX shared-memory regions, shared by every frontend.
+"""Registry of client-owned shared-memory regions, shared by every frontend.
 
 A region is opened by key without taking ownership: never `multiprocessing.shared_memory`
 (its resource tracker would unlink the client's segment) and never unlink. Leases keep a region
-mapped while requests use it, so unregistering during in-flight requests is safe.
+open while requests use it, so unregistering during in-flight requests is safe.
+
+Shared memory a client controls is hostile input: the client can `ftruncate` the file under the
+server, and touching a mapped page past a file's end kills the process with SIGBUS. So the server
+maps (zero copy) only memory that provably cannot shrink: a memfd sealed with F_SEAL_SHRINK (what
+`edgeserve.client.FrameRing` creates; registered as ``memfd:<name>:<pid>:<fd>``). Every other region
+(a POSIX object in /dev/shm, Triton's system shared memory) is never mapped: inputs are copied out
+with one `pread` into server memory (a truncated file gives a short read -> INVALID_ARG naming the
+region) and outputs are written with `pwrite` after checking the file's size (a write cannot fault).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
 import threading
 from dataclasses import dataclass
 from types import TracebackType
@@ -25,6 +37,10 @@ SHM_DIR = "/dev/shm"
 # so a Triton "unregister all" leaves the camera rings of ZMQ producers alone.
 TRITON_OWNER = ""
 _RESERVED_PREFIX = "triton_python_backend_shm_region_"
+# A sealed memfd of another process: "memfd:<name>:<pid>:<fd>", opened through /proc/<pid>/fd/<fd>.
+MEMFD_PREFIX = "memfd:"
+_MEMFD_KEY = re.compile(r"memfd:([A-Za-z0-9._-]{1,200}):([1-9][0-9]{0,9}):([0-9]{1,9})")
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,37 +55,164 @@ class RegionInfo:
 
 
 class _Region:
-    __slots__ = ("info", "map", "owner", "refs", "retired")
+    """A registered region: mapped when sealed against shrinking, else only an open file."""
 
-    def __init__(self, info: RegionInfo, mapping: mmap.mmap, owner: str) -> None:
+    __slots__ = ("fd", "info", "map", "owner", "refs", "retired")
+
+    def __init__(self, info: RegionInfo, fd: int, mapping: mmap.mmap | None, owner: str) -> None:
         self.info = info
+        self.fd = fd  # -1 for a mapped (sealed) region: the mapping keeps the memory alive
         self.map = mapping
         self.owner = owner  # "" for Triton-protocol regions; a client id for ZMQ rings
         self.refs = 0
         self.retired = False
 
+    @property
+    def sealed(self) -> bool:
+        return self.map is not None
+
     def unmap(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                # A numpy view still points into it; the mapping goes when the last view does.
+                log.debug("region %s still has live views; unmapped on release", self.info.name)
+
+    def truncated(self, start: int, size: int, have: int, what: str) -> InferenceError:
+        return invalid_arg(
+            f"shared memory region '{self.info.name}' (key '{self.info.key}') was truncated by its owner: "
+            f"{what} needs bytes {start - self.info.offset}..{start - self.info.offset + size} of the region "
+            f"(file offset {start}, {size} bytes) but the file now holds {have} bytes"
+        )
+
+    def pread(self, start: int, size: int) -> bytes:
+        """`size` bytes at file offset `start`, copied: never a fault, whatever the client does."""
         try:
-            self.map.close()
-        except BufferError:
-            # A numpy view still points into it; the mapping goes when the last view does.
-            log.debug("region %s still has live views; unmapped on release", self.info.name)
+            data = os.pread(self.fd, size, start)
+            while len(data) < size:  # tmpfs returns everything at once; other files may not
+                more = os.pread(self.fd, size - len(data), start + len(data))
+                if not more:
+                    break
+                data += more
+        except OSError as exc:
+            raise invalid_arg(
+                f"shared memory region '{self.info.name}' could not be read ({exc.strerror})"
+            ) from None
+        if len(data) < size:
+            raise self.truncated(start, size, os.fstat(self.fd).st_size, "the request")
+        return data
+
+    def pwrite(self, start: int, payload: Any, what: str) -> None:
+        """Write `payload` at file offset `start`, only within the file's current size (a pwrite
+        past the end would grow the client's file; a truncate racing this check only hurts its owner)."""
+        data = memoryview(payload).cast("B")
+        have = os.fstat(self.fd).st_size
+        if start + data.nbytes > have:
+            raise self.truncated(start, data.nbytes, have, what)
+        try:
+            done = 0
+            while done < data.nbytes:
+                written = os.pwrite(self.fd, data[done:], start + done)
+                if written <= 0:
+                    raise OSError(errno.EIO, "short write")
+                done += written
+        except OSError as exc:
+            raise invalid_arg(
+                f"shared memory region '{self.info.name}': {what} could not be written ({exc.strerror})"
+            ) from None
+
+
+class _WriteThrough(bytearray):
+    """A copy of a lease's bytes whose slice assignments are also written to the client's file.
+
+    What `ShmLease.view` gives for a region that is not mapped, so code written against a mapped
+    view (`GEN.unpack_from(lease.view, at)`, `lease.view[:n] = payload`) stays correct and safe:
+    every `view` access reads the bytes afresh."""
+
+    __slots__ = ("_region", "_start")
+
+    def __init__(self, data: bytes, region: _Region, start: int) -> None:
+        super().__init__(data)
+        self._region = region
+        self._start = start
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not isinstance(key, slice):
+            raise TypeError("a shared memory view takes slice assignments only")
+        lo, hi, step = key.indices(len(self))
+        data = memoryview(value).cast("B")
+        if step != 1 or data.nbytes != hi - lo:
+            raise ValueError("a shared memory view takes contiguous, same-size slice assignments only")
+        self._region.pwrite(self._start + lo, data, "the output")
+        super().__setitem__(key, data)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self)
 
 
 class ShmLease:
-    """A region kept mapped for one request; `view` is exactly the referenced bytes."""
+    """A region kept open for one request, bounded to exactly the referenced bytes.
 
-    __slots__ = ("_region", "_registry", "view")
+    `read()` gives the bytes (a zero-copy view of a sealed region, else one copy made with `pread`),
+    `write(payload)` stores an output. `view`: the referenced bytes as a buffer (mapped when sealed,
+    else a fresh copy whose slice assignments write through)."""
 
-    def __init__(self, registry: SharedMemoryRegistry, region: _Region, view: memoryview) -> None:
+    __slots__ = ("_region", "_registry", "_size", "_start", "_view")
+
+    def __init__(
+        self, registry: SharedMemoryRegistry, region: _Region, start: int, size: int, view: memoryview | None
+    ) -> None:
         self._registry = registry
         self._region = region
-        self.view = view
+        self._start = start  # file offset of the first referenced byte
+        self._size = size
+        self._view = view  # only for a mapped (sealed) region
+
+    @property
+    def sealed(self) -> bool:
+        return self._view is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self._size
+
+    @property
+    def view(self) -> Any:
+        if self._view is not None:
+            return self._view
+        region = self._region
+        if region is None:
+            return memoryview(b"")
+        return _WriteThrough(region.pread(self._start, self._size), region, self._start)
+
+    def read(self) -> memoryview | bytes:
+        """The referenced bytes: the mapping itself when sealed (zero copy), else a copy."""
+        if self._view is not None:
+            return self._view
+        if self._region is None:
+            return b""
+        return self._region.pread(self._start, self._size)
+
+    def write(self, payload: Any, what: str = "the output") -> None:
+        """Store `payload` (at most `nbytes`) at the start of the referenced bytes."""
+        size = memoryview(payload).nbytes
+        if size > self._size:
+            raise invalid_arg(f"{what}: {size} bytes do not fit the {self._size} referenced bytes")
+        if self._view is not None:
+            self._view[:size] = payload
+        elif self._region is not None:
+            self._region.pwrite(self._start, payload, what)
 
     def release(self) -> None:
         if self._region is not None:
             region, self._region = self._region, None  # type: ignore[assignment]
-            self.view = memoryview(b"")
+            if self._view is not None:
+                self._view = memoryview(b"")
             self._registry._release(region)
 
     def __enter__(self) -> ShmLease:
@@ -90,6 +233,72 @@ def _key_path(key: str) -> str:
     if stripped.startswith(_RESERVED_PREFIX):
         raise invalid_arg(f"shared memory key '{key}' uses a reserved prefix")
     return os.path.join(SHM_DIR, stripped)
+
+
+def _open_error(key: str, exc: OSError) -> InferenceError:
+    message = f"Unable to open shared memory region: '{key}' ({exc.strerror})"
+    if exc.errno == errno.ENOENT:
+        return not_found(message)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return InferenceError(Status.PERMISSION_DENIED, message)
+    return invalid_arg(message)
+
+
+def _shrink_sealed(fd: int) -> bool:
+    """True for a memfd/shmem file sealed against shrinking, in small pages (a hugetlb memfd can
+    still fault with SIGBUS when the huge page pool runs dry)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a shmem file
+        return False
+    return bool(seals & fcntl.F_SEAL_SHRINK) and os.fstat(fd).st_blksize == _PAGE
+
+
+def _open_key(key: str) -> tuple[int, str]:
+    """(an O_RDWR fd of the regular file `key` names, the name key prefixes apply to)."""
+    match = _MEMFD_KEY.fullmatch(key)
+    if match is None:
+        if key.startswith(MEMFD_PREFIX):
+            raise invalid_arg(
+                f"shared memory key '{key}' must be 'memfd:<name>:<pid>:<fd>' (name: letters, digits, . _ -)"
+            )
+        path = _key_path(key)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise _open_error(key, exc) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise invalid_arg(f"shared memory key '{key}' is not a shared memory object")
+        return fd, key.lstrip("/")
+    name, pid, number = match.group(1), int(match.group(2)), int(match.group(3))
+    if pid == os.getpid():
+        raise invalid_arg(f"shared memory key '{key}' names a file of the server itself")
+    # O_PATH opens nothing (no device or FIFO side effects); the checks below are on that very file.
+    try:
+        path_fd = os.open(f"/proc/{pid}/fd/{number}", os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _open_error(key, exc) from None
+    try:
+        info = os.fstat(path_fd)
+        target = os.readlink(f"/proc/self/fd/{path_fd}")
+        if not stat.S_ISREG(info.st_mode) or target != f"/memfd:{name} (deleted)":
+            raise invalid_arg(f"shared memory key '{key}' does not name a memfd called '{name}'")
+        if info.st_uid != os.geteuid():
+            raise InferenceError(
+                Status.PERMISSION_DENIED, f"shared memory key '{key}': the memfd belongs to another user"
+            )
+        try:
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _open_error(key, exc) from None
+    finally:
+        os.close(path_fd)
+    if not _shrink_sealed(fd):
+        os.close(fd)
+        raise invalid_arg(f"shared memory key '{key}': a memfd must be sealed with F_SEAL_SHRINK")
+    return fd, name
 
 
 class SharedMemoryRegistry:
@@ -115,12 +324,10 @@ class SharedMemoryRegistry:
             raise invalid_arg(
                 f"failed to register shared memory region '{name}': offset must be >= 0 and byte_size > 0"
             )
-        path = _key_path(key)
-        if self.key_prefixes and not any(key.lstrip("/").startswith(p) for p in self.key_prefixes):
-            raise InferenceError(
-                Status.PERMISSION_DENIED,
-                f"shared memory key '{key}' is not allowed here; allowed prefixes: {self.key_prefixes}",
-            )
+        if not key.startswith(MEMFD_PREFIX):
+            _key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
+            if self.key_prefixes:
+                self._check_prefix(key, key.lstrip("/"))
         with self._lock:
             if name in self._regions:
                 raise InferenceError(
@@ -130,31 +337,48 @@ class SharedMemoryRegistry:
                 raise InferenceError(
                     Status.RESOURCE_EXHAUSTED, f"too many shared memory regions (max {self.max_regions})"
                 )
+        fd, prefix_name = _open_key(key)
+        mapping: mmap.mmap | None = None
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise InferenceError(
-                Status.INTERNAL, f"Unable to open shared memory region: '{key}' ({exc.strerror})"
-            ) from None
-        try:
+            if self.key_prefixes:
+                self._check_prefix(key, prefix_name)
             size = os.fstat(fd).st_size
             if offset + byte_size > size:
                 raise invalid_arg(
                     f"failed to register shared memory region '{name}': offset {offset} + byte_size "
                     f"{byte_size} is past the end of '{key}' ({size} bytes)"
                 )
-            mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        region = _Region(RegionInfo(name, key, offset, byte_size), mapping, owner)
+            if _shrink_sealed(fd):  # cannot shrink: safe to map, zero copy
+                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                os.close(fd)
+                fd = -1
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        region = _Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner)
         with self._lock:
             if name in self._regions:  # lost a race with another register of the same name
-                mapping.close()
+                region.unmap()
                 raise InferenceError(
                     Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager"
                 )
             self._regions[name] = region
-        log.info("shm region registered name=%s key=%s offset=%d size=%d", name, key, offset, byte_size)
+        log.info(
+            "shm region registered name=%s key=%s offset=%d size=%d %s",
+            name,
+            key,
+            offset,
+            byte_size,
+            "mapped (sealed)" if region.sealed else "read/written by copy",
+        )
+
+    def _check_prefix(self, key: str, name: str) -> None:
+        if not any(name.startswith(p) for p in self.key_prefixes):
+            raise InferenceError(
+                Status.PERMISSION_DENIED,
+                f"shared memory key '{key}' is not allowed here; allowed prefixes: {self.key_prefixes}",
+            )
 
     def unregister(self, name: str = "", owner: str | None = None) -> None:
         """Unknown names are silently fine (Triton); "" removes every region (of `owner`, if given).
@@ -205,7 +429,8 @@ class SharedMemoryRegistry:
 
     # -- use ------------------------------------------------------------------------------------
     def acquire(self, ref: ShmRef) -> ShmLease:
-        """Map `ref` for one request, with every bound checked."""
+        """Open `ref` for one request, with every bound checked (against the registered size; a region
+        that is not mapped is also checked against its file's size when read or written)."""
         with self._lock:
             region = self._regions.get(ref.region)
             if region is None:
@@ -224,8 +449,8 @@ class SharedMemoryRegistry:
                 )
             region.refs += 1
         start = region.info.offset + ref.offset
-        view = memoryview(region.map)[start : start + ref.byte_size]
-        return ShmLease(self, region, view)
+        view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
+        return ShmLease(self, region, start, ref.byte_size, view)
 
     def _release(self, region: _Region) -> None:
         with self._lock:

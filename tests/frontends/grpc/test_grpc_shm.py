@@ -72,7 +72,7 @@ def test_register_errors(client: Client, region: Any) -> None:
     assert status_of(info) == "StatusCode.ALREADY_EXISTS"
     with pytest.raises(InferenceServerException) as info:
         client.register_system_shared_memory("other", "/edgeserve_no_such_key", 64)
-    assert status_of(info) == "StatusCode.INTERNAL" and "Unable to open" in info.value.message()
+    assert status_of(info) == "StatusCode.NOT_FOUND" and "Unable to open" in info.value.message()
     with pytest.raises(InferenceServerException) as info:
         client.register_system_shared_memory("big", region._shm_key, 1024, offset=512)  # past the end
     assert status_of(info) == "StatusCode.INVALID_ARGUMENT"
@@ -109,7 +109,7 @@ def test_bad_references_at_infer_time(client: Client, region: Any) -> None:
     assert infer_with("data", 64, 224) == "StatusCode.INVALID_ARGUMENT"  # offset + size past the end
     assert infer_with("data", 60, 0) == "StatusCode.INVALID_ARGUMENT"  # wrong byte size for the shape
     assert infer_with("data", 64, 10**15) == "StatusCode.INVALID_ARGUMENT"
-    assert infer_with("data", 64, 0, out_size=32) == "StatusCode.INTERNAL"  # output does not fit
+    assert infer_with("data", 64, 0, out_size=32) == "StatusCode.INVALID_ARGUMENT"  # output does not fit
     assert client.is_server_ready()
 
 

@@ -167,7 +167,7 @@ async def test_system_shared_memory_round_trip(api: Api) -> None:
             **request,
             "outputs": [{"name": "OUTPUT0", "parameters": {**shm, "shared_memory_byte_size": 8}}],
         }
-        assert "at least 16 bytes" in await api.json("POST", "/v2/models/add_sub/infer", small, status=500)
+        assert "at least 16 bytes" in await api.json("POST", "/v2/models/add_sub/infer", small, status=400)
         past = {
             **request,
             "inputs": [
@@ -184,7 +184,7 @@ async def test_system_shared_memory_round_trip(api: Api) -> None:
             "POST",
             "/v2/systemsharedmemory/region/x/register",
             {"key": "/no-such-key-here", "byte_size": 8},
-            status=500,
+            status=404,
         )
         assert "byte_size" in await api.json(
             "POST", "/v2/systemsharedmemory/region/x/register", {"key": "k"}, status=400

@@ -48,7 +48,7 @@ def test_errors(segment: shared_memory.SharedMemory) -> None:
     registry.register("r", segment.name, 0, 1024)
     cases = [
         (lambda: registry.register("r", segment.name, 0, 16), Status.ALREADY_EXISTS),
-        (lambda: registry.register("x", "/no_such_segment_es", 0, 16), Status.INTERNAL),
+        (lambda: registry.register("x", "/no_such_segment_es", 0, 16), Status.NOT_FOUND),
         (lambda: registry.register("x", segment.name, 8000, 1000), Status.INVALID_ARG),
         (lambda: registry.register("x", "///", 0, 16), Status.INVALID_ARG),
         (lambda: registry.acquire(ShmRef("nope", 4)), Status.NOT_FOUND),
