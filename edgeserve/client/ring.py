@@ -1,8 +1,12 @@
-"""Producer side of the shared-memory frame ring: N fixed-size slots in one POSIX segment.
+"""Producer side of the shared-memory frame ring: N fixed-size slots in one shared-memory segment.
 
-The ring is created and owned by this process (the server maps it by key and never unlinks it;
-if this process dies, Python's resource tracker unlinks the segment and the server releases its
-registration when it sees the client go). Typical use, zero-copy from the camera into the slot:
+The ring is created and owned by this process: a memfd sealed against shrinking (F_SEAL_SHRINK,
+F_SEAL_GROW), registered by ``memfd:<name>:<pid>:<fd>``. The seal is what lets the server read the
+frames in place (zero copy) without trusting this process: nobody can truncate the memory under it.
+With `sealed=False` (or where memfds are unavailable) the ring is a POSIX segment in /dev/shm,
+which the server reads with one copy instead. If this process dies, its memory goes when the server
+releases the registration (it does when it sees the client go). Typical use, zero-copy from the
+camera into the slot:
 
     ring = client.create_ring(slots=8, slot_size=480 * 640 * 3)
     slot = ring.acquire()                      # RingFull if all 8 are in flight: drop the frame
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
+import mmap
 import os
 import threading
 import uuid
@@ -149,17 +155,46 @@ class Slot:
 
 
 class FrameRing:
-    """`slots` slots of `slot_size` bytes in one new POSIX shared-memory segment owned by this process."""
+    """`slots` slots of `slot_size` bytes in new shared memory owned by this process.
+
+    `sealed` (default): a memfd sealed against resizing, registered as ``memfd:<name>:<pid>:<fd>``
+    (the server reads it in place). `sealed=False`, or a `key`: a POSIX segment `/dev/shm/<key>`
+    (the server copies each frame out of it once)."""
 
     def __init__(
-        self, slots: int, slot_size: int, *, name: str | None = None, key: str | None = None
+        self,
+        slots: int,
+        slot_size: int,
+        *,
+        name: str | None = None,
+        key: str | None = None,
+        sealed: bool = True,
     ) -> None:
         self.layout = RingLayout.plan(slots, slot_size)
-        self.key = (key or f"edgeserve-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}").lstrip("/")
-        self.name = name or self.key  # the region name on the server
-        self._shm = shared_memory.SharedMemory(name=self.key, create=True, size=self.layout.total_size)
-        assert self._shm.buf is not None
-        self.buf: memoryview = self._shm.buf
+        base = f"edgeserve-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._shm: shared_memory.SharedMemory | None = None
+        self._map: mmap.mmap | None = None
+        self._fd = -1
+        if sealed and key is None and hasattr(os, "memfd_create"):
+            self._fd = os.memfd_create(base, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(self._fd, self.layout.total_size)
+                fcntl.fcntl(
+                    self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                )
+                self._map = mmap.mmap(self._fd, self.layout.total_size)
+            except BaseException:
+                os.close(self._fd)
+                raise
+            self.key = f"memfd:{base}:{os.getpid()}:{self._fd}"
+            self.name = name or base  # the region name on the server
+            self.buf: memoryview = memoryview(self._map)
+        else:
+            self.key = (key or base).lstrip("/")
+            self.name = name or self.key
+            self._shm = shared_memory.SharedMemory(name=self.key, create=True, size=self.layout.total_size)
+            assert self._shm.buf is not None
+            self.buf = self._shm.buf
         self.buf[:HEADER_SIZE] = self.layout.header_bytes()
         self._gens: npt.NDArray[np.uint64] = np.ndarray(
             (slots,), dtype="<u8", buffer=self.buf, offset=GEN_OFFSET
@@ -170,6 +205,11 @@ class FrameRing:
         self._taken: set[int] = set()
         self._lock = threading.Lock()
         self.closed = False
+
+    @property
+    def sealed(self) -> bool:
+        """True for a sealed memfd ring (the server reads its slots in place)."""
+        return self._map is not None
 
     @property
     def slots(self) -> int:
@@ -243,15 +283,25 @@ class FrameRing:
         return np.array(datatypes.from_buffer(view, datatype, shape, f"ring '{self.name}' slot {slot.index}"))
 
     def close(self) -> None:
-        """Unlink the segment (the server keeps its own mapping until it unregisters the region)."""
+        """Let the memory go: close the memfd / unlink the segment (the server keeps its own
+        reference until it unregisters the region)."""
         if self.closed:
             return
         self.closed = True
         del self._gens
-        with contextlib.suppress(FileNotFoundError):
-            self._shm.unlink()
+        if self._shm is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+            with contextlib.suppress(BufferError):  # a caller still holds a slot view: unmapped at exit
+                self._shm.close()
+            return
+        with contextlib.suppress(BufferError):
+            self.buf.release()
         with contextlib.suppress(BufferError):  # a caller still holds a slot view: unmapped at exit
-            self._shm.close()
+            assert self._map is not None
+            self._map.close()
+        os.close(self._fd)
+        self._fd = -1
 
     def __enter__(self) -> FrameRing:
         return self

@@ -273,8 +273,6 @@ def _open_key(key: str) -> tuple[int, str]:
             raise invalid_arg(f"shared memory key '{key}' is not a shared memory object")
         return fd, key.lstrip("/")
     name, pid, number = match.group(1), int(match.group(2)), int(match.group(3))
-    if pid == os.getpid():
-        raise invalid_arg(f"shared memory key '{key}' names a file of the server itself")
     # O_PATH opens nothing (no device or FIFO side effects); the checks below are on that very file.
     try:
         path_fd = os.open(f"/proc/{pid}/fd/{number}", os.O_PATH | os.O_CLOEXEC)
