@@ -121,12 +121,30 @@ def element_size(datatype: str) -> int:
         raise invalid_arg(f"datatype '{datatype}' has no fixed element size") from None
 
 
+# numpy's limit on dimensions (NPY_MAXDIMS); also Triton's practical one.
+MAX_DIMS = 64
+# The most elements a shape may declare, zero dimensions left out: 1 TiB of UINT8, far beyond any
+# real tensor and far enough below numpy's own limit (the byte size must fit a signed 64-bit int)
+# that no shape that passes here makes numpy raise.
+MAX_ELEMENTS = 2**40
+
+
 def element_count(shape: tuple[int, ...] | list[int]) -> int:
+    """Elements of `shape`; INVALID_ARG for a negative dimension, more than MAX_DIMS dimensions, or
+    more than MAX_ELEMENTS elements (counting only the non-zero dimensions: numpy refuses those
+    shapes even when a zero dimension makes them empty)."""
+    if len(shape) > MAX_DIMS:
+        raise invalid_arg(f"shape has {len(shape)} dimensions; at most {MAX_DIMS} are supported")
     count = 1
+    nonzero = 1
     for dim in shape:
         if dim < 0:
             raise invalid_arg(f"shape {list(shape)} has a negative dimension")
         count *= dim
+        if dim:
+            nonzero *= dim
+    if nonzero > MAX_ELEMENTS:
+        raise invalid_arg(f"shape {list(shape)} declares more than 2^40 elements, the most a tensor may have")
     return count
 
 

@@ -15,6 +15,16 @@ import numpy.typing as npt
 
 ParamValue = bool | int | float | str
 
+# Request timeouts longer than this (~12.7 days) mean "no deadline" in practice; they are clamped to
+# it so that a client's UINT64_MAX never overflows a clock or a wait (threading's limit is ~292 years
+# in seconds, a nanosecond deadline overflows int64 sooner).
+MAX_TIMEOUT_US = 2**40
+
+
+def clamp_timeout_us(value: int) -> int:
+    """A client's request timeout in microseconds, clamped to MAX_TIMEOUT_US (0 = the model default)."""
+    return min(int(value), MAX_TIMEOUT_US)
+
 
 @dataclass(slots=True, frozen=True)
 class ShmRef:

@@ -176,6 +176,10 @@ def requested_output_names(request: InferRequest, config: ModelConfig, model_lab
             raise invalid_arg(f"output '{out.name}' requested more than once")
         if out.shm is not None and out.classification:
             raise invalid_arg(f"output '{out.name}': shared memory cannot be combined with classification")
+        if out.classification and compiled(config).output_specs[out.name].datatype == "BYTES":
+            raise invalid_arg(
+                f"output '{out.name}' of model '{model_label}' is BYTES; classification needs numbers"
+            )
         chosen.append(out.name)
     return chosen
 

@@ -27,6 +27,7 @@ from edgeserve.protocol.inference import (
     ParamValue,
     RequestedOutput,
     ShmRef,
+    clamp_timeout_us,
 )
 
 INT64_MAX = 2**63 - 1
@@ -99,7 +100,7 @@ def request_parameters(params: Mapping[str, service_pb2.InferParameter], request
                     "invalid value for 'timeout' parameter, expected a non-negative int64_param "
                     "(microseconds)"
                 )
-            request.timeout_us = int(value)
+            request.timeout_us = clamp_timeout_us(value)
         elif key == "triton_enable_empty_final_response":
             if kind != "bool_param":
                 raise invalid_arg(f"invalid value type for '{key}' parameter, expected bool_param")

@@ -23,6 +23,7 @@ from edgeserve.protocol.inference import (
     ParamValue,
     RequestedOutput,
     ShmRef,
+    clamp_timeout_us,
 )
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def _request_parameters(params: dict[str, Any], request: InferRequest) -> bool:
         elif key == "priority":
             request.priority = json_int(value, "parameter 'priority'")
         elif key == "timeout":
-            request.timeout_us = json_int(value, "parameter 'timeout' (microseconds)")
+            request.timeout_us = clamp_timeout_us(json_int(value, "parameter 'timeout' (microseconds)"))
         elif key == "sequence_id":
             if not (is_int(value) and value >= 0) and not isinstance(value, str):
                 raise invalid_arg(

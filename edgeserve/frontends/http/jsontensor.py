@@ -45,7 +45,12 @@ def json_to_array(data: Any, datatype: str, shape: tuple[int, ...], what: str) -
         for i, item in enumerate(flat):
             if not isinstance(item, str):
                 raise invalid_arg(f"{what}: BYTES element {i} must be a JSON string, got {json.dumps(item)}")
-            out[i] = item.encode("utf-8")
+            try:
+                out[i] = item.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\ud800"): valid JSON, not text
+                raise invalid_arg(
+                    f"{what}: BYTES element {i} is not valid Unicode text (it holds a lone surrogate)"
+                ) from None
         return out.reshape(shape)
     dtype = datatypes.numpy_dtype(datatype)
     if count == 0:

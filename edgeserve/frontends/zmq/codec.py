@@ -23,6 +23,7 @@ from edgeserve.protocol.inference import (
     ParamValue,
     RequestedOutput,
     ShmRef,
+    clamp_timeout_us,
 )
 
 
@@ -179,6 +180,9 @@ def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: Shared
         priority=_field(header, "priority", int, where, 0),
         timeout_us=_field(header, "timeout_us", int, where, 0),
     )
+    if request.priority < 0 or request.timeout_us < 0:
+        raise invalid_arg("request header: 'priority' and 'timeout_us' must not be negative")
+    request.timeout_us = clamp_timeout_us(request.timeout_us)
     decoded = Decoded(req_id, request)
     try:
         _decode_tensors(header, frames, registry, decoded)

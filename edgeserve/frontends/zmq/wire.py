@@ -53,13 +53,22 @@ except ImportError:  # pragma: no cover - depends on the environment
     _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
     _decoder = json.JSONDecoder()
 
+    _ascii_encoder = json.JSONEncoder(separators=(",", ":"))
+
     def dumps(obj: dict[str, Any]) -> bytes:
-        return _encoder.encode(obj).encode("utf-8")
+        try:
+            return _encoder.encode(obj).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a client's JSON (echoed in an error): escape it
+            return _ascii_encoder.encode(obj).encode("ascii")
 
     def loads(data: Any) -> Any:
+        """The header object; ValueError for anything that is not JSON (nested too deeply too)."""
         if not isinstance(data, (bytes, bytearray)):
             data = bytes(data)
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
 
 
 def shm_ref(
