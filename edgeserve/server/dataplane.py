@@ -226,6 +226,12 @@ class DataPlane:
                 log.exception("building the response for request %s failed", request.id)
                 on_done(internal(f"internal error building the response: {exc}"))
             finally:
+                if leases:
+                    # Drop this request's references to the client's memory (a thread's stale local
+                    # can keep a finished request alive), so an unregistered region's mapping goes now.
+                    inputs.clear()
+                    for tensor in request.inputs:
+                        tensor.data = None
                 for lease in leases:
                     lease.release()
 
