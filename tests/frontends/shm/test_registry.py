@@ -95,3 +95,73 @@ def test_owner_scoped_unregister(segment: shared_memory.SharedMemory) -> None:
     registry.unregister("", owner="client-1")
     assert registry.names() == ["b"]
     registry.close()
+
+
+def _memfd(name: str, size: int, seals: int) -> int:
+    import fcntl
+
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_only_a_shrink_sealed_memfd_is_mapped() -> None:
+    import fcntl
+
+    registry = SharedMemoryRegistry()
+    sealed = _memfd("es-sealed", 8192, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    loose = _memfd("es-loose", 8192, 0)
+    try:
+        pid = os.getpid()
+        registry.register("sealed", f"memfd:es-sealed:{pid}:{sealed}", 0, 8192)
+        with registry.acquire(ShmRef("sealed", 4, 8)) as lease:
+            assert lease.sealed and isinstance(lease.view, memoryview)  # mapped: zero copy
+            lease.write(b"abcd")
+            assert os.pread(sealed, 4, 8) == b"abcd" and bytes(lease.read()) == b"abcd"
+        with pytest.raises(PermissionError):
+            os.ftruncate(sealed, 0)  # what makes mapping it safe
+        cases = [
+            (f"memfd:es-loose:{pid}:{loose}", Status.INVALID_ARG),  # not sealed against shrinking
+            (f"memfd:es-other:{pid}:{sealed}", Status.INVALID_ARG),  # the fd is not the memfd named
+            (f"memfd:es-sealed:{pid}:99999", Status.NOT_FOUND),
+            ("memfd:es sealed:1:2", Status.INVALID_ARG),
+            (f"memfd:stdin:{pid}:0", Status.INVALID_ARG),
+        ]
+        for key, status in cases:
+            with pytest.raises(InferenceError) as info:
+                registry.register("x", key, 0, 16)
+            assert info.value.status is status, (key, info.value.message)
+        assert registry.names() == ["sealed"]
+    finally:
+        registry.close()
+        os.close(sealed)
+        os.close(loose)
+
+
+def test_a_region_that_can_shrink_is_copied_never_mapped(segment: shared_memory.SharedMemory) -> None:
+    registry = SharedMemoryRegistry()
+    registry.register("r", segment.name, 0, 8192)
+    segment.buf[100:104] = b"wxyz"
+    lease = registry.acquire(ShmRef("r", 4, 100))
+    out = registry.acquire(ShmRef("r", 8, 4096))
+    try:
+        assert not lease.sealed and bytes(lease.read()) == b"wxyz"
+        data = lease.read()
+        segment.buf[100:104] = b"1234"
+        assert bytes(data) == b"wxyz" and bytes(lease.view) == b"1234"  # a copy, re-read on each access
+        out.view[0:4] = b"ABCD"  # a view's slice assignment writes through
+        out.write(b"EF")
+        assert bytes(segment.buf[4096:4100]) == b"EFCD"
+        os.ftruncate(segment._fd, 64)  # the client truncates with the leases held (never touch .buf now)
+        for call in (lease.read, lambda: out.write(b"x"), lambda: out.view):
+            with pytest.raises(InferenceError) as info:
+                call()
+            assert info.value.status is Status.INVALID_ARG and "'r'" in info.value.message
+            assert "truncated" in info.value.message
+        assert os.fstat(segment._fd).st_size == 64  # never grown back by a write
+    finally:
+        lease.release()
+        out.release()
+        registry.close()
