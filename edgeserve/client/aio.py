@@ -125,6 +125,18 @@ class AsyncZmqClient:
         ring = FrameRing(slots, slot_size, name=name)
         try:
             await self.register_ring(ring)
+        except ClientError as exc:
+            ring.close()
+            # A sealed memfd is reachable only from the server's user and PID namespace (a producer
+            # in another container is not): fall back to a /dev/shm ring, read with one copy.
+            if not ring.sealed or exc.status not in ("NOT_FOUND", "PERMISSION_DENIED", "INVALID_ARG"):
+                raise
+            ring = FrameRing(slots, slot_size, name=name, sealed=False)
+            try:
+                await self.register_ring(ring)
+            except BaseException:
+                ring.close()
+                raise
         except BaseException:
             ring.close()
             raise

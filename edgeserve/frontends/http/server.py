@@ -29,6 +29,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgeserve.http")
 
+
+class _ClientGarbage(logging.Filter):
+    """aiohttp logs a malformed request or a client that hangs up at ERROR with a traceback; it is
+    the client's doing (it got its 400, or left): one DEBUG line, so garbage cannot flood the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (HttpProcessingError, ConnectionResetError)):
+            if not log.isEnabledFor(logging.DEBUG):
+                return False
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}".replace("\n", " ")
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_ClientGarbage())
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,6 +84,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             response.headers["Allow"] = exc.headers["Allow"]
         return response
     except asyncio.CancelledError:
+        raise
+    except ConnectionResetError:  # the client hung up mid-request: nobody to answer, nothing of ours broke
+        log.debug("%s %s: the client closed the connection", request.method, request.path)
         raise
     except Exception as exc:  # a bug must not take the server down
         log.exception("%s %s failed with an internal error", request.method, request.path)
@@ -161,7 +184,9 @@ class ConnectionGuard:
         if len(self.conns) >= self.max_total:
             self.refused += 1
             return f"too many connections (max {self.max_total}, [http] max_connections)"
-        if self.per_client.get(conn.client, 0) >= self.max_per_client:
+        # Local processes (camera pipelines, scripts) share 127.0.0.1: only the total bounds them.
+        local = conn.client in ("", "::1") or conn.client.startswith("127.")
+        if not local and self.per_client.get(conn.client, 0) >= self.max_per_client:
             self.refused += 1
             return (
                 f"too many connections from {conn.client} "

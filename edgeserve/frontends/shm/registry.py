@@ -256,6 +256,8 @@ def _shrink_sealed(fd: int) -> bool:
 
 def _open_key(key: str) -> tuple[int, str]:
     """(an O_RDWR fd of the regular file `key` names, the name key prefixes apply to)."""
+    if "\0" in key:
+        raise invalid_arg("shared memory key must not contain a NUL byte")
     match = _MEMFD_KEY.fullmatch(key)
     if match is None:
         if key.startswith(MEMFD_PREFIX):

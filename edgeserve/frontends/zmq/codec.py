@@ -15,7 +15,7 @@ from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
 from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
 from edgeserve.frontends.zmq import wire
 from edgeserve.protocol import datatypes
-from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
+from edgeserve.protocol.errors import InferenceError, Status, invalid_arg
 from edgeserve.protocol.inference import (
     InferRequest,
     InferResponse,
@@ -302,7 +302,7 @@ def _write_slot(slot: OutputSlot, array: Any, datatype: str) -> int:
     payload = datatypes.to_wire_bytes(array, datatype)
     size = memoryview(payload).nbytes
     if size > slot.byte_size:
-        raise internal(
+        raise invalid_arg(
             f"shared memory size specified with the request for output '{slot.name}' ({slot.byte_size} "
             f"bytes) should be at least {size} bytes to hold the results"
         )

@@ -233,7 +233,7 @@ def test_bad_references_give_clear_errors(client: ZmqClient) -> None:
     # output reference too small for the result
     with pytest.raises(ClientError) as info:
         client.infer("id_fp32", {"INPUT0": np.zeros((1, 32), np.float32)}, {"OUTPUT0": ring})
-    assert info.value.status == "INTERNAL" and "should be at least 128 bytes" in info.value.message
+    assert info.value.status == "INVALID_ARG" and "should be at least 128 bytes" in info.value.message
     assert ring.free == 2
 
 
