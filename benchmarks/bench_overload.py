@@ -38,16 +38,16 @@ DIM = 256
 LAYERS = 24
 
 
-def build_repository(root: Path) -> Path:
+def build_repository(root: Path, layers: int = LAYERS) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     nodes, inits, prev = [], [], "x"
-    for i in range(LAYERS):
+    for i in range(layers):
         w = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
         inits.append(numpy_helper.from_array(w, f"w{i}"))
-        out = "y" if i == LAYERS - 1 else f"h{i}"
+        out = "y" if i == layers - 1 else f"h{i}"
         nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
         nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
         prev = out
@@ -302,11 +302,14 @@ def main() -> None:
     parser.add_argument("--frontends", default="http,grpc,zmq")
     parser.add_argument("--no-fairness", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--layers", type=int, default=LAYERS, help="MatMul layers of the model: more = a slower model"
+    )
     args = parser.parse_args()
     report: dict[str, Any] = {"frontends": []}
     with tempfile.TemporaryDirectory(prefix="edgeserve-overload-") as tmp_name:
         tmp = Path(tmp_name)
-        repo = build_repository(tmp)
+        repo = build_repository(tmp, args.layers)
         server = start_server(
             repo,
             tmp,

@@ -34,6 +34,10 @@ class ServerSection:
     load_models: list[str] = field(default_factory=lambda: ["*"])
     strict_readiness: bool = True
     exit_timeout_s: float = 30.0  # drain budget on SIGTERM
+    # Inference requests in flight at once, all frontends together; more are refused at once
+    # (HTTP 503, gRPC UNAVAILABLE, ZeroMQ UNAVAILABLE) before their tensors are read.
+    # 0 = twice what the models' queues take (their wait-bounded caps).
+    max_inflight: int = 0
     state_dir: Path = Path("/var/lib/edgeserve")
 
 
@@ -253,6 +257,8 @@ class Settings:
                 fail(path, "must be 0 (sized for the device) or a size in bytes")
             elif 0 < value < 4096:
                 fail(path, f"{value} bytes is too small for any request; use 0 (sized for the device)")
+        if self.server.max_inflight < 0:
+            fail("server.max_inflight", "must be 0 (sized from the model queues) or a count of requests")
         if self.grpc.max_message_bytes > 2**31 - 1:
             fail("grpc.max_message_bytes", f"must be at most {2**31 - 1} (gRPC's limit)")
         for path, count in (

@@ -575,6 +575,10 @@ class Scheduler:
             self._soft_cap = max(self._cap_floor, self._max_wait_ns * len(self._instances) // ewma)
 
     @property
+    def instance_count(self) -> int:
+        return len(self._instances)
+
+    @property
     def soft_queue_cap(self) -> int:
         """Jobs the queue takes before refusing (0 = not measured yet: only the hard cap)."""
         return self._soft_cap

@@ -48,6 +48,7 @@ class Server:
             self.shm,
             strict_readiness=settings.server.strict_readiness,
             model_control_mode=settings.server.model_control_mode,
+            max_inflight=settings.server.max_inflight,
         )
         self.frontends: list[Frontend] = []
         self._stopped = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,14 @@ EXTENSIONS: tuple[str, ...] = (
 )
 
 ResponseCallback = Callable[["InferResponse | InferenceError"], None]
+
+# Admission (`[server] max_inflight` = 0): the server takes this many times what its models' queues
+# hold (their wait-based soft caps, plus a batch per instance) in flight at once, across frontends,
+# and never fewer than MIN_AUTO_INFLIGHT; more are refused at once, before their tensors are read.
+AUTO_INFLIGHT_FACTOR = 2
+MIN_AUTO_INFLIGHT = 32
+MAX_AUTO_INFLIGHT = 4096
+_AUTO_REFRESH_NS = 250_000_000
 
 
 class SchedulerLike(Protocol):
@@ -88,8 +97,14 @@ class DataPlane:
         *,
         strict_readiness: bool = True,
         model_control_mode: str = "explicit",
+        max_inflight: int = 0,
     ) -> None:
         self.repository = repository
+        self.max_inflight = max_inflight  # 0 = sized from the model queues (auto_inflight_limit)
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._auto_limit = MAX_AUTO_INFLIGHT
+        self._auto_at_ns = 0
         self.shm = shm
         self.strict_readiness = strict_readiness
         self.model_control_mode = model_control_mode
@@ -143,8 +158,59 @@ class DataPlane:
             "outputs": tensors(config.output),
         }
 
+    # -- admission ---------------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet answered, all frontends together."""
+        return self._inflight
+
+    def inflight_limit(self) -> int:
+        if self.max_inflight > 0:
+            return self.max_inflight
+        now = time.monotonic_ns()
+        if now - self._auto_at_ns >= _AUTO_REFRESH_NS:
+            self._auto_at_ns = now
+            self._auto_limit = self.auto_inflight_limit()
+        return self._auto_limit
+
+    def auto_inflight_limit(self) -> int:
+        """AUTO_INFLIGHT_FACTOR x what the served models' queues take (a model whose soft cap is not
+        measured yet counts MIN_AUTO_INFLIGHT), between MIN_AUTO_INFLIGHT and MAX_AUTO_INFLIGHT."""
+        total = 0
+        try:
+            served = self.repository.served()
+        except Exception:  # a repository in the middle of a reload: keep the last figure
+            return self._auto_limit
+        for model in served:
+            cap = int(getattr(model.scheduler, "soft_queue_cap", 0) or MIN_AUTO_INFLIGHT)
+            instances = int(getattr(model.scheduler, "instance_count", 1) or 1)
+            total += cap + instances * max(1, int(model.config.max_batch_size))
+        return max(MIN_AUTO_INFLIGHT, min(MAX_AUTO_INFLIGHT, AUTO_INFLIGHT_FACTOR * total))
+
+    def admit(self) -> None:
+        """Count one request in flight, or raise UNAVAILABLE at once when the server holds its limit
+        (`[server] max_inflight`). Call before reading/decoding the request's tensors; the request must
+        then reach `submit`/`infer` with `admitted=True`, or the caller calls `release()`."""
+        if self.shutting_down:
+            raise unavailable("server is shutting down")
+        limit = self.inflight_limit()
+        with self._inflight_lock:
+            if self._inflight >= limit:
+                inflight = self._inflight
+            else:
+                self._inflight += 1
+                return
+        raise unavailable(
+            f"server overloaded: {inflight} requests in flight (limit {limit}, [server] max_inflight); "
+            "retry later"
+        )
+
+    def release(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+
     # -- inference --------------------------------------------------------------------------------
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, *, admitted: bool = False) -> InferResponse:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResponse] = loop.create_future()
 
@@ -158,16 +224,33 @@ class DataPlane:
         def on_done(result: InferResponse | InferenceError) -> None:
             loop.call_soon_threadsafe(resolve, result)
 
-        self.submit(request, on_done)
+        self.submit(request, on_done, admitted=admitted)
         return await future
 
-    def submit(self, request: InferRequest, on_done: ResponseCallback, *, inline_max_ns: int = 0) -> bool:
+    def submit(
+        self,
+        request: InferRequest,
+        on_done: ResponseCallback,
+        *,
+        inline_max_ns: int = 0,
+        admitted: bool = False,
+    ) -> bool:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
         before queueing) right here, with the response or an InferenceError.
 
         `inline_max_ns` > 0 (a frontend with its own thread, never the event loop): run the request
         right here when an instance is idle and the model's recent compute time is under it.
-        Returns True when it ran here."""
+        Returns True when it ran here.
+
+        `admitted`: the caller already counted the request in flight (`admit()`); otherwise it is
+        admitted here. Either way it leaves the in-flight count when `on_done` is called."""
+        if not admitted:
+            try:
+                self.admit()
+            except InferenceError as exc:
+                on_done(exc)
+                return False
+        on_done = self._releasing(on_done)
         if self.shutting_down:
             on_done(unavailable("server is shutting down"))
             return False
@@ -253,6 +336,18 @@ class DataPlane:
                 lease.release()
             on_done(exc)
         return False
+
+    def _releasing(self, on_done: ResponseCallback) -> ResponseCallback:
+        """`on_done` that first takes its request out of the in-flight count (once)."""
+        answered = [False]
+
+        def answer(result: InferResponse | InferenceError) -> None:
+            if not answered[0]:
+                answered[0] = True
+                self.release()
+            on_done(result)
+
+        return answer
 
     def _response(
         self,

@@ -137,8 +137,13 @@ class InferenceServicer:
 
     # -- inference ------------------------------------------------------------------------------
     async def ModelInfer(self, request: wire.DecodedInfer, context: Context) -> bytes:
-        infer_request = codec.to_infer_request(request)
-        response = await self.dataplane.infer(infer_request)
+        self.dataplane.admit()  # UNAVAILABLE at once when the server holds its in-flight limit
+        try:
+            infer_request = codec.to_infer_request(request)
+        except BaseException:
+            self.dataplane.release()
+            raise
+        response = await self.dataplane.infer(infer_request, admitted=True)
         return codec.encode_response(response, self.max_message_bytes)
 
     # -- repository -----------------------------------------------------------------------------

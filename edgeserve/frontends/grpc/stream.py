@@ -122,16 +122,23 @@ class StreamHandler:
                     msg = message.message
                     meta = _Meta(msg.id, msg.model_name, msg.model_version)
                     try:
-                        request = codec.to_infer_request(message)
+                        self.dataplane.admit()  # per message: refused at once when the server is full
                     except InferenceError as exc:
                         deliver(meta, exc)
                         continue
+                    try:
+                        request = codec.to_infer_request(message)
+                    except InferenceError as exc:
+                        self.dataplane.release()
+                        deliver(meta, exc)
+                        continue
                     except Exception as exc:
+                        self.dataplane.release()
                         log.exception("decoding stream request %s failed", msg.id)
                         deliver(meta, internal(f"internal error decoding the request: {exc}"))
                         continue
                     try:
-                        self.dataplane.submit(request, make_callback(meta))
+                        self.dataplane.submit(request, make_callback(meta), admitted=True)
                     except Exception as exc:  # submit answers through the callback; this is a bug path
                         log.exception("submitting stream request %s failed", msg.id)
                         deliver(meta, internal(f"internal error submitting the request: {exc}"))

@@ -190,16 +190,23 @@ class Routes:
     # inference
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
-        body = await read_body(request, self.max_input_bytes)
-        header_length = codec.parse_header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
-        if header_length == 0:
-            infer_request = codec.decode_raw_request(
-                name, version, body, self.dataplane.model_config(name, version)
-            )
-            binary_default = True
-        else:
-            infer_request, binary_default = codec.decode_request(name, version, body, header_length)
-        response = await self.dataplane.infer(infer_request)
+        # Admission before the body is read: an overloaded server answers 503 at once and spends
+        # nothing on the tensors (aiohttp drains the unread body and keeps the connection).
+        self.dataplane.admit()
+        try:
+            body = await read_body(request, self.max_input_bytes)
+            header_length = codec.parse_header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+            if header_length == 0:
+                infer_request = codec.decode_raw_request(
+                    name, version, body, self.dataplane.model_config(name, version)
+                )
+                binary_default = True
+            else:
+                infer_request, binary_default = codec.decode_request(name, version, body, header_length)
+        except BaseException:
+            self.dataplane.release()
+            raise
+        response = await self.dataplane.infer(infer_request, admitted=True)
         chunks, json_length = codec.encode_response(response, infer_request, binary_default)
         headers: dict[str, str] = {}
         if json_length is None:

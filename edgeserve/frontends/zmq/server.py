@@ -181,7 +181,12 @@ class ZmqFrontend:
                 f"too many requests in flight from this client (max {self.max_inflight}); "
                 "wait for replies before sending more",
             )
-        decoded = codec.decode_infer(header, frames, self.dataplane.shm)
+        self.dataplane.admit()  # UNAVAILABLE at once, before decoding, when the server is at its limit
+        try:
+            decoded = codec.decode_infer(header, frames, self.dataplane.shm)
+        except BaseException:
+            self.dataplane.release()
+            raise
         with self._count_lock:
             peer.inflight += 1
             self._inflight += 1
@@ -208,7 +213,7 @@ class ZmqFrontend:
         inline = self.inline_max_ns if router is not None and not router.input_waiting() else 0
         token = CURRENT_CLIENT.set(peer.owner)  # fair shares of a full queue, per client socket
         try:
-            if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline):
+            if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline, admitted=True):
                 self._inline_runs += 1
         finally:
             CURRENT_CLIENT.reset(token)

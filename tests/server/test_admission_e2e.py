@@ -1,0 +1,141 @@
+"""Issue 13 (overload): the server-wide in-flight bound (`[server] max_inflight`), end to end against a
+real `edgeserve serve` with a slow model. A flood of concurrent requests over HTTP and gRPC, more than
+the bound: every answer is a success or an explicit overload rejection (HTTP 503 / gRPC UNAVAILABLE
+naming it), none hangs, and once the flood ends a request succeeds at once. Counts and statuses only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc.aio as grpcclient
+from es_server import RunningServer, ServerFactory
+from onnx import TensorProto, helper, numpy_helper
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.timeout(240)
+
+DIM = 256
+LAYERS = 48
+LIMIT = 4
+FLOOD = 48
+OVERLOAD = "server overloaded"
+QUEUE_FULL = "Exceeds maximum queue size"
+
+
+def _slow_repo(tmp_path: Path) -> Path:
+    """A MatMul+Tanh chain: milliseconds per row on one thread, so a flood overloads it."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(LAYERS):
+        w = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        out = "y" if i == LAYERS - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
+        prev = out
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", DIM])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", DIM])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    repo = tmp_path / "repo"
+    (repo / "slow" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "slow" / "1" / "model.onnx"))
+    (repo / "slow" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 1\ninstance_group [{ kind: KIND_CPU, count: 1 }]\n'
+    )
+    return repo
+
+
+def _start(server_factory: ServerFactory, tmp_path: Path) -> RunningServer:
+    return server_factory(
+        _slow_repo(tmp_path),
+        env={
+            "EDGESERVE_SERVER_MAX_INFLIGHT": str(LIMIT),
+            "EDGESERVE_RUNTIME_CPU_THREADS": "1",
+            "EDGESERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT": "256",
+        },
+    )
+
+
+def _row() -> np.ndarray:
+    return np.random.default_rng(1).random((1, DIM), dtype=np.float32)
+
+
+async def _http_flood(server: RunningServer) -> tuple[list[tuple[int, str]], int]:
+    url = f"{server.base}/v2/models/slow/infer"
+    x = _row()
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, DIM], "data": x.ravel().tolist()}]}
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=FLOOD), timeout=timeout) as session:
+
+        async def one() -> tuple[int, str]:
+            async with session.post(url, json=body) as resp:
+                return resp.status, await resp.text()
+
+        results = await asyncio.gather(*(one() for _ in range(FLOOD)))
+        # after the flood: the next request is served (the in-flight count went back to 0)
+        async with session.post(url, json=body) as resp:
+            after = resp.status
+    return list(results), after
+
+
+async def _grpc_flood(server: RunningServer) -> tuple[list[tuple[str, str]], str]:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    x = _row()
+
+    async def one() -> tuple[str, str]:
+        inp = grpcclient.InferInput("x", [1, DIM], "FP32")
+        inp.set_data_from_numpy(x)
+        try:
+            await client.infer("slow", [inp], client_timeout=60)
+        except InferenceServerException as exc:
+            return str(exc.status()), str(exc.message())
+        return "OK", ""
+
+    try:
+        results = await asyncio.gather(*(one() for _ in range(FLOOD)))
+        after = await one()
+    finally:
+        await client.close()
+    return list(results), after[0]
+
+
+def test_http_flood_is_served_or_refused_with_503_and_recovers(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    server = _start(server_factory, tmp_path)
+    results, after = asyncio.run(_http_flood(server))
+    statuses = [status for status, _ in results]
+    assert set(statuses) <= {200, 503}, results
+    refused = [text for status, text in results if status == 503]
+    assert all(OVERLOAD in text or QUEUE_FULL in text for text in refused), refused
+    assert any(OVERLOAD in text and f"limit {LIMIT}" in text for text in refused), results
+    assert 1 <= statuses.count(200) < FLOOD
+    assert after == 200
+    assert server.alive()
+
+
+def test_grpc_flood_is_served_or_refused_unavailable_and_recovers(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    server = _start(server_factory, tmp_path)
+    results, after = asyncio.run(_grpc_flood(server))
+    codes = [code for code, _ in results]
+    assert set(codes) <= {"OK", "StatusCode.UNAVAILABLE"}, results
+    refused = [message for code, message in results if code != "OK"]
+    assert all(OVERLOAD in m or QUEUE_FULL in m for m in refused), refused
+    assert any(OVERLOAD in m for m in refused), results
+    assert 1 <= codes.count("OK") < FLOOD
+    assert after == "OK"
+    assert server.alive()
