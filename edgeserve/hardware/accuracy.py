@@ -9,6 +9,7 @@ the cached error without re-running.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -189,6 +190,7 @@ class AccuracyGuard:
     def _store(self, file: Path | None, entries: dict[str, Any]) -> None:
         if file is None:
             return
+        tmp = ""
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
@@ -197,6 +199,9 @@ class AccuracyGuard:
             os.replace(tmp, file)
         except OSError as exc:
             log.warning("cannot cache the accuracy check in %s: %s", file.parent, exc)
+            if tmp:  # a full disk must not also collect half-written temporary files
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def measure(
         self, path: Path, option: PlanOption, runner: Runner | None = None
