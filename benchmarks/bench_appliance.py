@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import psutil
 from common import ROOT, free_port, machine_facts, progress
+from es_server import server_command
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ROOT / "models"
@@ -171,22 +172,10 @@ def start_appliance(
     zmq_endpoint = f"ipc://{tmp}/edgeserve.zmq"
     log_path = tmp / "supervisor.log"
     notify = NotifyListener(tmp)
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgeserve",
-        "run",
-        "--model-repository",
-        str(repository),
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--zmq-endpoint",
-        zmq_endpoint,
-        *(a for m in load_models for a in ("--load-model", m)),
-        *(extra_args or []),
-    ]
+    models = [a for m in load_models for a in ("--load-model", m)]
+    cmd = server_command(
+        "run", repository, http_port, grpc_port, zmq_endpoint, [*models, *(extra_args or [])]
+    )
     full_env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

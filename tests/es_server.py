@@ -26,19 +26,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
-class RunningServer:
-    process: subprocess.Popen[bytes]
+class Endpoints:
+    """Addresses and the log of a server started on free loopback ports (shared by the fixtures)."""
+
     http_port: int
     grpc_port: int
-    zmq_endpoint: str
     log_path: Path
-    repository: Path
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
 
     @property
     def base(self) -> str:
@@ -50,6 +43,21 @@ class RunningServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class RunningServer(Endpoints):
+    process: subprocess.Popen[bytes]
+    http_port: int
+    grpc_port: int
+    zmq_endpoint: str
+    log_path: Path
+    repository: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -65,9 +73,18 @@ class RunningServer:
         return int(self.process.returncode)
 
 
-def _get_status(url: str) -> int | None:
+def server_command(command: str, repository: Path, http_port: int, grpc_port: int, zmq_endpoint: str,
+                   extra: list[str]) -> list[str]:  # fmt: skip
+    """`python -m edgeserve serve|run` on the given loopback ports (tests and benchmarks)."""
+    return [sys.executable, "-m", "edgeserve", command, "--model-repository", str(repository),
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--zmq-endpoint", zmq_endpoint,
+            *extra]  # fmt: skip
+
+
+def get_status(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of a GET, None when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -90,21 +107,7 @@ def start_server(
     http_port, grpc_port = free_port(), free_port()
     zmq_endpoint = f"ipc://{tmp}/edgeserve-{http_port}.zmq"
     log_path = tmp / f"server-{http_port}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgeserve",
-        command,
-        "--model-repository",
-        str(repository),
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--zmq-endpoint",
-        zmq_endpoint,
-        *(args or []),
-    ]
+    cmd = server_command(command, repository, http_port, grpc_port, zmq_endpoint, args or [])
     full_env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -119,7 +122,7 @@ def start_server(
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"edgeserve exited with {process.returncode}:\n{server.log()}")
-        if _get_status(server.base + path) == 200:
+        if get_status(server.base + path) == 200:
             return server
         time.sleep(0.1)
     server.stop()

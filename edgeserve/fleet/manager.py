@@ -586,39 +586,11 @@ class FleetManager:
 
     # -- staged rollout -----------------------------------------------------------------------------
 
-    def deploy(
-        self,
-        url: str,
-        sha256: str | None = None,
-        selector: str = "all",
-        canary_percent: float = 10.0,
-        wave_size: int = 10,
-        pause_s: float = 0.0,
-        max_failure_ratio: float = 0.0,
-        on_progress: ProgressCallback | None = None,
-        *,
-        timeout_s: float = 600.0,
-        rollback_timeout_s: float = 300.0,
-        include_offline: bool = False,
-        discover_timeout_s: float = 5.0,
-    ) -> Json:
-        """Staged rollout of a bundle (see rollout.py)."""
+    def deploy(self, url: str, *args: Any, **kwargs: Any) -> Json:
+        """Staged rollout of a bundle; the arguments and their defaults are `Rollout.run`'s."""
         from edgeserve.fleet.rollout import Rollout
 
-        return Rollout(self).run(
-            url=url,
-            sha256=sha256,
-            selector=selector,
-            canary_percent=canary_percent,
-            wave_size=wave_size,
-            pause_s=pause_s,
-            max_failure_ratio=max_failure_ratio,
-            on_progress=on_progress,
-            timeout_s=timeout_s,
-            rollback_timeout_s=rollback_timeout_s,
-            include_offline=include_offline,
-            discover_timeout_s=discover_timeout_s,
-        )
+        return Rollout(self).run(url, *args, **kwargs)
 
     def watch(self, on_message: WatchCallback, timeout_s: float = 10.0) -> Callable[[], None]:
         """Call `on_message(device, leaf, body, retained)` for every state/health/events/reported message

@@ -11,8 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from es_server import ROOT, free_port
+from es_server import ROOT, Endpoints, free_port, get_status, server_command
 
 
 @dataclass
@@ -89,7 +87,7 @@ class NotifyListener:
 
 
 @dataclass
-class Appliance:
+class Appliance(Endpoints):
     process: subprocess.Popen[bytes]
     notify: NotifyListener
     http_port: int
@@ -98,17 +96,6 @@ class Appliance:
     log_path: Path
     config_path: Path
     started_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def server_pid(self, timeout: float = 30.0, not_pid: int | None = None) -> int:
         """The current server child's pid (a new one when `not_pid` is given)."""
@@ -122,13 +109,7 @@ class Appliance:
         raise AssertionError(f"no server child (other than {not_pid}) within {timeout}s:\n{self.log()}")
 
     def get(self, path: str, timeout: float = 5.0) -> int | None:
-        try:
-            with urllib.request.urlopen(self.base + path, timeout=timeout) as response:
-                return int(response.status)
-        except urllib.error.HTTPError as exc:
-            return int(exc.code)
-        except OSError:
-            return None
+        return get_status(self.base + path, timeout)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -191,11 +172,8 @@ def start_appliance(
     full_env.pop("WATCHDOG_USEC", None)
     if watchdog_usec:
         full_env["WATCHDOG_USEC"] = str(watchdog_usec)
-    command = [
-        sys.executable, "-m", "edgeserve", "run", "--config", str(config_path),
-        "--model-repository", str(repository), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-        "--zmq-endpoint", zmq_endpoint, *(args or []),
-    ]  # fmt: skip
+    command = server_command("run", repository, http_port, grpc_port, zmq_endpoint,
+                             ["--config", str(config_path), *(args or [])])  # fmt: skip
     log_path = tmp / f"appliance-{http_port}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
