@@ -36,6 +36,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgeserve.grpc")
 
+
+class _ClientGone(logging.Filter):
+    """grpc.aio logs an answer it could not send to a client that cancelled (ExecuteBatchError) at
+    ERROR with a traceback: the client's doing, so one DEBUG line; the log stays bounded."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        error = record.exc_info[1] if record.exc_info else None
+        if "ExecuteBatchError" not in text and type(error).__name__ != "ExecuteBatchError":
+            return True
+        if not log.isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg, record.args = f"a client left before its answer: {text}".replace("\n", " "), None
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_ClientGone())
+
 SERVICE = "inference.GRPCInferenceService"
 
 # RPC -> request message name (unary RPCs; the response is whatever the handler returns)
