@@ -53,7 +53,7 @@ class Caller:
         if mode == "zmq_inline":
             return lambda: client.infer(MODEL, {"INPUT0": x}).as_numpy("OUTPUT0")
         ring = client.create_ring(slots=2, slot_size=x.nbytes)
-        copy = mode == "zmq_shm_copy"
+        write = mode == "zmq_shm_write"
         slots = [ring.acquire() for _ in range(ring.slots)]
         for slot in slots:  # zmq_shm: the producer wrote the frame into every slot
             slot.ndarray(SHAPE, np.float32)[:] = x
@@ -61,9 +61,9 @@ class Caller:
 
         def call() -> Any:
             slot = ring.acquire()
-            if copy:
-                slot.ndarray(SHAPE, np.float32)[:] = x  # the producer copies its frame into the slot
-            return client.infer(MODEL, {"INPUT0": slot.tensor(SHAPE, np.float32)}).as_numpy("OUTPUT0")
+            # zmq_shm_write: the producer copies its frame in with the documented API
+            tensor = slot.write(x) if write else slot.tensor(SHAPE, np.float32)
+            return client.infer(MODEL, {"INPUT0": tensor}).as_numpy("OUTPUT0")
 
         return call
 

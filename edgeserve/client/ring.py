@@ -128,18 +128,32 @@ class Slot:
         return ShmTensor(self.ring.name, byte_size, 0, datatype, dims, self)
 
     def write(self, array: npt.NDArray[Any]) -> ShmTensor:
-        """Copy `array` into the slot and return its reference."""
-        datatype = datatypes.from_numpy(array.dtype)
-        payload = datatypes.to_wire_bytes(np.asarray(array), datatype)
-        size = memoryview(payload).nbytes
+        """Copy `array` into the slot and return its reference: one copy, straight into the slot
+        (a strided view, such as a crop of a camera frame, is gathered by that same copy)."""
+        array = np.asarray(array)
+        datatype = _datatype(array.dtype)
+        shape = tuple(int(d) for d in array.shape)
+        if datatype == "BYTES":
+            payload = datatypes.to_wire_bytes(array, datatype)
+            size = memoryview(payload).nbytes
+            self._check_fits(size)
+            self.buffer[:size] = payload
+            return ShmTensor(self.ring.name, size, 0, datatype, shape, self)
+        size = array.nbytes
+        self._check_fits(size)
+        start = self.ring.layout.slot_offset(self.index)
+        # Viewing as uint8 first also covers dtypes the buffer protocol cannot export (bfloat16).
+        target = np.frombuffer(self.ring.buf, dtype=np.uint8, count=size, offset=start)
+        np.copyto(target.view(array.dtype).reshape(shape), array, casting="no")
+        return ShmTensor(self.ring.name, size, 0, datatype, shape, self)
+
+    def _check_fits(self, size: int) -> None:
         if size > self.ring.slot_size:
             raise ClientError(
                 "INVALID_ARG",
                 f"a {size}-byte tensor does not fit a {self.ring.slot_size}-byte slot "
                 f"of ring '{self.ring.name}'",
             )
-        self.buffer[:size] = payload
-        return ShmTensor(self.ring.name, size, 0, datatype, tuple(int(d) for d in array.shape), self)
 
     def output(self, byte_size: int | None = None) -> ShmTensor:
         """A reference asking the server to write an output into this slot."""

@@ -72,6 +72,21 @@ def test_write_read_and_views() -> None:
         del view
 
 
+def test_write_gathers_a_strided_view_in_one_copy() -> None:
+    # a crop of a camera frame is not contiguous: write() gathers it straight into the slot
+    frame = np.arange(8 * 10 * 3, dtype=np.uint8).reshape(8, 10, 3)
+    crop = frame[1:7:2, 2:8, ::-1]
+    assert not crop.flags.c_contiguous
+    with FrameRing(2, 256) as ring:
+        slot = ring.acquire()
+        ref = slot.write(crop)
+        assert (ref.datatype, ref.shape, ref.byte_size) == ("UINT8", (3, 6, 3), crop.nbytes)
+        assert np.array_equal(ring.read(slot, "UINT8", (3, 6, 3), crop.nbytes), crop)
+        half = np.linspace(-2, 2, 6, dtype=np.float16).reshape(2, 3).T
+        ref = slot.write(half)
+        assert np.array_equal(ring.read(slot, "FP16", (3, 2), 12), half)
+
+
 def test_closed_ring_refuses_slots() -> None:
     ring = FrameRing(1, 64)
     ring.close()
