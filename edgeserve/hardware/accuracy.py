@@ -1,10 +1,12 @@
 """The accuracy guard: a lower precision (bf16/fp16) is used only if the config allows it, or if its
-outputs on a few deterministic random warm-up inputs stay within a stated tolerance of fp32.
+outputs stay within a stated tolerance of fp32 on representative inputs: the OTA bundle's checks or
+the config's model_warmup samples when the model has them (inputs.py), else 3 deterministic random
+inputs on the model's shapes.
 
-Error = max over outputs and samples of max|candidate - fp32| / max|fp32| (relative to the fp32
-output's largest magnitude). Results are cached per model file hash, backend, device, precision,
-runtime version and CPU model, so a restart does not measure again; a changed tolerance re-judges
-the cached error without re-running.
+The figures are scale-aware, per output (fidelity.py): RMS and worst error relative to the output's
+range, cosine similarity, top-1 agreement for score-shaped outputs. They are cached per model file
+hash, inputs, backend, device, precision, runtime version and CPU model, so a restart does not measure
+again; a changed tolerance re-judges the cached figures without re-running.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from edgeserve.hardware import fidelity
+from edgeserve.hardware.inputs import ModelInputs
 from edgeserve.hardware.plan import GuardResult, PlanOption
 
 log = logging.getLogger("edgeserve.hardware.accuracy")
@@ -204,24 +208,35 @@ class AccuracyGuard:
                     os.unlink(tmp)
 
     def measure(
-        self, path: Path, option: PlanOption, runner: Runner | None = None
-    ) -> tuple[float, str | None]:
-        """(max relative error vs fp32, note); raises when the model cannot be run."""
+        self,
+        path: Path,
+        option: PlanOption,
+        runner: Runner | None = None,
+        inputs: ModelInputs | None = None,
+    ) -> tuple[list[fidelity.OutputFigures], str | None]:
+        """(figures per output vs fp32, note); raises when the model cannot be run."""
         if option.backend == "openvino":
             specs, run = _openvino_specs(path), runner or _openvino_runner
         else:
             specs, run = _backend_specs(path, option), runner or _backend_runner
-        feeds = sample_feeds(specs, self.samples, self.seed)
+        feeds = inputs.feeds if inputs is not None else sample_feeds(specs, self.samples, self.seed)
         reference, _ = run(path, PlanOption(option.backend, option.device, "fp32", option.providers), feeds)
         candidate, note = run(path, option, feeds)
-        errors = [relative_error(r, c) for r, c in zip(reference, candidate, strict=True)]
-        return max(errors, default=0.0), note
+        names = _output_names(path, option, len(reference[0]) if reference else 0)
+        figures = [
+            fidelity.compare(name, [r[i] for r in reference], [c[i] for c in candidate])
+            for i, name in enumerate(names)
+        ]
+        return figures, note
 
-    def __call__(self, path: Path, option: PlanOption, tolerance: float) -> GuardResult:
+    def __call__(
+        self, path: Path, option: PlanOption, tolerance: float, inputs: ModelInputs | None = None
+    ) -> GuardResult:
         try:
             digest = model_digest(path)
         except OSError as exc:
             return GuardResult(False, f"cannot read {path.name}: {exc}")
+        source = inputs.source if inputs is not None else f"{self.samples} random inputs"
         key = "|".join(
             (
                 option.backend,
@@ -230,30 +245,58 @@ class AccuracyGuard:
                 ",".join(option.providers),
                 _runtime_version(option.backend),
                 _cpu_model(),
-                f"{self.samples}x{self.seed}",
+                inputs.digest() if inputs is not None else f"{self.samples}x{self.seed}",
+                "figures v2",  # entries of the old max-relative-error guard are not reused
             )
         )
         file = self._cache_file(digest)
         entries = self._load(file)
         cached = entries.get(key)
-        if isinstance(cached, dict) and "error" in cached:
-            error, note, how = float(cached["error"]), cached.get("note"), "cached"
-        else:
+        figures: list[fidelity.OutputFigures] | None = None
+        if isinstance(cached, dict) and isinstance(cached.get("figures"), list):
             try:
-                error, note = self.measure(path, option)
+                figures, note, how = fidelity.from_dicts(cached["figures"]), cached.get("note"), "cached"
+            except (TypeError, ValueError, AttributeError):
+                figures = None  # an entry of another shape: measure again
+        if figures is None:
+            try:
+                figures, note = self.measure(path, option, inputs=inputs)
             except Exception as exc:  # the guard must never take a load down: refuse the precision instead
                 log.warning("accuracy check of %s for %s failed: %s", path, option.label(), exc)
                 return GuardResult(False, f"could not run the check ({type(exc).__name__}: {exc})")
-            entries[key] = {"error": error, "note": note, "model": path.name}
+            entries[key] = {"figures": [f.to_dict() for f in figures], "note": note, "model": path.name}
             self._store(file, entries)
-            how = f"measured on {self.samples} random inputs"
+            how = f"measured on {source}"
+        error = max((f.range_error for f in figures), default=0.0)
         if note:
-            return GuardResult(False, f"{note}: nothing to gain ({how})", error)
-        ok = error <= tolerance
-        verdict = "<=" if ok else ">"
+            return GuardResult(False, f"{note}: nothing to gain ({how})", error, tuple(figures), source)
+        ok, why = fidelity.judge(figures, tolerance)
+        verdict = "within" if ok else "outside"
         return GuardResult(
-            ok, f"max relative error {error:.2e} {verdict} tolerance {tolerance:g} ({how})", error
+            ok, f"{why} {verdict} tolerance {tolerance:g} ({how})", error, tuple(figures), source
         )
+
+
+def _output_names(path: Path, option: PlanOption, count: int) -> list[str]:
+    """Output names in run order (the runners return outputs in the model's order)."""
+    try:
+        if option.backend == "openvino":
+            from edgeserve.backends.openvino import core as openvino_core
+
+            model = openvino_core().read_model(str(path))
+            names: list[str] = []
+            for i, port in enumerate(model.outputs):
+                try:
+                    names.append(str(port.get_any_name()))
+                except RuntimeError:
+                    names.append(f"output{i}")
+        else:
+            from edgeserve.backends.base import get_backend
+
+            names = [t.name for t in get_backend(option.backend).inspect(path).outputs]
+    except Exception:
+        names = []
+    return names if len(names) == count else [f"output{i}" for i in range(count)]
 
 
 def default_cache_dir(settings: Any) -> Path | None:

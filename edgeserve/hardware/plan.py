@@ -10,10 +10,9 @@ does not vouch for, the accuracy guard. The first that passes is chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeserve.backends.options import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
@@ -21,6 +20,9 @@ from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifa
 from edgeserve.hardware.probes import HardwareInfo
 from edgeserve.hardware.profile import Candidate, DeviceProfile
 from edgeserve.hardware.runtimes import RuntimeInventory
+
+if TYPE_CHECKING:
+    from edgeserve.hardware.fidelity import OutputFigures
 
 CPU_EP = "CPUExecutionProvider"
 GPU_EPS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -45,12 +47,17 @@ class PlanOption:
 @dataclass(frozen=True)
 class GuardResult:
     ok: bool
-    reason: str  # e.g. "max relative error 3.1e-03 <= 1e-02 (cached)"
-    error: float | None = None
+    reason: str  # e.g. "range err 1.6e-03, worst 6.5e-03, cos 0.99999 within tolerance 0.01 (cached)"
+    error: float | None = None  # the largest range error over the outputs
+    figures: tuple[OutputFigures, ...] = ()  # per output (fidelity.py)
+    inputs: str = ""  # what it was measured on
 
 
-# (artifact path, option, tolerance) -> verdict; see accuracy.py
-AccuracyGuard = Callable[[Path, PlanOption, float], GuardResult]
+class AccuracyGuard(Protocol):
+    """(artifact path, option, tolerance[, representative inputs]) -> verdict; see accuracy.py. The
+    inputs are passed only when the model ships some (a plain 3-argument callable also fits)."""
+
+    def __call__(self, path: Path, option: PlanOption, tolerance: float, /) -> GuardResult: ...
 
 
 @dataclass(frozen=True)
@@ -388,7 +395,7 @@ class Planner:
                     artifact,
                 )
             else:
-                result = self.guard(artifact, option, tolerance)
+                result = self.check_accuracy(artifact, option, tolerance, name, version_dir, config, where)
                 verdict = Verdict(option, result.ok, "accuracy guard: " + result.reason, artifact)
             verdicts.append(verdict)
             if verdict.ok:
@@ -412,6 +419,21 @@ class Planner:
         return ModelPlan(
             name, version, chosen, self.backend_options(chosen.option, config, pins), tuple(verdicts), pins
         )
+
+    def check_accuracy(
+        self, artifact: Path, option: PlanOption, tolerance: float, name: str, version_dir: Path,
+        config: Any, where: str | None,
+    ) -> GuardResult:  # fmt: skip
+        """The guard's verdict, on the model's representative inputs when it ships some."""
+        assert self.guard is not None
+        from edgeserve.hardware.inputs import model_inputs
+
+        inputs = model_inputs(name, version_dir.parent, config, where or "")
+        if inputs is None:
+            return self.guard(artifact, option, tolerance)
+        guard: Any = self.guard  # accuracy.AccuracyGuard takes the inputs as a 4th argument
+        result: GuardResult = guard(artifact, option, tolerance, inputs)
+        return result
 
     def backend_options(self, option: PlanOption, config: Any, pins: Pins | None = None) -> BackendOptions:
         runtime = self.settings.runtime

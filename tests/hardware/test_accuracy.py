@@ -31,7 +31,7 @@ def test_bf16_within_tolerance_then_rejected_under_a_tiny_one(model: Path, tmp_p
     assert ok.ok and ok.error is not None and 0 < ok.error <= 1e-2, ok
     assert "measured on 3 random inputs" in ok.reason
     tight = guard(model, BF16, 1e-6)
-    assert not tight.ok and "> tolerance 1e-06 (cached)" in tight.reason  # re-judged from the cache
+    assert not tight.ok and "outside tolerance 1e-06 (cached)" in tight.reason  # re-judged from the cache
     assert tight.error == ok.error
     # a restart (new guard object) reuses the cached measurement
     again = AccuracyGuard(tmp_path / "cache")(model, BF16, 1e-2)
@@ -46,8 +46,9 @@ def test_bf16_without_native_support_is_refused(model: Path, tmp_path: Path) -> 
 
 
 def test_fp32_candidate_measures_zero(model: Path) -> None:
-    error, note = AccuracyGuard(None).measure(model, PlanOption("openvino", "CPU", "fp32"))
-    assert error < 1e-6 and note is None
+    figures, note = AccuracyGuard(None).measure(model, PlanOption("openvino", "CPU", "fp32"))
+    assert [f.name for f in figures] == ["OUTPUT0"] and note is None
+    assert figures[0].range_error < 1e-6 and figures[0].cosine > 1 - 1e-9 and figures[0].top1 == 1.0
 
 
 def test_unrunnable_model_is_refused_not_raised(tmp_path: Path) -> None:
