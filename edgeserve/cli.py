@@ -308,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--root", type=Path, default=Path("/"), help="filesystem root to probe (tests, fixtures)"
     )
     detect.add_argument("--model-repository", type=Path, default=Path("models"))
+    detect.add_argument(
+        "--model", type=Path, help="a model folder: race its candidates here (or read the cached race)"
+    )
+    detect.add_argument("--fresh", action="store_true", help="with --model: race again, ignoring the cache")
     detect.add_argument("--json", action="store_true")
     detect.set_defaults(func=_detect)
     return parser

@@ -108,7 +108,8 @@ class RuntimeSection:
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
     openvino_performance_hint: str = "LATENCY"
     allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
-    accuracy_tolerance: float = 1e-2  # max relative error a lower precision may add at warm-up
+    accuracy_tolerance: float = 1e-2  # max error (share of each output's range) a lower precision may add
+    race_budget_s: float = 6.0  # load-time race of the viable runtimes per model (0 = the profile's rule)
     cache_dir: Path | None = None
     device_profiles: Path | None = None  # extra folder of device profile TOMLs
     hardware_root: Path = Path("/")
@@ -208,6 +209,8 @@ class Settings:
             fail("runtime.cpu_threads", "must be 0 (auto) or a positive thread count")
         if self.runtime.openvino_performance_hint not in ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"):
             fail("runtime.openvino_performance_hint", "use LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT")
+        if not 0 <= self.runtime.race_budget_s <= 600:
+            fail("runtime.race_budget_s", "must be 0 (no race: the profile order decides) up to 600 seconds")
         unknown = set(self.runtime.allowed_precisions) - {"fp32", "fp16", "bf16", "int8"}
         if unknown:
             fail(

@@ -246,7 +246,7 @@ class AccuracyGuard:
                 _runtime_version(option.backend),
                 _cpu_model(),
                 inputs.digest() if inputs is not None else f"{self.samples}x{self.seed}",
-                "figures v2",  # entries of the old max-relative-error guard are not reused
+                "figures v3",  # entries of the old max-relative-error guard are not reused
             )
         )
         file = self._cache_file(digest)

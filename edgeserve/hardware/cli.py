@@ -1,5 +1,9 @@
 """`edgeserve detect [--root DIR] [--model-repository DIR] [--json]`: the hardware, the device profile and
-the runtime plan for every model, with the reason for each rejected option."""
+the runtime plan for every model, with the reason for each rejected option.
+
+`edgeserve detect --model DIR [--fresh] [--json]`: one model folder's plan and its load-time race (every
+candidate timed, the rejected ones and why, the winner), read from the race cache when this box has
+raced it already; no server is started."""
 
 from __future__ import annotations
 
@@ -71,6 +75,53 @@ def _print_plan(plan: ModelPlan) -> None:
         print(f"      skipped  {verdict.option.label()}: {verdict.reason}")
 
 
+def _race_model(args: argparse.Namespace, settings: Settings, planner: Planner) -> int:
+    """`detect --model DIR`: plan and race one model folder here."""
+    from edgeserve.hardware.race import Racer
+    from edgeserve.hardware.race_result import RaceCache
+    from edgeserve.repository.config import parse_pbtxt
+    from edgeserve.repository.layout import CONFIG_FILE, version_dirs
+
+    model_dir = Path(args.model)
+    versions = version_dirs(model_dir) if model_dir.is_dir() else {}
+    if not versions:
+        print(f"edgeserve detect: --model {model_dir} has no numeric version folder", file=sys.stderr)
+        return 2
+    where = str(model_dir / CONFIG_FILE)
+    try:
+        config = parse_pbtxt(model_dir / CONFIG_FILE) if (model_dir / CONFIG_FILE).exists() else None
+    except InferenceError as exc:
+        print(f"edgeserve detect: {exc.message}", file=sys.stderr)
+        return 2
+    name = config.name if config is not None and config.name else model_dir.resolve().name
+    version_dir = versions[max(versions)]
+    plan = planner.plan_model(name, version_dir, config, where)
+    budget = settings.runtime.race_budget_s if planner.guard is not None else 0.0
+    racer = Racer(planner, RaceCache(default_cache_dir(settings)), budget)
+    race = racer.run(plan, name, version_dir, config, where, fresh=bool(getattr(args, "fresh", False)))
+    if getattr(args, "json", False):
+        out = {"model": name, "plan": plan.to_dict(), "race": race.to_dict() if race else None,
+               "race_budget_s": budget, "cached": bool(race and race.cached)}  # fmt: skip
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"profile:  {planner.profile.name} — {planner.profile.description} [{planner.profile.source}]")
+    _print_plan(plan)
+    if race is None:
+        why = (
+            "race_budget_s is 0"
+            if budget <= 0
+            else "pinned backend, an accelerator's choice, or a single candidate: nothing to race"
+        )
+        print(f"  race: not run ({why}); the profile's order decides")
+        return 0
+    when = "cached" if race.cached else f"{race.seconds:.1f}s"
+    print(f"  race ({when}, budget {race.budget_s:g}s, inputs: {race.inputs or '?'}):")
+    for line in race.table():
+        print(f"  {line}")
+    print(f"  => {race.summary()}")
+    return 0
+
+
 def detect_command(args: argparse.Namespace) -> int:
     root = Path(getattr(args, "root", None) or "/")
     if not root.is_dir():
@@ -86,6 +137,8 @@ def detect_command(args: argparse.Namespace) -> int:
     profile = match_profile(hw, load_profiles([settings.runtime.device_profiles]))
     guard = AccuracyGuard(default_cache_dir(settings)) if hw.is_live else None
     planner = Planner(hw, profile, runtimes, settings, guard)
+    if getattr(args, "model", None) is not None:
+        return _race_model(args, settings, planner)
     repository = Path(getattr(args, "model_repository", None) or settings.server.model_repository)
 
     plans: list[ModelPlan] = []

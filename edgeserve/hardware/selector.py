@@ -4,12 +4,15 @@
 
 Probes the box once (settings.runtime.hardware_root), matches a device profile (devices/ plus
 settings.runtime.device_profiles), and for each model version returns the plan's choice, with the
-other viable options as load-time fallbacks. A pinned backend (config `backend:` / `platform:`) that
+other viable options as load-time fallbacks. With `[runtime] race_budget_s` > 0, a model with no
+pinned backend is raced (race.py): the fastest candidate measured here that passes the accuracy guard
+is served, and the result is cached. A pinned backend (config `backend:` / `platform:`) that
 cannot run here is an error naming the backend and why, never a silent substitute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ from edgeserve.hardware.plan import AccuracyGuard as GuardFn
 from edgeserve.hardware.plan import ModelPlan, Planner
 from edgeserve.hardware.probes import HardwareInfo, probe_hardware
 from edgeserve.hardware.profile import DeviceProfile, load_profiles, match_profile
+from edgeserve.hardware.race import Racer
+from edgeserve.hardware.race_result import RaceCache, RaceResult
 from edgeserve.hardware.runtimes import RuntimeInventory, detect_runtimes
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository.selection import BackendChoice
@@ -50,6 +55,9 @@ class PlanSelector:
             # The guard runs models on this machine: only meaningful when the probed root is this machine.
             guard = AccuracyGuard(default_cache_dir(settings)) if self.hardware.is_live else None
         self.planner = Planner(self.hardware, self.profile, self.runtimes, settings, guard)
+        # The race times models on this machine: only when the probed root is this machine.
+        budget = settings.runtime.race_budget_s if self.hardware.is_live and guard is not None else 0.0
+        self.racer = Racer(self.planner, RaceCache(default_cache_dir(settings)), budget)
         log.info(
             "device profile %s (%s); %s", self.profile.name, self.profile.source, self.hardware.cpu.summary()
         )
@@ -81,6 +89,11 @@ class PlanSelector:
             reason += f"; pinned by {plan.pins.backend_why}"
         if rejected:
             reason += "; rejected: " + "; ".join(rejected)
+        race = self.racer.run(plan, model_name, version_dir, config, where)
+        if race is not None and race.chosen is not None:
+            return self._raced(race, plan, config, version_dir)
+        if race is not None:
+            reason += f"; {race.summary()}"
         fallbacks: tuple[BackendChoice, ...] = ()
         if not plan.pins.backend:
             fallbacks = tuple(
@@ -96,3 +109,32 @@ class PlanSelector:
         return BackendChoice(
             chosen.option.backend, chosen.artifact or version_dir, plan.options, reason, fallbacks
         )
+
+    def _raced(self, race: RaceResult, plan: ModelPlan, config: Any, version_dir: Path) -> BackendChoice:
+        """The race's winner, with the other timed candidates (fastest first) as fallbacks."""
+        by_label = {
+            (v.option.backend, v.option.device, v.option.precision): v for v in plan.verdicts if v.artifact
+        }
+        choices: list[BackendChoice] = []
+        for row in [r for r in race.ranked() if r.status != "rejected"]:
+            verdict = by_label.get((row.backend, row.device, row.precision))
+            if verdict is None or verdict.artifact is None:
+                continue
+            base = self.planner.backend_options(verdict.option, config)
+            parameters = dict(base.parameters)
+            if row.backend == "onnxruntime":
+                parameters.setdefault("intra_op_thread_count", str(row.threads))
+            options = dataclasses.replace(base, threads=row.threads, parameters=parameters)
+            choices.append(
+                BackendChoice(
+                    row.backend, verdict.artifact, options, f"race: {row.label()}", instances=row.instances
+                )
+            )
+        if not choices:  # cannot happen: the winner is a timed row of the plan
+            raise InferenceError(Status.INTERNAL, f"model {plan.model}: the race's winner is not in the plan")
+        text = f"device profile {self.profile.name}: {race.summary()}"
+        first = choices[0]
+        return BackendChoice(
+            first.backend_name, first.model_path, first.options, text, tuple(choices[1:]),
+            instances=first.instances, shown={"runtime_choice": text},
+        )  # fmt: skip

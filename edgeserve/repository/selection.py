@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ class BackendChoice:
     reason: str  # why this backend, for logs and `edgeserve models`
     # Tried in order when this choice fails to load (only for automatic choices).
     fallbacks: tuple[BackendChoice, ...] = ()
+    instances: int = 0  # instances to load when the config does not set a count (0 = the config's)
+    shown: Mapping[str, str] = field(default_factory=dict)  # put into the served config's parameters
 
 
 class BackendSelector(Protocol):

@@ -86,6 +86,10 @@ def _prepare_with(
         where=where,
     )  # fmt: skip
     validate(config, where, name, model_dir)
+    if choice.instances > 0 and len(config.instance_group) == 1:
+        config.instance_group[0].count = choice.instances  # measured by the load-time race
+    for key, value in choice.shown.items():
+        config.parameters[key].string_value = value
     label = f"model {name} version {version}"
     instances: list[Instance] = []
     try:

@@ -1,0 +1,179 @@
+"""What a load-time race measured (race.py): one row per candidate, the winner, and its on-disk cache.
+
+The cache lives in `<cache dir>/race/<model sha256>.json`, one entry per race key (device
+fingerprint, runtime versions, candidates, shapes, budget); it is written atomically, and a missing,
+corrupt or unwritable file only means the model is raced again: never a failed load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("edgeserve.hardware.race")
+
+TIMED, REJECTED, OVER_BUDGET, FAILED = "timed", "rejected", "over budget", "failed"
+
+
+@dataclass
+class Row:
+    """One candidate: backend x precision x layout (instances x threads, OpenVINO hint)."""
+
+    backend: str
+    device: str
+    precision: str
+    instances: int
+    threads: int
+    hint: str = ""  # OpenVINO performance hint
+    status: str = TIMED  # timed | rejected | over budget | failed
+    reason: str = ""  # why it was not timed or lost on accuracy; the accuracy figures when guarded
+    ms: dict[str, float] = field(default_factory=dict)  # scenario -> median ms per call
+    per_item_ms: dict[str, float] = field(default_factory=dict)  # scenario -> ms per inference
+    score_ms: float | None = None  # geometric mean of per_item_ms: lower is faster
+    compile_s: float = 0.0
+    rounds: int = 0
+    guarded: bool = False  # a lower precision that must pass the accuracy guard
+
+    def label(self) -> str:
+        device = "" if self.device == "CPU" else f" {self.device}"
+        hint = f" {self.hint.lower()}" if self.hint and self.hint != "LATENCY" else ""
+        layout = f" {self.instances}x{self.threads}" if self.instances else ""  # none: rejected untimed
+        return f"{self.backend}{device} {self.precision}{layout}{hint}"
+
+    def throughput(self) -> float | None:
+        """Inferences per second in the best scenario (the largest batch, all instances busy)."""
+        if not self.per_item_ms:
+            return None
+        best = min(self.per_item_ms.values())
+        return 1000.0 / best if best > 0 else None
+
+
+@dataclass
+class RaceResult:
+    model: str
+    scenarios: list[str]  # e.g. ["1 in flight", "batch 8 x instances"]
+    rows: list[Row]
+    winner: int | None = None  # index into rows
+    fallback: str | None = None  # why the rule's choice stays (over budget, nothing to race ...)
+    budget_s: float = 0.0
+    seconds: float = 0.0
+    inputs: str = ""  # what the candidates were fed
+    cached: bool = False
+
+    @property
+    def chosen(self) -> Row | None:
+        return self.rows[self.winner] if self.winner is not None else None
+
+    def ranked(self) -> list[Row]:
+        """Timed rows, fastest first."""
+        timed = [r for r in self.rows if r.score_ms is not None]
+        return sorted(timed, key=lambda r: r.score_ms or 0.0)
+
+    def summary(self) -> str:
+        """One line for logs and the served config: the winner against the others, and why."""
+        if self.chosen is None:
+            return f"race fell back to the rule: {self.fallback or 'no winner'}"
+        others = [r for r in self.ranked() if r is not self.chosen][:3]
+        text = f"raced: {self.chosen.label()} {self.chosen.score_ms:.3g} ms"
+        if others:
+            text += " vs " + ", ".join(f"{r.label()} {r.score_ms:.3g} ms" for r in others)
+        lost = [r for r in self.rows if r.status == REJECTED and r.score_ms is not None]
+        if lost:
+            text += "; faster but rejected: " + ", ".join(f"{r.label()} ({r.reason})" for r in lost)
+        text += f" ({', '.join(self.scenarios)}; {'cached' if self.cached else f'{self.seconds:.1f}s'})"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["summary"] = self.summary()
+        data.pop("cached")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RaceResult:
+        """Raises (TypeError, KeyError, ValueError) on a malformed entry."""
+        rows = [Row(**row) for row in data["rows"]]
+        winner = data.get("winner")
+        if winner is not None and not 0 <= int(winner) < len(rows):
+            raise ValueError("winner out of range")
+        return cls(
+            model=str(data["model"]),
+            scenarios=[str(s) for s in data["scenarios"]],
+            rows=rows,
+            winner=None if winner is None else int(winner),
+            fallback=data.get("fallback"),
+            budget_s=float(data.get("budget_s", 0.0)),
+            seconds=float(data.get("seconds", 0.0)),
+            inputs=str(data.get("inputs", "")),
+            cached=True,
+        )
+
+    def table(self) -> list[str]:
+        """The human table of `edgeserve detect --model`."""
+        cols = self.scenarios
+        head = f"  {'candidate':34} " + " ".join(f"{c[:20]:>20}" for c in cols) + f" {'inf/s':>8}  status"
+        lines = [head]
+        for row in self.rows:
+            cells = " ".join(f"{(f'{row.ms[c]:.3f} ms' if c in row.ms else '-'):>20}" for c in cols)
+            rate = row.throughput()
+            mark = "WINNER" if row is self.chosen else row.status
+            why = f" ({row.reason})" if row.reason else ""
+            lines.append(f"  {row.label():34} {cells} {(f'{rate:.1f}' if rate else '-'):>8}  {mark}{why}")
+        return lines
+
+
+class RaceCache:
+    """The race results of this box, per model file hash; every failure is logged and ignored."""
+
+    def __init__(self, cache_dir: Path | None) -> None:
+        self.cache_dir = cache_dir
+
+    def _file(self, digest: str) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / "race" / f"{digest[:32]}.json"
+
+    def _entries(self, file: Path | None) -> dict[str, Any]:
+        if file is None:
+            return {}
+        try:
+            data = json.loads(file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the race cache %s (%s); racing again", file, exc)
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, digest: str, key: str) -> RaceResult | None:
+        entry = self._entries(self._file(digest)).get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return RaceResult.from_dict(entry)
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            log.warning("ignoring a malformed race cache entry for %s (%s)", digest[:12], exc)
+            return None
+
+    def put(self, digest: str, key: str, result: RaceResult) -> None:
+        file = self._file(digest)
+        if file is None:
+            return
+        entries = self._entries(file)
+        entries[key] = result.to_dict()
+        tmp = ""
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(entries, fh, indent=1, sort_keys=True)
+            os.replace(tmp, file)
+        except OSError as exc:  # a full disk costs a race at the next start, nothing more
+            log.warning("cannot cache the race result in %s: %s", file.parent, exc)
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
