@@ -103,8 +103,11 @@ def describe_peer(spec: dict[str, Any]) -> str:
     return f"{spec['model']} {batching}, {spec['instances']} instance(s) of {spec['backend']}"
 
 
-def start(python: str, specs: list[dict[str, Any]]) -> tuple[subprocess.Popen[bytes], int, int, Path]:
-    """Start the peer process (not waiting for it): (process, http port, grpc port, log file)."""
+def start(
+    python: str, specs: list[dict[str, Any]], new_session: bool = False
+) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+    """Start the peer process (not waiting for it): (process, http port, grpc port, log file).
+    `new_session`: in a process group of its own (bench_peers.py stops that group)."""
     http_port, grpc_port = free_port(), free_port()
     workdir = Path(tempfile.mkdtemp(prefix="pytriton-bench-"))
     spec_path = workdir / "spec.json"
@@ -125,7 +128,9 @@ def start(python: str, specs: list[dict[str, Any]]) -> tuple[subprocess.Popen[by
     cmd = [python, str(Path(__file__).resolve()), str(spec_path), "--http-port", str(http_port),
            "--grpc-port", str(grpc_port)]  # fmt: skip
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=new_session
+        )
     return process, http_port, grpc_port, log_path
 
 

@@ -1,0 +1,366 @@
+"""Side by side with the peers (issue 14), one script, one process tree, back to back: the same ONNX
+models on the same runtime (ONNX Runtime, edgeserve's session options, same instance count), called
+
+    in-process       edgeserve's ORT instance(s) called from N threads (the limit; common.InProcess)
+    edgeserve        gRPC unary, gRPC stream, HTTP (binary tensors), ZeroMQ, ZeroMQ + shm (Slot.write)
+    pytriton         a real tritonserver (nvidia-pytriton 0.7.0; benchmarks/pytriton_peer.py): gRPC
+                     unary, gRPC stream, HTTP (binary tensors)
+    mlserver         MLServer 1.7.1 with an ORT MLModel (mlserver_peer.py, mlserver_ort.py), adaptive
+                     batching as edgeserve's dynamic batcher: gRPC unary, HTTP (JSON tensors)
+    ray              Ray Serve 2.60.0, a deployment with @serve.batch (ray_peer.py) behind its HTTP
+                     proxy: aiohttp with a V2-shaped JSON body, and with the raw float32 bytes
+
+with the same N concurrent clients (tasks on one event loop in this process; peer_clients.py) per
+row group, N in --clients; a markdown table with ratios to in-process and to the best peer, and the
+issue's targets checked.
+
+    python benchmarks/bench_peers.py                                  # mlp and ppocr_det, 1 and 8 clients
+    python benchmarks/bench_peers.py --models mlp --clients 8 --seconds 1 --rounds 1
+    python benchmarks/bench_peers.py --peers mlserver,pytriton        # leave Ray out
+    python benchmarks/bench_peers.py --markdown out.md --json out.json
+
+Each peer runs from its own throwaway venv under ~/.cache/edgeserve-bench/ (created on first use, pip's
+progress shown; --no-install: use what is there), so its pins do not touch edgeserve's .venv. A peer
+that does not install, import or start is skipped and the table says why. Ray binds some services to
+every interface: when Ray is asked for, the measurement runs inside a new network namespace that has
+only `lo` (`unshare --net`, root needed; otherwise Ray is skipped). Every server listens on 127.0.0.1;
+every phase is bounded by a request count and a time limit; peers start in process groups of their
+own and only those groups (and the descendants seen in them) are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlserver_peer
+import pytriton_peer
+import ray_peer
+from bench_grpc import TreeMeter
+from common import (
+    ROOT,
+    WORKLOADS,
+    InProcess,
+    Result,
+    Workload,
+    bench_repository,
+    machine_facts,
+    progress,
+    run_async,
+    run_threads,
+)
+from es_server import RunningServer, start_server
+from peer_clients import CALLERS, one_call
+from peer_report import render, targets
+from peers import VENV_DIR, PeerProcess, describe, ort_spec
+
+EDGESERVE = ("gRPC unary", "gRPC stream", "HTTP", "ZeroMQ", "ZeroMQ + shm")
+PYTRITON = ("gRPC unary", "gRPC stream", "HTTP")
+PEERS = ("pytriton", "mlserver", "ray")
+
+
+class Side:
+    """One server measured: its process (tree), and the address of each transport it is measured on."""
+
+    def __init__(self, name: str, pid: int, addresses: dict[str, str], stop: Any) -> None:
+        self.name, self.pid, self.addresses, self.stop = name, pid, addresses, stop
+
+
+# -- the venvs (outside the namespace: pip needs the network) -----------------------------------------
+def prepare(peer: str, venv_dir: Path, install: bool) -> tuple[str | None, str]:
+    if peer == "mlserver":
+        return mlserver_peer.prepare(venv_dir, install)
+    if peer == "ray":
+        return ray_peer.prepare(venv_dir, install)
+    from peers import ensure_venv, runtime_pin
+
+    packages = [
+        f"nvidia-pytriton=={pytriton_peer.PYTRITON_VERSION}",
+        runtime_pin("onnxruntime"),
+        runtime_pin("openvino"),
+        "psutil",
+    ]  # its model runs edgeserve instances
+    check = "import pytriton, onnxruntime, openvino, numpy, psutil"
+    return ensure_venv(venv_dir / "pytriton-venv", packages, check, install, system_site=True)
+
+
+def in_namespace(argv: list[str]) -> int:
+    """Run this script again inside a new network namespace with only `lo` up; its exit status."""
+    cmd = ["unshare", "--net", "--", sys.executable, str(Path(__file__).resolve()), *argv, "--in-netns"]
+    progress("running the measurement in a new network namespace (only `lo`): unshare --net")
+    return subprocess.run(cmd, check=False).returncode
+
+
+def netns_problem() -> str:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return "Ray binds services to every interface; a network namespace (unshare --net, root) is needed"
+    probe = subprocess.run(
+        ["unshare", "--net", "--", "ip", "link", "set", "lo", "up"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return "" if probe.returncode == 0 else f"unshare --net failed: {probe.stderr.strip()[:200]}"
+
+
+# -- starting the sides ---------------------------------------------------------------------------------
+def start_peer(peer: str, python: str, specs: list[dict[str, Any]]) -> Side:
+    marker = None
+    if peer == "pytriton":
+        pspecs = [s["pytriton"] for s in specs]
+        process, http_port, grpc_port, log = pytriton_peer.start(python, pspecs, new_session=True)
+        proc = PeerProcess("pytriton", adopt=(process, log))
+        base = f"http://127.0.0.1:{http_port}"
+        proc.ready_urls = [
+            f"{base}/v2/health/ready",
+            *(f"{base}/v2/models/{s['model']}/ready" for s in specs),
+        ]
+        grpc, http = f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
+        addresses = {"gRPC unary": grpc, "gRPC stream": grpc, "HTTP": http}
+    elif peer == "mlserver":
+        proc, addresses = mlserver_peer.start(python, specs)
+    else:
+        proc, addresses, marker = ray_peer.start(python, specs)
+    try:
+        proc.wait_ready(300, marker)
+    except BaseException:
+        proc.stop()
+        raise
+    return Side(peer, proc.pid, addresses, proc.stop)
+
+
+def start_sides(
+    args: argparse.Namespace,
+    works: list[Workload],
+    repository: Path,
+    pythons: dict[str, str],
+    report: dict[str, Any],
+) -> tuple[list[Side], dict[str, InProcess]]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    extra = ["--host", "127.0.0.1", "--log-level", "WARNING"]
+    for work in works:
+        extra += ["--load-model", work.model]
+    progress(f"starting edgeserve ({', '.join(w.model for w in works)}, onnxruntime)")
+    server: RunningServer = start_server(repository, tmp, args=extra, timeout=240)
+    grpc, http = server.grpc_url, server.http_url
+    es_addresses = {
+        "gRPC unary": grpc,
+        "gRPC stream": grpc,
+        "HTTP": http,
+        "ZeroMQ": server.zmq_endpoint,
+        "ZeroMQ + shm": server.zmq_endpoint,
+    }
+    sides = [Side("edgeserve", server.process.pid, es_addresses, server.stop)]
+    inprocs = {w.model: InProcess.matching(repository, w.model, server.base) for w in works}
+    specs = []
+    for work in works:
+        spec = ort_spec(repository, work, inprocs[work.model])
+        spec["pytriton"] = pytriton_peer.peer_spec(repository, work, inprocs[work.model])
+        specs.append(spec)
+        report["setup"].append(describe(spec) + " on every side")
+    for peer, python in pythons.items():
+        progress(f"starting {peer} with the same models, runtime options and batching ...")
+        try:
+            sides.append(start_peer(peer, python, specs))
+        except Exception as exc:
+            report["skipped"][peer] = f"did not start: {exc}"
+            progress(f"{peer} skipped: {report['skipped'][peer]}")
+    return sides, inprocs
+
+
+# -- measuring ------------------------------------------------------------------------------------------
+def check(side: Side, transport: str, work: Workload, x: np.ndarray, want: np.ndarray) -> str:
+    """'' when the side's output over `transport` equals the in-process output, else why not."""
+    try:
+        got = asyncio.run(one_call(CALLERS[transport](side.addresses[transport], work, x, 1)))
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-5)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    return ""
+
+
+def remote(
+    label: str,
+    side: Side,
+    transport: str,
+    work: Workload,
+    x: np.ndarray,
+    clients: int,
+    seconds: float,
+    meter: TreeMeter | None,
+) -> Result:
+    caller = CALLERS[transport](side.addresses[transport], work, x, clients)
+    return run_async(
+        label,
+        caller,
+        clients,
+        work.max_requests,
+        seconds,
+        meter,  # type: ignore[arg-type]
+        setup=caller.open,
+        teardown=caller.close,
+    )
+
+
+def measure(
+    args: argparse.Namespace,
+    works: list[Workload],
+    sides: list[Side],
+    inprocs: dict[str, InProcess],
+    report: dict[str, Any],
+) -> None:
+    meter = TreeMeter({"bench": (os.getpid(), False), **{s.name: (s.pid, True) for s in sides}})
+    for work in works:
+        inproc = inprocs[work.model]
+        x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
+        want = inproc.infer({work.input_name: x})[work.output_name]
+        plan: list[tuple[Side, str]] = []
+        for side in sides:
+            for transport in side.addresses:
+                why = check(side, transport, work, x, want)
+                if why:
+                    report["skipped"][f"{side.name} {transport} ({work.model})"] = (
+                        f"output check failed: {why}"
+                    )
+                    progress(f"{work.model}: {side.name} {transport}: {why}")
+                else:
+                    plan.append((side, transport))
+        progress(f"{work.model}: {len(plan)} side/transport pairs return the in-process output")
+
+        def in_process(inproc: InProcess = inproc, x: np.ndarray = x, work: Workload = work) -> None:
+            inproc.infer({work.input_name: x})
+
+        for clients in [int(c) for c in args.clients.split(",")]:
+            runs: dict[tuple[str, str], list[Result]] = {}
+            for rnd in range(args.rounds):  # A B C .. A B C: noise hits every phase alike
+                tag = f"{work.model} x{clients}, round {rnd + 1}/{args.rounds}"
+                run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
+                r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)  # type: ignore[arg-type]
+                runs.setdefault(("in-process", ""), []).append(r)
+                progress(f"{tag}: in-process {r.throughput:.0f}/s")
+                for side, transport in plan:
+                    remote("warmup", side, transport, work, x, clients, args.warmup, None)
+                    r = remote(side.name, side, transport, work, x, clients, args.seconds, meter)
+                    runs.setdefault((side.name, transport), []).append(r)
+                    progress(f"{tag}: {side.name} {transport} {r.throughput:.0f}/s, errors {r.errors}")
+            for (name, transport), results in runs.items():
+                r = sorted(results, key=lambda r: r.throughput)[len(results) // 2]  # the median round
+                report["rows"].append(
+                    {
+                        "model": work.model,
+                        "clients": clients,
+                        "side": name,
+                        "transport": transport,
+                        "rps": r.throughput,
+                        "p50_ms": r.p50_ms,
+                        "p99_ms": r.p99_ms,
+                        "requests": len(r.latencies_s),
+                        "errors": r.errors,
+                        "first_error": r.first_error[:160],
+                        "cpu_bench": r.cpu.get("bench", 0.0),
+                        "cpu_server": r.cpu.get(name, 0.0),
+                        "cpu_others": sum(v for k, v in r.cpu.items() if k not in ("bench", name)),
+                        "rounds_rps": [round(x.throughput, 1) for x in results],
+                    }
+                )
+
+
+# -- main -----------------------------------------------------------------------------------------------
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser.add_argument("--seconds", type=float, default=3.0, help="time limit per phase")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the median is kept")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma list of peers ('' = none)")
+    parser.add_argument("--venv-dir", type=Path, default=VENV_DIR, help="where the peers' venvs live")
+    parser.add_argument("--no-install", action="store_true", help="use the peers' venvs only if they work")
+    parser.add_argument(
+        "--netns",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: measure in a new network namespace when Ray runs; off: never (no Ray)",
+    )
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    works = [WORKLOADS[m] for m in args.models.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {', '.join(PEERS)}")
+    report: dict[str, Any] = {
+        "rows": [],
+        "setup": [],
+        "skipped": {},
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    pythons: dict[str, str] = {}
+    for peer in peers:
+        python, why = prepare(peer, args.venv_dir, not (args.no_install or args.in_netns))
+        if python is None:
+            report["skipped"][peer] = why
+            progress(f"{peer} skipped: {why}")
+        else:
+            pythons[peer] = python
+    if "ray" in pythons and not args.in_netns:
+        why = "--netns off given" if args.netns == "off" else netns_problem()
+        if not why:
+            return in_namespace(sys.argv[1:])
+        report["skipped"]["ray"] = f"not run: {why}"
+        del pythons["ray"]
+    if args.in_netns:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        report["netns"] = "measured inside a new network namespace with only lo (unshare --net)"
+    from edgeserve.samples import prepare as prepare_samples
+
+    prepare_samples(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+    report["machine"] = machine_facts()
+    t0 = time.monotonic()
+    with bench_repository("onnxruntime", [w.model for w in works], args.model_repository) as repository:
+        sides: list[Side] = []
+        inprocs: dict[str, InProcess] = {}
+        try:
+            sides, inprocs = start_sides(args, works, repository, pythons, report)
+            measure(args, works, sides, inprocs, report)
+        finally:
+            for side in reversed(sides):
+                progress(f"stopping {side.name}")
+                side.stop()
+            for inproc in inprocs.values():
+                inproc.close()
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    report["targets"] = targets(report["rows"])
+    text = render(report)
+    print("\n" + text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
