@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the 
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
 SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
 RACE_VERSION = 1  # bump when what is timed changes, so old cache entries are not reused
+# One race at a time in this process: two models loading in parallel must not time each other's load.
+_RACING = threading.Lock()
 
 
 @dataclass
@@ -94,10 +97,10 @@ class Racer:
         rejected: list[Row] = []
         for v in plan.verdicts:
             o = v.option
-            if o.backend not in RACED_BACKENDS or o.device != "CPU" or v.artifact is None:
+            if o.backend not in RACED_BACKENDS or o.device != "CPU":
                 continue
             floor = "KiB floor for" in v.reason  # the profile's size guess: raced anyway
-            if v.ok or not v.checked or floor:
+            if v.artifact is not None and (v.ok or not v.checked or floor):
                 viable.append(v)
             else:
                 rejected.append(Row(o.backend, o.device, o.precision, 0, 0, status=REJECTED, reason=v.reason))
@@ -152,7 +155,8 @@ class Racer:
             if cached is not None:
                 log.info("model %s: race result from the cache: %s", name, cached.summary())
                 return cached
-        result = self._race(name, entrants, scenarios, feeds, completed)
+        with _RACING:
+            result = self._race(name, entrants, scenarios, feeds, completed)
         result.rows.extend(rejected)
         result.inputs = source
         if result.fallback is None:
