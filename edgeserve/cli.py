@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--fresh", action="store_true", help="with --model: race again, ignoring the cache")
     detect.add_argument("--json", action="store_true")
     detect.set_defaults(func=_detect)
+
+    from edgeserve.bench.cli import add_commands as add_bench_commands  # stdlib only at import time
+
+    add_bench_commands(sub)
     return parser
 
 

@@ -1,0 +1,231 @@
+"""`edgeserve bench` and `edgeserve tune`: their flags and what runs them.
+
+Only the standard library at import time: `edgeserve --help` builds these parsers without loading
+numpy, grpc or the bench engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROTOCOL_NAMES = ("http", "grpc", "grpc-stream", "zmq", "zmq-shm")
+
+
+def parse_levels(text: str) -> list[int]:
+    """`1,2,4,8`, `start:end[:step]` (end included, as perf_analyzer's --concurrency-range) or both."""
+    levels: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            if ":" in part:
+                bits = [int(b) for b in part.split(":")]
+                if len(bits) not in (2, 3) or (len(bits) == 3 and bits[2] <= 0):
+                    raise ValueError
+                start, end, step = bits[0], bits[1], bits[2] if len(bits) == 3 else 1
+                levels += list(range(start, end + 1, step))
+            else:
+                levels.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected N, N,M,... or start:end[:step]") from None
+    if not levels or any(level < 1 for level in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: concurrency levels must be 1 or more")
+    return levels
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s values like 100,200") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: request rates must be above 0")
+    return rates
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-b", "--batch-size", type=int, default=1, help="inputs per request (default 1)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME:D1,D2",
+        help="dims of a dynamic input, batch dimension left out (repeatable)",
+    )
+    parser.add_argument(
+        "--input-data",
+        action="append",
+        metavar="random|zeros|PATH",
+        help="random (default), zeros, or .npy / raw / image files or folders (repeatable)",
+    )
+    parser.add_argument("--warmup-s", type=float, help="seconds of load before measuring each point")
+    parser.add_argument("--window-s", type=float, help="length of one measurement window")
+    parser.add_argument(
+        "--stability-pct",
+        type=float,
+        default=10.0,
+        help="last 3 windows' throughput and latency within this %% (default 10)",
+    )
+    parser.add_argument("--max-windows", type=int, help="windows per point at most")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="one request's time limit (default 30)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def add_commands(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="measure a running server (perf_analyzer for the device)",
+        description="Load a KServe V2 server (edgeserve or any other) over one protocol and report "
+        "throughput, latency percentiles, the server-side queue/compute split and the client's CPU.",
+    )
+    bench.add_argument("model")
+    bench.add_argument("-i", "--protocol", choices=PROTOCOL_NAMES, default="grpc", help="default grpc")
+    bench.add_argument(
+        "-u",
+        "--url",
+        default="",
+        help="server address for the protocol (default 127.0.0.1:8000 "
+        "HTTP, 127.0.0.1:8001 gRPC, ipc:///tmp/edgeserve.zmq ZeroMQ)",
+    )
+    bench.add_argument(
+        "--stats-url",
+        default="127.0.0.1:8000",
+        help="ZeroMQ only: HTTP address for the config and statistics ('none': without)",
+    )
+    bench.add_argument("--model-version", default="")
+    bench.add_argument("--concurrency", type=parse_levels, help="1,2,4,8 or start:end[:step] (default 1)")
+    bench.add_argument(
+        "--request-rate", type=parse_rates, help="Poisson arrivals at these requests/s (open loop)"
+    )
+    _common(bench)
+    bench.add_argument(
+        "--max-seconds", type=float, default=300.0, help="whole run's time limit (default 300)"
+    )
+    bench.add_argument("--csv", type=Path, help="write the points as CSV")
+    bench.add_argument("--json", type=Path, help="write the points and the run as JSON")
+    bench.add_argument("--plot", type=Path, help="write latency against throughput as PNG (needs matplotlib)")
+    bench.set_defaults(func=bench_command)
+
+    tune = sub.add_parser(
+        "tune",
+        help="search configs for a latency budget on this device (Model Analyzer for the device)",
+        description="Start a server on loopback, load candidate configs of MODEL (backend, precision, "
+        "instances, threads, max batch size, queue delay), measure each with a short concurrency sweep, "
+        "print the throughput / p99 frontier and write the best config.pbtxt within the budget. Resumable.",
+    )
+    tune.add_argument("model", help="model name in --model-repository, or a model folder")
+    tune.add_argument("--latency-budget-ms", type=float, required=True, help="p99 latency budget")
+    tune.add_argument("--model-repository", type=Path, default=Path("models"))
+    tune.add_argument("--out-dir", type=Path, help="results.jsonl and config.pbtxt (default tune-<model>)")
+    tune.add_argument("--output", type=Path, help="the winning config.pbtxt (default <out-dir>/config.pbtxt)")
+    tune.add_argument(
+        "--max-seconds", type=float, default=300.0, help="whole search's time limit (default 300)"
+    )
+    tune.add_argument("-i", "--protocol", choices=PROTOCOL_NAMES, default="grpc", help="default grpc")
+    tune.add_argument(
+        "--concurrency", type=parse_levels, default=[1, 2, 4, 8], help="sweep (default 1,2,4,8)"
+    )
+    tune.add_argument("--backends", help="comma list (default: every one whose runtime is installed)")
+    tune.add_argument("--precisions", help="comma list: fp32,bf16,fp16 (default fp32 + what the CPU runs)")
+    tune.add_argument("--max-candidates", type=int, default=0, help="measure at most this many (0 = all)")
+    tune.add_argument(
+        "--accuracy-tolerance",
+        type=float,
+        default=0.02,
+        help="lower precisions: max error / output range vs fp32 (default 0.02)",
+    )
+    tune.add_argument("--fresh", action="store_true", help="ignore earlier results in --out-dir")
+    _common(tune)
+    tune.set_defaults(func=tune_command)
+
+
+def _progress(quiet: bool) -> Any:
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _settings(args: argparse.Namespace, warmup: float, window: float, windows: int) -> Any:
+    from edgeserve.bench.load import Settings
+
+    return Settings(
+        warmup_s=warmup if args.warmup_s is None else args.warmup_s,
+        window_s=window if args.window_s is None else args.window_s,
+        stability_pct=args.stability_pct,
+        max_windows=windows if args.max_windows is None else args.max_windows,
+        timeout_s=args.timeout_s,
+    )
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from edgeserve.bench.errors import BenchError
+    from edgeserve.bench.inputs import parse_shape_flags
+    from edgeserve.bench.load import BenchConfig, run_bench
+    from edgeserve.bench.report import table, write_csv, write_json
+
+    say = _progress(args.quiet)
+    try:
+        if args.plot is not None:
+            from edgeserve.bench.plot import PLOT_HINT
+
+            try:
+                import matplotlib  # noqa: F401  (checked before the run, not after it)
+            except ImportError:
+                raise BenchError(f"--plot needs matplotlib: {PLOT_HINT}") from None
+        config = BenchConfig(
+            model=args.model,
+            protocol=args.protocol,
+            url=args.url,
+            stats_url=None if args.stats_url.lower() == "none" else args.stats_url,
+            version=args.model_version,
+            batch_size=args.batch_size,
+            shapes=parse_shape_flags(args.shape),
+            input_data=args.input_data or ["random"],
+            concurrency=args.concurrency or ([] if args.request_rate else [1]),
+            request_rates=args.request_rate or [],
+            settings=_settings(args, 1.0, 2.0, 10),
+            max_seconds=args.max_seconds,
+        )
+        run = asyncio.run(run_bench(config, say))
+        print(table(run.points))
+        if args.csv:
+            write_csv(args.csv, run.points)
+        if args.json:
+            extra = {
+                "protocol": args.protocol,
+                "url": args.url,
+                "input_data": config.input_data,
+                "window_s": config.settings.window_s,
+                "stability_pct": args.stability_pct,
+            }
+            write_json(args.json, run.points, run.info, extra)
+        if args.plot:
+            from edgeserve.bench.plot import plot
+
+            plot(args.plot, run.points, f"{run.info.name} over {args.protocol}")
+    except BenchError as exc:
+        print(f"edgeserve bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1 if run.points and all(p.requests == 0 for p in run.points) else 0
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    from edgeserve.bench.errors import BenchError
+    from edgeserve.bench.tune import TuneOptions, tune
+
+    say = _progress(args.quiet)
+    try:
+        options = TuneOptions.from_args(args, _settings(args, 0.5, 1.0, 4))
+        return tune(options, say)
+    except BenchError as exc:
+        print(f"edgeserve tune: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

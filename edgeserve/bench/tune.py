@@ -1,0 +1,386 @@
+"""`edgeserve tune MODEL --latency-budget-ms X`: the device's Model Analyzer.
+
+Starts `edgeserve serve` on loopback (tune_server.py), walks the candidates (candidates.py), loads each
+through the repository API, checks its outputs against an fp32 reference (error over the output's
+range, and cosine similarity, per output), measures a short concurrency sweep with the bench engine
+and appends the result to `<out-dir>/results.jsonl` at once. A rerun skips candidates already there
+(same model bytes, device, protocol and sweep); `--fresh` starts over. Bounded by `--max-seconds`
+and `--max-candidates`. Prints the candidates, the throughput / p99 frontier and the best config
+within the budget, written as config.pbtxt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.bench.candidates import Candidate, apply, available_backends, cpu_precisions, search
+from edgeserve.bench.errors import BenchError, RequestError
+from edgeserve.bench.inputs import ModelInfo, parse_shape_flags, resolve_shapes
+from edgeserve.bench.load import BenchConfig, Settings, run_bench
+from edgeserve.bench.stats import Point
+from edgeserve.bench.tune_report import append_record, points_of, read_records, render, score, write_config
+from edgeserve.bench.tune_server import TuneServer, resolve_model
+
+Progress = Callable[[str], None]
+MIN_CANDIDATE_S = 5.0  # a candidate is not started with less time than this left
+ACCURACY_SAMPLES = 4
+Outputs = list[dict[str, "npt.NDArray[Any]"]]
+
+
+@dataclass
+class TuneOptions:
+    model: str
+    budget_ms: float
+    repository: Path = Path("models")
+    out_dir: Path | None = None
+    output: Path | None = None
+    max_seconds: float = 300.0
+    protocol: str = "grpc"
+    concurrency: Sequence[int] = (1, 2, 4, 8)
+    backends: Sequence[str] | None = None
+    precisions: Sequence[str] | None = None
+    max_candidates: int = 0
+    tolerance: float = 0.02
+    fresh: bool = False
+    batch_size: int = 1
+    shapes: Sequence[str] = ()
+    input_data: Sequence[str] = ("random",)
+    settings: Settings = field(default_factory=lambda: Settings(warmup_s=0.5, window_s=1.0, max_windows=4))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, settings: Settings) -> TuneOptions:
+        def names(text: str | None) -> list[str] | None:
+            return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+        if not args.latency_budget_ms > 0:
+            raise BenchError("--latency-budget-ms must be above 0")
+        return cls(
+            model=args.model,
+            budget_ms=args.latency_budget_ms,
+            repository=args.model_repository,
+            out_dir=args.out_dir,
+            output=args.output,
+            max_seconds=args.max_seconds,
+            protocol=args.protocol,
+            concurrency=args.concurrency,
+            backends=names(args.backends),
+            precisions=names(args.precisions),
+            max_candidates=args.max_candidates,
+            tolerance=args.accuracy_tolerance,
+            fresh=args.fresh,
+            batch_size=args.batch_size,
+            shapes=args.shape,
+            input_data=args.input_data or ["random"],
+            settings=settings,
+        )
+
+
+def model_sha256(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "config.pbtxt"):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def device_fingerprint() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}|{platform.machine()}|{model}|{os.cpu_count()}"
+
+
+def compare(reference: Outputs, got: Outputs) -> dict[str, float]:
+    """Worst error over the output's range, and lowest cosine similarity, over samples and outputs."""
+    worst, cosine = 0.0, 1.0
+    for ref_sample, got_sample in zip(reference, got, strict=True):
+        for name, ref in ref_sample.items():
+            if name not in got_sample or got_sample[name].shape != ref.shape:
+                return {"max_err_over_range": float("inf"), "cosine_min": 0.0}
+            a = ref.astype(np.float64).ravel()
+            b = got_sample[name].astype(np.float64).ravel()
+            span = float(a.max() - a.min()) if a.size else 0.0
+            worst = max(worst, float(np.abs(a - b).max(initial=0.0)) / max(span, 1e-6))
+            norm = float(np.linalg.norm(a) * np.linalg.norm(b))
+            cosine = min(cosine, float(a @ b) / norm if norm > 0 else (1.0 if np.array_equal(a, b) else 0.0))
+    return {"max_err_over_range": worst, "cosine_min": cosine}
+
+
+class _Reference:
+    """The fp32 outputs every lower-precision candidate is held to (kept in the out dir)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.outputs: Outputs | None = None
+        if path.is_file():
+            with np.load(path, allow_pickle=False) as data:
+                count = 1 + max((int(k.split("/", 1)[0]) for k in data.files), default=-1)
+                self.outputs = [{} for _ in range(count)]
+                for key in data.files:
+                    index, name = key.split("/", 1)
+                    self.outputs[int(index)][name] = data[key]
+
+    def save(self, outputs: Outputs) -> None:
+        self.outputs = outputs
+        arrays = {f"{i}/{name}": array for i, sample in enumerate(outputs) for name, array in sample.items()}
+        with open(self.path, "wb") as handle:
+            np.savez(handle, **arrays)  # type: ignore[arg-type]
+
+
+async def _outputs(server: TuneServer, info: ModelInfo, options: TuneOptions) -> Outputs:
+    from edgeserve.bench.inputs import make_samples
+    from edgeserve.bench.transports import HttpTransport
+
+    one_shapes = resolve_shapes(info, 1, parse_shape_flags(options.shapes))
+    samples = make_samples(info, one_shapes, list(options.input_data), options.settings.seed + 1)
+    transport = HttpTransport(
+        server.url("http"), info, samples[:ACCURACY_SAMPLES], options.settings.timeout_s
+    )
+    await transport.open(1)
+    try:
+        return [await transport.outputs(i) for i in range(len(transport.samples))]
+    finally:
+        await transport.close()
+
+
+async def _model_info(server: TuneServer, name: str) -> ModelInfo:
+    from edgeserve.bench.api import HttpApi
+
+    api = HttpApi(server.url("http"))
+    try:
+        return await api.model_info(name, "")
+    finally:
+        await api.close()
+
+
+def _measure(
+    server: TuneServer,
+    base: Any,
+    candidate: Candidate,
+    options: TuneOptions,
+    reference: _Reference,
+    deadline: float,
+    say: Progress,
+) -> dict[str, Any]:
+    """Load, check and measure one candidate: its record (status ok | failed | rejected)."""
+    from google.protobuf import json_format
+
+    config = apply(base, candidate)
+    record: dict[str, Any] = {"label": candidate.label, "candidate": asdict(candidate), "points": []}
+    started = time.monotonic()
+    try:
+        server.load(json_format.MessageToJson(config, preserving_proto_field_name=True))
+    except BenchError as exc:
+        return {**record, "status": "failed", "error": f"load: {exc}", "seconds": time.monotonic() - started}
+    record["load_s"] = round(time.monotonic() - started, 3)
+
+    async def run() -> dict[str, Any]:
+        info = await _model_info(server, base.name)
+        outputs = await _outputs(server, info, options)
+        if reference.outputs is None and candidate.precision == "fp32":
+            reference.save(outputs)
+            accuracy: dict[str, Any] = {"note": "the fp32 reference"}
+        elif reference.outputs is None:
+            accuracy = {"note": "no fp32 reference: not checked"}
+        else:
+            accuracy = compare(reference.outputs, outputs)
+            if accuracy["max_err_over_range"] > options.tolerance:
+                say(
+                    f"{candidate.label}: rejected: error {accuracy['max_err_over_range']:.3g} "
+                    "of the output range "
+                    f"> {options.tolerance:g} (cosine {accuracy['cosine_min']:.5f})"
+                )
+                return {"status": "rejected", "accuracy": accuracy, "error": "accuracy"}
+        bench = BenchConfig(
+            model=base.name,
+            protocol=options.protocol,
+            url=server.url(options.protocol),
+            stats_url=server.http,
+            batch_size=options.batch_size,
+            shapes=parse_shape_flags(options.shapes),
+            input_data=list(options.input_data),
+            concurrency=list(options.concurrency),
+            settings=options.settings,
+            max_seconds=max(1.0, deadline - time.monotonic()),
+        )
+
+        def past_budget(points: list[Point]) -> bool:
+            last = points[-1]
+            best = max(p.throughput for p in points[:-1]) if len(points) > 1 else 0.0
+            return last.p99_ms > 2 * options.budget_ms or (
+                last.p99_ms > options.budget_ms and last.throughput < 1.05 * best
+            )
+
+        result = await run_bench(bench, lambda m: say(f"  {m}"), past_budget)
+        return {"status": "ok", "accuracy": accuracy, "points": [p.row() for p in result.points]}
+
+    try:
+        record.update(asyncio.run(run()))
+    except (BenchError, RequestError) as exc:
+        record.update({"status": "failed", "error": str(exc)})
+    record["seconds"] = round(time.monotonic() - started, 3)
+    return record
+
+
+def tune(options: TuneOptions, say: Progress) -> int:
+    model_dir = resolve_model(options.model, options.repository)
+    name = model_dir.name
+    out_dir = options.out_dir or Path(f"tune-{name}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    if options.fresh:
+        results.unlink(missing_ok=True)
+    context = {
+        "model_sha256": model_sha256(model_dir),
+        "device": device_fingerprint(),
+        "protocol": options.protocol,
+        "concurrency": list(options.concurrency),
+        "batch_size": options.batch_size,
+        "shapes": list(options.shapes),
+        "input_data": list(options.input_data),
+        "window_s": options.settings.window_s,
+    }
+    context_id = hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()[:12]
+    reference = _Reference(out_dir / f"reference-{context_id}.npz")
+    records = read_records(results)
+    deadline = time.monotonic() + options.max_seconds
+    version_dir = max(
+        (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    backends = list(options.backends or available_backends(version_dir))
+    precisions = list(options.precisions or cpu_precisions())
+    if not backends:
+        raise BenchError(
+            f"no backend to try for {model_dir}: install onnxruntime or openvino, or pass --backends"
+        )
+    say(
+        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions)}; "
+        f"p99 budget {options.budget_ms:g} ms; results in {results}"
+    )
+    server = TuneServer(model_dir, name)
+    measured = skipped = 0
+    stopped = ""
+    base: Any = None
+    try:
+        server.start()
+        from google.protobuf import json_format
+        from tritonclient.grpc import model_config_pb2 as mc
+
+        try:
+            server.load(None)
+        except BenchError as exc:
+            raise BenchError(f"model '{name}' does not load as configured: {exc}") from None
+        base = _base_config(
+            model_dir, json_format.ParseDict(server.config(), mc.ModelConfig(), ignore_unknown_fields=True)
+        )
+        rank = lambda c: score(records.get(c.key(context)), options.budget_ms)  # noqa: E731
+        for candidate in search(backends, precisions, base.max_batch_size, rank):
+            key = candidate.key(context)
+            if key in records:
+                skipped += 1
+                say(f"{candidate.label}: measured before ({records[key].get('status')}), skipped")
+                continue
+            if options.max_candidates and measured >= options.max_candidates:
+                stopped = f"--max-candidates {options.max_candidates} reached"
+                break
+            if deadline - time.monotonic() < MIN_CANDIDATE_S:
+                stopped = f"--max-seconds {options.max_seconds:g} reached"
+                break
+            say(f"candidate {measured + skipped + 1}: {candidate.label}")
+            record = {
+                "key": key,
+                **_measure(server, base, candidate, options, reference, deadline, say),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+            append_record(results, record)
+            records[key] = record
+            measured += 1
+            found = score(record, options.budget_ms)
+            say(
+                f"{candidate.label}: {record['status']}"
+                + (f", best within budget {found:.1f} infer/s" if found else "")
+                + f" ({record['seconds']:.1f} s)"
+            )
+    finally:
+        server.stop()
+    text, best = render(_in_context(records, context), options.budget_ms)
+    print(text)
+    print(
+        f"\n{measured} candidate(s) measured now, {skipped} from earlier runs"
+        + (f"; stopped: {stopped} (run again to continue)" if stopped else "; search complete")
+    )
+    if best is None:
+        print(f"no measured config keeps p99 within {options.budget_ms:g} ms: no config.pbtxt written")
+        return 1
+    winner = Candidate(**records[best.key]["candidate"])
+    config = apply(base, winner)
+    output = options.output or out_dir / "config.pbtxt"
+    write_config(output, config, best, options.budget_ms, options.protocol)
+    print(
+        f"best within {options.budget_ms:g} ms: {best.label} at concurrency {best.concurrency}: "
+        f"{best.throughput:.1f} infer/s, p99 {best.p99_ms:.2f} ms -> {output}"
+    )
+    return 0
+
+
+SERVER_NOTES = ("runtime_choice",)  # parameters the server adds to show its choices, not settings
+
+
+def _base_config(model_dir: Path, served: Any) -> Any:
+    """What candidates rewrite: the model's own config.pbtxt (so the written config differs from it only
+    in what was tuned), else the server's auto-completed config less its notes; the batch size the
+    server serves with either way."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    path = model_dir / "config.pbtxt"
+    if path.is_file():
+        base = mc.ModelConfig()
+        try:
+            text_format.Parse(path.read_text(), base)
+        except text_format.ParseError:
+            base.CopyFrom(served)
+    else:
+        base = served
+    for key in SERVER_NOTES:
+        if key in base.parameters:
+            del base.parameters[key]
+    base.name = served.name
+    base.max_batch_size = served.max_batch_size
+    return base
+
+
+def _in_context(records: dict[str, dict[str, Any]], context: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records measured with this model, device and sweep (others in the file are left out)."""
+    found = []
+    for record in records.values():
+        try:
+            candidate = Candidate(**record["candidate"])
+        except (KeyError, TypeError):
+            continue
+        if candidate.key(context) == record.get("key"):
+            found.append(record)
+    return found
+
+
+__all__ = ["TuneOptions", "compare", "points_of", "tune"]
