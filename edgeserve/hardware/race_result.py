@@ -18,7 +18,7 @@ from typing import Any
 
 log = logging.getLogger("edgeserve.hardware.race")
 
-TIMED, REJECTED, OVER_BUDGET, FAILED = "timed", "rejected", "over budget", "failed"
+TIMED, REJECTED, OVER_BUDGET, FAILED, SKIPPED = "timed", "rejected", "over budget", "failed", "skipped"
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Row:
     instances: int
     threads: int
     hint: str = ""  # OpenVINO performance hint
-    status: str = TIMED  # timed | rejected | over budget | failed
+    status: str = TIMED  # timed | rejected | over budget | failed | skipped
     reason: str = ""  # why it was not timed or lost on accuracy; the accuracy figures when guarded
     ms: dict[str, float] = field(default_factory=dict)  # scenario -> median ms per call
     per_item_ms: dict[str, float] = field(default_factory=dict)  # scenario -> ms per inference
@@ -80,9 +80,9 @@ class RaceResult:
         if self.chosen is None:
             return f"race fell back to the rule: {self.fallback or 'no winner'}"
         others = [r for r in self.ranked() if r is not self.chosen][:3]
-        text = f"raced: {self.chosen.label()} {self.chosen.score_ms:.3g} ms"
+        text = f"raced: {self.chosen.label()} {self.chosen.score_ms:.3g} ms/inference"
         if others:
-            text += " vs " + ", ".join(f"{r.label()} {r.score_ms:.3g} ms" for r in others)
+            text += " vs " + ", ".join(f"{r.label()} {r.score_ms:.3g}" for r in others)
         lost = [r for r in self.rows if r.status == REJECTED and r.score_ms is not None]
         if lost:
             text += "; faster but rejected: " + ", ".join(f"{r.label()} ({r.reason})" for r in lost)
