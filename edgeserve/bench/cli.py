@@ -59,15 +59,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="random|zeros|PATH",
         help="random (default), zeros, or .npy / raw / image files or folders (repeatable)",
     )
-    parser.add_argument("--warmup-s", type=float, help="seconds of load before measuring each point")
-    parser.add_argument("--window-s", type=float, help="length of one measurement window")
+    parser.add_argument(
+        "--warmup-s", type=float, help="load before measuring each point (bench 1 s, tune 0.5 s)"
+    )
+    parser.add_argument("--window-s", type=float, help="one measurement window (bench 2 s, tune 1 s)")
     parser.add_argument(
         "--stability-pct",
         type=float,
         default=10.0,
         help="last 3 windows' throughput and latency within this %% (default 10)",
     )
-    parser.add_argument("--max-windows", type=int, help="windows per point at most")
+    parser.add_argument("--max-windows", type=int, help="windows per point at most (bench 10, tune 4)")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="one request's time limit (default 30)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 

@@ -185,6 +185,7 @@ class _Stream:
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )()
         self.pending: dict[str, asyncio.Future[None]] = {}
+        self.writing = asyncio.Lock()  # grpc.aio takes one write at a time per stream
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
@@ -219,14 +220,17 @@ class _Stream:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[key] = future
         try:
-            await self.call.write(body + _id_field(request_id))
+            async with self.writing:
+                await self.call.write(body + _id_field(request_id))
             await asyncio.wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"gRPC stream: no reply in {self.timeout_s:g} s") from None
+        except RequestError:
+            raise
         except Exception as exc:
-            if isinstance(exc, RequestError):
-                raise
-            raise RequestError(f"gRPC stream: {exc}") from None
+            code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+            text = f"{code().name}: {details()}" if callable(code) and callable(details) else str(exc)
+            raise RequestError(f"gRPC stream: {text}") from None
         finally:
             self.pending.pop(key, None)
 

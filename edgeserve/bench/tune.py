@@ -306,6 +306,10 @@ def tune(options: TuneOptions, say: Progress) -> int:
             if deadline - time.monotonic() < MIN_CANDIDATE_S:
                 stopped = f"--max-seconds {options.max_seconds:g} reached"
                 break
+            if not server.alive():  # the last candidate took the server down: a fresh one for the next
+                say(f"the tune server exited; starting it again:\n{server.log_tail(5)}")
+                server.stop(remove=False)
+                server.start()
             say(f"candidate {measured + skipped + 1}: {candidate.label}")
             record = {
                 "key": key,

@@ -116,6 +116,9 @@ class TuneServer:
         self.stop()
         raise BenchError(f"the tune server did not start in {START_TIMEOUT_S:g} s:\n{self.log_tail()}")
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -150,7 +153,7 @@ class TuneServer:
             config: dict[str, Any] = json.loads(response.read())
         return config
 
-    def stop(self) -> None:
+    def stop(self, remove: bool = True) -> None:
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -159,6 +162,7 @@ class TuneServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(10)
-        import shutil
+        if remove:
+            import shutil
 
-        shutil.rmtree(self.tmp, ignore_errors=True)
+            shutil.rmtree(self.tmp, ignore_errors=True)
