@@ -119,6 +119,7 @@ class Http(Caller):
     """tritonclient.http.aio: one client with a pool of N connections (binary tensors)."""
 
     binary = True
+    headers: dict[str, str] | None = None
 
     async def open(self) -> None:
         import tritonclient.http.aio as aio
@@ -132,7 +133,7 @@ class Http(Caller):
             self.add(self.client)
 
     async def call(self, conn: Any) -> np.ndarray:
-        result = await conn.infer(self.work.model, self.inputs, outputs=self.outputs)
+        result = await conn.infer(self.work.model, self.inputs, outputs=self.outputs, headers=self.headers)
         return result.as_numpy(self.work.output_name)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
@@ -140,9 +141,12 @@ class Http(Caller):
 
 
 class HttpJson(Http):
-    """The same with JSON tensors (for a server without the binary-data extension: MLServer)."""
+    """The same with JSON tensors (for a server without the binary-data extension: MLServer), asking
+    for an uncompressed reply (MLServer gzips replies for clients that accept it; tritonclient's
+    asyncio client does not inflate them)."""
 
     binary = False
+    headers = {"Accept-Encoding": "identity", "Content-Type": "application/json"}
 
 
 class RayHttp(Caller):
