@@ -38,6 +38,9 @@ class ServerSection:
     # (HTTP 503, gRPC UNAVAILABLE, ZeroMQ UNAVAILABLE) before their tensors are read.
     # 0 = twice what the models' queues take (their wait-bounded caps).
     max_inflight: int = 0
+    # Response cache bound in MB (Triton's --cache-config local,size=...), shared by the models whose
+    # config.pbtxt says `response_cache { enable: true }`; others never cache. 0 = no cache at all.
+    cache_mb: int = 16
     state_dir: Path = Path("/var/lib/edgeserve")
 
 
@@ -262,6 +265,8 @@ class Settings:
                 fail(path, f"{value} bytes is too small for any request; use 0 (sized for the device)")
         if self.server.max_inflight < 0:
             fail("server.max_inflight", "must be 0 (sized from the model queues) or a count of requests")
+        if self.server.cache_mb < 0:
+            fail("server.cache_mb", "must be 0 (no response cache) or a size in MB")
         if self.grpc.max_message_bytes > 2**31 - 1:
             fail("grpc.max_message_bytes", f"must be at most {2**31 - 1} (gRPC's limit)")
         for path, count in (

@@ -46,6 +46,11 @@ _COUNTERS: dict[str, str] = {
     "(does not include cached requests)",
     "nv_inference_compute_output_duration_us": "Cumulative inference compute output duration in "
     "microseconds (does not include cached requests)",
+    "nv_cache_num_hits_per_model": "Number of cache hits per model",
+    "nv_cache_num_misses_per_model": "Number of cache misses per model",
+    "nv_cache_hit_duration_per_model": "Total cache hit duration per model, in microseconds",
+    "nv_cache_miss_duration_per_model": "Total cache miss (lookup + insertion) duration per model, in "
+    "microseconds",
 }
 _HEADER_FIX = re.compile(rb"^# (HELP|TYPE) (" + b"|".join(n.encode() for n in _COUNTERS) + rb")_total ", re.M)
 
@@ -121,6 +126,10 @@ class ModelCollector(Collector):
                 "nv_inference_compute_input_duration_us": snap.compute_input.ns // 1000,
                 "nv_inference_compute_infer_duration_us": snap.compute_infer.ns // 1000,
                 "nv_inference_compute_output_duration_us": snap.compute_output.ns // 1000,
+                "nv_cache_num_hits_per_model": snap.cache_hit.count,
+                "nv_cache_num_misses_per_model": snap.cache_miss.count,
+                "nv_cache_hit_duration_per_model": snap.cache_hit.ns // 1000,
+                "nv_cache_miss_duration_per_model": snap.cache_miss.ns // 1000,
             }
             for name, value in values.items():
                 counters[name].add_sample(name, labels, value)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -28,6 +28,7 @@ class Job:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     request_id: str = ""
     client: str = ""  # who sent it (peer address, ZMQ identity): fair shares of a full queue
+    parameters: Mapping[str, Any] = field(default_factory=dict)  # the request's (sequence flags, ...)
     # Filled by the scheduler:
     shape_key: tuple[Any, ...] = ()
     deadline_ns: int = 0  # 0 = none

@@ -107,6 +107,8 @@ class StatsSnapshot:
     compute_input: Duration
     compute_infer: Duration
     compute_output: Duration
+    cache_hit: Duration
+    cache_miss: Duration
     inference_count: int
     execution_count: int
     last_inference_ms: int
@@ -145,6 +147,21 @@ class ModelStats:
             self._stats["fail"].add(duration_ns)
             key = reason if reason in self._fail_by_reason else "OTHER"
             self._fail_by_reason[key] += 1
+
+    def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache: counted in success and queue (as Triton does),
+        not in inference/execution counts."""
+        with self._lock:
+            self._stats["success"].add(request_ns)
+            self._stats["queue"].add(max(0, request_ns - lookup_ns))
+            self._stats["cache_hit"].add(lookup_ns)
+            self._request_hist.observe(request_ns)
+            self._last_inference_ms = time.time_ns() // 1_000_000
+
+    def record_cache_miss(self, lookup_ns: int) -> None:
+        """A cacheable request that ran the model: lookup + insertion time."""
+        with self._lock:
+            self._stats["cache_miss"].add(lookup_ns)
 
     def record_batch(self, batch_size: int, compute_input_ns: int, compute_infer_ns: int,
                      compute_output_ns: int) -> None:  # fmt: skip
@@ -234,6 +251,8 @@ class ModelStats:
                 compute_input=dup("compute_input"),
                 compute_infer=dup("compute_infer"),
                 compute_output=dup("compute_output"),
+                cache_hit=dup("cache_hit"),
+                cache_miss=dup("cache_miss"),
                 inference_count=self._inference_count,
                 execution_count=self._execution_count,
                 last_inference_ms=self._last_inference_ms,

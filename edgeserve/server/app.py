@@ -11,6 +11,8 @@ from typing import Protocol
 
 from edgeserve.config import Settings
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
+from edgeserve.metrics import register_collector, unregister_collector
+from edgeserve.scheduling.cache import MIB, ResponseCache
 from edgeserve.server.dataplane import DataPlane
 
 log = logging.getLogger("edgeserve.server")
@@ -43,12 +45,15 @@ class Server:
             settings.shm.allow_client_shm, settings.shm.key_prefixes, settings.shm.max_regions
         )
         self.repository = ModelRepository(settings, selector=PlanSelector(settings))
+        self.response_cache = ResponseCache(settings.server.cache_mb * MIB)
+        register_collector(self.response_cache.collector)
         self.dataplane = DataPlane(
             self.repository,
             self.shm,
             strict_readiness=settings.server.strict_readiness,
             model_control_mode=settings.server.model_control_mode,
             max_inflight=settings.server.max_inflight,
+            response_cache=self.response_cache,
         )
         self.frontends: list[Frontend] = []
         self._stopped = asyncio.Event()
@@ -105,6 +110,8 @@ class Server:
         await asyncio.gather(*(f.stop(grace) for f in self.frontends), return_exceptions=True)
         await self.repository.close()
         self.shm.close()
+        unregister_collector(self.response_cache.collector)
+        self.response_cache.clear()
         self._stopped.set()
         log.info("shutdown complete")
 

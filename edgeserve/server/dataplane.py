@@ -20,6 +20,7 @@ from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
 from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
+from edgeserve.scheduling.cache import ResponseCache
 from edgeserve.scheduling.job import Arrays, Job
 from edgeserve.server import validation
 from edgeserve.server.logsettings import LogSettings
@@ -98,8 +99,10 @@ class DataPlane:
         strict_readiness: bool = True,
         model_control_mode: str = "explicit",
         max_inflight: int = 0,
+        response_cache: ResponseCache | None = None,
     ) -> None:
         self.repository = repository
+        self.response_cache = response_cache  # server-wide; used by models with response_cache.enable
         self.max_inflight = max_inflight  # 0 = sized from the model queues (auto_inflight_limit)
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -318,14 +321,21 @@ class DataPlane:
                 for lease in leases:
                     lease.release()
 
+        cache = self.response_cache
+        ticket = cache.begin(model, request.parameters, inputs, output_names) if cache is not None else None
+        if ticket is not None and ticket.outputs is not None:  # a hit: answered here, no scheduler
+            model.stats.record_cache_hit(time.monotonic_ns() - request.arrival_ns, ticket.lookup_ns)
+            job_done(ticket.outputs)
+            return False
         job = Job(
             inputs=inputs,
             batch_size=batch_size,
-            done=job_done,
+            done=job_done if ticket is None else ticket.wrap(job_done),
             priority=int(request.priority),
             timeout_us=int(request.timeout_us),
             arrival_ns=request.arrival_ns,
             request_id=request.id,
+            parameters=request.parameters,
         )
         try:
             if inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns):
