@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import platform
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -86,6 +88,10 @@ class TuneOptions:
             input_data=args.input_data or ["random"],
             settings=settings,
         )
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def model_sha256(folder: Path) -> str:
@@ -278,6 +284,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
         f"p99 budget {options.budget_ms:g} ms; results in {results}"
     )
     server = TuneServer(model_dir, name)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: stop our server on the way out
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     measured = skipped = 0
     stopped = ""
     base: Any = None
