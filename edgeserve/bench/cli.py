@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROTOCOL_NAMES = ("http", "grpc", "grpc-stream", "zmq", "zmq-shm")
+PROTOCOL_NAMES = ("http", "http-json", "grpc", "grpc-stream", "zmq", "zmq-shm")
 
 
 def parse_levels(text: str) -> list[int]:

@@ -57,7 +57,12 @@ class BenchConfig:
     max_seconds: float = 300.0
 
 
-DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001", "grpc-stream": "127.0.0.1:8001"}
+DEFAULT_URLS = {
+    "http": "127.0.0.1:8000",
+    "http-json": "127.0.0.1:8000",
+    "grpc": "127.0.0.1:8001",
+    "grpc-stream": "127.0.0.1:8001",
+}
 
 
 def default_url(protocol: str) -> str:
@@ -70,7 +75,7 @@ def default_url(protocol: str) -> str:
 
 def server_api(config: BenchConfig, url: str) -> ServerApi:
     timeout = config.settings.timeout_s
-    if config.protocol == "http":
+    if config.protocol.startswith("http"):
         return HttpApi(url, timeout)
     if config.protocol.startswith("grpc"):
         return GrpcApi(url, timeout)

@@ -13,7 +13,7 @@ from edgeserve.bench.inputs import ModelInfo
 from edgeserve.bench.stats import Point
 
 COLUMN_DOCS: dict[str, str] = {
-    "protocol": "http | grpc | grpc-stream | zmq | zmq-shm",
+    "protocol": "http | http-json | grpc | grpc-stream | zmq | zmq-shm",
     "model": "model name",
     "batch_size": "inputs per request",
     "concurrency": "requests in flight (closed loop); 0 in request-rate mode",

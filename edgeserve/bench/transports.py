@@ -25,7 +25,7 @@ from edgeserve.bench.errors import RequestError
 from edgeserve.bench.inputs import ModelInfo, Sample
 from edgeserve.protocol import datatypes
 
-PROTOCOLS = ("http", "grpc", "grpc-stream", "zmq", "zmq-shm")
+PROTOCOLS = ("http", "http-json", "grpc", "grpc-stream", "zmq", "zmq-shm")
 _HEADER = "Inference-Header-Content-Length"
 RING_BYTES_MAX = 256 << 20  # all rings of one transport together
 
@@ -53,15 +53,13 @@ class Transport(abc.ABC):
 
 
 class HttpTransport(Transport):
+    """KServe V2 over HTTP with Triton's binary tensor extension (tensors as raw bytes after the JSON)."""
+
     protocol = "http"
 
-    async def open(self, lanes: int, inflight_per_lane: int = 1) -> None:
-        import aiohttp
-
-        base = http_base(self.url) + f"/v2/models/{self.info.name}"
-        self.endpoint = base + (f"/versions/{self.info.version}" if self.info.version else "") + "/infer"
+    def _bodies(self) -> list[tuple[bytes, dict[str, str]]]:
         outputs = [{"name": t.name, "parameters": {"binary_data": True}} for t in self.info.outputs]
-        self.bodies: list[tuple[bytes, dict[str, str]]] = []
+        bodies: list[tuple[bytes, dict[str, str]]] = []
         for sample in self.samples:
             raw = {name: _wire(array, self.datatypes[name]) for name, array in sample.items()}
             header = json.dumps(
@@ -79,7 +77,15 @@ class HttpTransport(Transport):
                 }
             ).encode()
             headers = {_HEADER: str(len(header)), "Content-Type": "application/octet-stream"}
-            self.bodies.append((header + b"".join(raw.values()), headers))
+            bodies.append((header + b"".join(raw.values()), headers))
+        return bodies
+
+    async def open(self, lanes: int, inflight_per_lane: int = 1) -> None:
+        import aiohttp
+
+        base = http_base(self.url) + f"/v2/models/{self.info.name}"
+        self.endpoint = base + (f"/versions/{self.info.version}" if self.info.version else "") + "/infer"
+        self.bodies = self._bodies()
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         self.session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
@@ -123,6 +129,39 @@ class HttpTransport(Transport):
     async def close(self) -> None:
         with contextlib.suppress(AttributeError):
             await self.session.close()
+
+
+class HttpJsonTransport(HttpTransport):
+    """KServe V2 over HTTP, tensors as JSON lists: the core protocol every V2 server speaks (slower)."""
+
+    protocol = "http-json"
+
+    def _bodies(self) -> list[tuple[bytes, dict[str, str]]]:
+        def data(array: npt.NDArray[Any]) -> list[Any]:
+            flat = array.ravel().tolist()
+            return [v.decode(errors="replace") if isinstance(v, bytes) else v for v in flat]
+
+        outputs = [{"name": t.name} for t in self.info.outputs]
+        return [
+            (
+                json.dumps(
+                    {
+                        "inputs": [
+                            {
+                                "name": n,
+                                "shape": list(a.shape),
+                                "datatype": self.datatypes[n],
+                                "data": data(a),
+                            }
+                            for n, a in sample.items()
+                        ],
+                        "outputs": outputs,
+                    }
+                ).encode(),
+                {"Content-Type": "application/json"},
+            )
+            for sample in self.samples
+        ]
 
 
 def _infer_request_bytes(info: ModelInfo, sample: Sample, types: dict[str, str]) -> bytes:
@@ -319,5 +358,13 @@ class ZmqShmTransport(ZmqTransport):
 
 
 TRANSPORTS: dict[str, type[Transport]] = {
-    t.protocol: t for t in (HttpTransport, GrpcTransport, GrpcStreamTransport, ZmqTransport, ZmqShmTransport)
+    t.protocol: t
+    for t in (
+        HttpTransport,
+        HttpJsonTransport,
+        GrpcTransport,
+        GrpcStreamTransport,
+        ZmqTransport,
+        ZmqShmTransport,
+    )
 }

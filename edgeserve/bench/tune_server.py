@@ -79,7 +79,7 @@ class TuneServer:
         return f"127.0.0.1:{self.grpc_port}"
 
     def url(self, protocol: str) -> str:
-        if protocol == "http":
+        if protocol.startswith("http"):
             return f"127.0.0.1:{self.http_port}"
         return self.grpc if protocol.startswith("grpc") else self.zmq_endpoint
 

@@ -73,7 +73,7 @@ def _sane(point: dict[str, Any], server_split: bool = True) -> None:
         assert point["server_batch"] >= 1
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-stream", "zmq", "zmq-shm"])
+@pytest.mark.parametrize("protocol", ["http", "http-json", "grpc", "grpc-stream", "zmq", "zmq-shm"])
 def test_every_protocol(
     server: RunningServer, protocol: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
