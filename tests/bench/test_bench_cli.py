@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def _url(server: RunningServer, protocol: str) -> list[str]:
-    if protocol == "http":
+    if protocol.startswith("http"):
         return ["-u", server.http_url]
     if protocol.startswith("grpc"):
         return ["-u", server.grpc_url]
@@ -228,3 +228,24 @@ def test_nan_is_null_in_json(
     point = document["points"][0]
     _sane(point, server_split=False)
     assert point["server_queue_us"] is None and not math.isnan(point["p50_ms"])
+
+
+def test_max_seconds_bounds_the_run(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "mlp",
+        "-u",
+        server.grpc_url,
+        "--concurrency",
+        "1,2,4,8",
+        "--warmup-s",
+        "0.2",
+        "--window-s",
+        "0.4",
+    ]
+    code, document, text = _bench([*args, "--max-seconds", "1.5"], tmp_path, capsys)
+    assert code == 0, text
+    assert 1 <= len(document["points"]) < 4
+    assert "time limit" in text
+    assert sum(p["seconds"] for p in document["points"]) < 3.0
