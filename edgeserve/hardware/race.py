@@ -269,9 +269,15 @@ class Racer:
             for number, e in enumerate(entrants, 1):
                 spent = time.monotonic() - start
                 guess = compile_s.get(e.option.backend, 0.0) * e.row.instances
-                if spent + guess > budget:
+                # leave room for MIN_ROUNDS rounds of what is compiled, this one included (as slow as
+                # the slowest so far): compiling everything first and timing nothing would be no race
+                estimates = [x.estimate_s for x in entrants if x.instances]
+                reserve = (MIN_ROUNDS - 1) * (sum(estimates) + max(estimates, default=0.0))
+                if spent + guess > budget or (len(estimates) >= 2 and spent + guess + reserve > budget):
                     e.row.status = OVER_BUDGET
-                    e.row.reason = f"not compiled: {spent:.1f}s of the {budget:g}s budget spent"
+                    e.row.reason = (
+                        f"not compiled: {spent:.1f}s of the {budget:g}s budget spent or kept for timing"
+                    )
                     continue
                 small = defaults.get(e.option)
                 if e.row.threads < total and e.row.instances == 1 and small is not None and small > SMALL_S:
@@ -300,18 +306,17 @@ class Racer:
                 log.info("model %s: race %d/%d: %s compiled in %.2fs, %.2f ms per round", name, number,
                          len(entrants), e.row.label(), e.row.compile_s, e.estimate_s * 1e3)  # fmt: skip
             ready = [e for e in entrants if e.instances]
-            rounds = 0
-            while ready:
+            while len(ready) > 1:  # keep the candidates that MIN_ROUNDS rounds can time, in order
                 left = budget - (time.monotonic() - start)
-                rounds = min(self.max_rounds - 1, int(left / max(sum(e.estimate_s for e in ready), 1e-6))) + 1
-                if rounds >= MIN_ROUNDS or len(ready) == 1:
+                if (MIN_ROUNDS - 1) * sum(e.estimate_s for e in ready) <= left:
                     break
                 cut = ready.pop()
                 cut.row.status = OVER_BUDGET
                 cut.row.reason = f"not timed: {cut.estimate_s * 1e3:.1f} ms per round does not fit the budget"
                 _close(cut)
             result = RaceResult(name, [s.name for s in scenarios], [e.row for e in entrants], budget_s=budget)
-            if len(ready) < 2 or rounds < MIN_ROUNDS:
+            left = budget - (time.monotonic() - start)
+            if len(ready) < 2 or (MIN_ROUNDS - 1) * sum(e.estimate_s for e in ready) > left:
                 result.fallback = (
                     f"over budget: {len(ready)} of {len(entrants)} candidates compiled and warmed up in time "
                     f"for {MIN_ROUNDS} timed rounds within {budget:g}s (compiling took "
@@ -320,14 +325,7 @@ class Racer:
                 for e in ready:
                     e.row.status, e.row.reason = OVER_BUDGET, "too few candidates timed to race"
             else:
-                log.info("model %s: timing %d more rounds of %d candidates (about %.1fs)", name, rounds - 1,
-                         len(ready), (rounds - 1) * sum(e.estimate_s for e in ready))  # fmt: skip
-                for r in range(1, rounds):
-                    order = ready[r % len(ready) :] + ready[: r % len(ready)]  # who goes first rotates
-                    for e in order:
-                        for s in scenarios:
-                            e.samples[s.name].append(_run(e, s, feeds[s.batch]))
-                    log.debug("model %s: race round %d/%d", name, r + 1, rounds)
+                rounds = self._rounds(name, ready, scenarios, feeds, start)
                 for e in ready:
                     _score(e, scenarios, rounds)
             result.seconds = time.monotonic() - start
@@ -335,6 +333,36 @@ class Racer:
         finally:
             for e in entrants:
                 _close(e)
+
+    def _rounds(
+        self,
+        name: str,
+        ready: list[_Entrant],
+        scenarios: list[_Scenario],
+        feeds: dict[int, Any],
+        start: float,
+    ) -> int:
+        """Interleaved rounds (who goes first rotates) until the budget is spent: at least MIN_ROUNDS
+        (the warm-up round counts), at most max_rounds. Returns the number of rounds taken."""
+        log.info("model %s: timing %d candidates in rounds for up to %.1fs more", name, len(ready),
+                 max(0.0, self.budget_s - (time.monotonic() - start)))  # fmt: skip
+        durations: list[float] = []
+        rounds = 1
+        while rounds < self.max_rounds:
+            if (
+                rounds >= MIN_ROUNDS
+                and time.monotonic() - start + statistics.median(durations) > self.budget_s
+            ):
+                break
+            t0 = time.monotonic()
+            order = ready[rounds % len(ready) :] + ready[: rounds % len(ready)]
+            for e in order:
+                for s in scenarios:
+                    e.samples[s.name].append(_run(e, s, feeds[s.batch]))
+            durations.append(time.monotonic() - t0)
+            rounds += 1
+        log.info("model %s: %d rounds timed", name, rounds)
+        return rounds
 
     def _pick(
         self, result: RaceResult, entrants: list[_Entrant], plan: ModelPlan, name: str, version_dir: Path,
