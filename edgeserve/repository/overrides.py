@@ -21,6 +21,8 @@ from edgeserve.repository.layout import override_path
 
 log = logging.getLogger("edgeserve.repository")
 
+LOAD_REQUEST_MARKER = ".edgeserve-load-request"  # the same name in backends/python/backend.py
+
 
 def write_files(state_dir: Path, model: str, files: Mapping[str, bytes]) -> Path:
     """Write `files` ("1/model.onnx" or "file:1/model.onnx" -> content) into a fresh folder."""
@@ -40,6 +42,9 @@ def write_files(state_dir: Path, model: str, files: Mapping[str, bytes]) -> Path
         target = Path(tempfile.mkdtemp(prefix=f"edgeserve-{model}-"))
         log.warning("model %s: %s is not writable (%s); load files go to %s", model, base, exc, target)
     try:
+        # Marks code that came with a request: the Python backend refuses it (README: Python models
+        # run only from the local repository or a signed bundle).
+        (target / LOAD_REQUEST_MARKER).write_bytes(b"")
         for relative, data in entries:
             path = target.joinpath(*relative.parts)
             path.parent.mkdir(parents=True, exist_ok=True)

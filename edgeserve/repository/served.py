@@ -78,7 +78,11 @@ def _prepare_with(
     default_max_batch_size: int,
 ) -> PreparedVersion:  # fmt: skip
     backend = get_backend(choice.backend_name)
-    io = backend.inspect(choice.model_path)
+    inspect_config = getattr(backend, "inspect_config", None)
+    if inspect_config is not None:  # the signature is in the config (Python models' auto_complete_config)
+        io, raw_config = inspect_config(choice.model_path, raw_config, where)
+    else:
+        io = backend.inspect(choice.model_path)
     config = autocomplete.complete(
         raw_config, io, model_name=name, backend_name=backend.name,
         platform=backend.platforms[0] if backend.platforms else "", model_file=choice.model_path.name,

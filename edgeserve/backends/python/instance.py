@@ -1,0 +1,243 @@
+"""`PythonInstance`: one instance of a Python model, backed by one worker process.
+
+- infer(): the inputs are copied once into the shared memory, the worker runs `execute`, the
+  outputs are copied once out of it (the region is reused by the next call).
+- An exception in execute(), or a response with `error=TritonError(...)`, fails that call with the
+  model's message (status INTERNAL, or the TritonError's code); the worker lives on.
+- A worker that dies during a call (os.abort(), a segfault, sys.exit, the OOM killer) fails the call
+  with INTERNAL naming the model, the instance and the exit signal or code, and is restarted at once
+  in the background; a restart that fails (initialize raises) is retried with backoff (0.5 s
+  doubling to 30 s), and calls meanwhile fail fast with UNAVAILABLE and the last error.
+- A call that runs past `hang_timeout_s` (+ a grace, so the scheduler's hang detector answers
+  first) kills the worker (SIGTERM, SIGKILL after 1 s) and fails with UNAVAILABLE; the next call
+  starts a new one. close() kills a worker with a call in flight at once and gives an idle worker
+  `finalize()` and a few seconds to exit; either way the process is reaped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from edgeserve.backends.base import Array, ModelIO
+from edgeserve.backends.python import wire
+from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerStopped, WorkerTimeout
+from edgeserve.protocol.errors import InferenceError, Status
+
+log = logging.getLogger("edgeserve.backends.python")
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+FINALIZE_GRACE_S = 5.0
+KILL_GRACE_S = 1.0
+
+
+def _status(name: Any) -> Status:
+    try:
+        return Status(str(name))
+    except ValueError:
+        return Status.INTERNAL
+
+
+def start_worker(spec: WorkerSpec, stop: threading.Event | None = None) -> Worker:
+    """A worker with the model imported and initialized; InferenceError (INVALID_ARG: the model's
+    fault) naming the traceback's last line when import or initialize() fails."""
+    worker = Worker(spec)
+    try:
+        for message in (
+            {"op": "load", "model_file": str(spec.model_file)},
+            {"op": "initialize", "args": spec.args},
+        ):
+            reply = worker.request(message, spec.start_timeout_s, stop)
+            if "error" in reply:
+                what = "import" if message["op"] == "load" else "initialize()"
+                log.error("%s: %s failed:\n%s", spec.label, what, reply.get("traceback") or reply["error"])
+                raise InferenceError(Status.INVALID_ARG, f"{spec.label}: {what} failed: {reply['error']}")
+    except WorkerDied as exc:
+        worker.kill(KILL_GRACE_S)
+        raise InferenceError(
+            Status.INTERNAL,
+            f"{spec.label}: the Python worker (pid {worker.pid}) {exc} while loading the model",
+        ) from None
+    except WorkerTimeout:
+        worker.kill(KILL_GRACE_S)
+        raise InferenceError(
+            Status.UNAVAILABLE, f"{spec.label}: loading the model took longer than {spec.start_timeout_s:g} s"
+        ) from None
+    except BaseException:
+        worker.kill(KILL_GRACE_S)
+        raise
+    log.info("%s: Python worker pid %d ready", spec.label, worker.pid)
+    return worker
+
+
+class PythonInstance:
+    def __init__(self, spec: WorkerSpec, io: ModelIO, worker: Worker) -> None:
+        self.spec = spec
+        self.io = io
+        self.fallback_reason: str | None = None
+        self.restarts = 0  # workers started after a crash or a hang
+        self._worker: Worker | None = worker
+        self._call = threading.Lock()  # one infer at a time
+        self._state = threading.Lock()  # guards _worker, _restarter, _closed
+        self._stop = threading.Event()
+        self._attempted = threading.Event()  # a restart attempt finished (worker up or failed)
+        self._restarter: threading.Thread | None = None
+        self._last_error = ""
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        worker = self._worker
+        return worker.pid if worker is not None else None
+
+    # -- calls -------------------------------------------------------------------------------------
+    def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        with self._call:
+            worker = self._live_worker()
+            headers, _ = wire.write_tensors(worker.region, inputs.items(), 0)
+            request = {"id": "", "params": "{}", "inputs": headers, "outputs": list(outputs or [])}
+            message = {"op": "execute", "size": worker.region.size, "requests": [request]}
+            label = self.spec.label
+            try:
+                reply = worker.request(message, self.spec.call_timeout_s, self._stop)
+            except WorkerDied as exc:
+                self._lost(worker, restart=True)
+                raise InferenceError(
+                    Status.INTERNAL,
+                    f"{label}: the Python worker (pid {worker.pid}) {exc} while executing the request; "
+                    "restarting it",
+                ) from None
+            except WorkerTimeout:
+                worker.kill(KILL_GRACE_S)
+                self._lost(worker, restart=False)
+                raise InferenceError(
+                    Status.UNAVAILABLE,
+                    f"{label}: execute() did not return in {self.spec.call_timeout_s:g} s; "
+                    f"the Python worker (pid {worker.pid}) was killed",
+                ) from None
+            except WorkerStopped:
+                raise self._closed_error() from None
+            return self._outputs(worker, reply, outputs)
+
+    def _outputs(self, worker: Worker, reply: wire.Header, wanted: Sequence[str] | None) -> dict[str, Array]:
+        if "error" in reply:  # execute() raised, or returned the wrong thing
+            raise InferenceError(_status(reply.get("status")), f"{self.spec.label}: {reply['error']}")
+        response = reply["responses"][0]
+        if "error" in response:
+            raise InferenceError(_status(response.get("status")), str(response["error"]))
+        try:
+            out = {
+                str(h["n"]): wire.read_tensor(worker.region, h, copy=True)
+                for h in response["outputs"]
+                if not wanted or h["n"] in wanted
+            }
+        except (ValueError, KeyError, TypeError, InferenceError) as exc:
+            message = exc.message if isinstance(exc, InferenceError) else str(exc)
+            raise InferenceError(Status.INTERNAL, f"{self.spec.label}: a bad response: {message}") from None
+        missing = [n for n in wanted or () if n not in out]
+        if missing:
+            raise InferenceError(
+                Status.INTERNAL, f"{self.spec.label}: execute() returned no output {', '.join(missing)}"
+            )
+        return out
+
+    def _closed_error(self) -> InferenceError:
+        return InferenceError(Status.UNAVAILABLE, f"{self.spec.label}: the instance is closed")
+
+    # -- restarts ----------------------------------------------------------------------------------
+    def _live_worker(self) -> Worker:
+        with self._state:
+            if self._closed:
+                raise self._closed_error()
+            worker = self._worker
+        if worker is not None and worker.alive():
+            return worker
+        if worker is not None:  # died while idle
+            log.warning("%s: the Python worker (pid %d) %s while idle", self.spec.label, worker.pid,
+                        worker.exit_text())  # fmt: skip
+            self._lost(worker, restart=False)
+        with self._state:
+            backing_off = self._restarter is not None and self._restarter.is_alive() and self._last_error
+        if not backing_off:
+            self._attempted.clear()
+            self._ensure_restarter()
+            with self._state:
+                worker = self._worker
+            if worker is None:
+                self._attempted.wait(self.spec.start_timeout_s)
+        with self._state:
+            worker = self._worker
+        if worker is None:
+            detail = f": {self._last_error}" if self._last_error else ""
+            raise InferenceError(
+                Status.UNAVAILABLE, f"{self.spec.label}: the Python worker is restarting{detail}"
+            )
+        return worker
+
+    def _lost(self, worker: Worker, restart: bool) -> None:
+        worker.kill(KILL_GRACE_S)
+        with self._state:
+            if self._worker is worker:
+                self._worker = None
+        if restart:
+            self._ensure_restarter()
+
+    def _ensure_restarter(self) -> None:
+        with self._state:
+            if self._closed or (self._restarter is not None and self._restarter.is_alive()):
+                return
+            self._restarter = threading.Thread(
+                target=self._restart_loop, name=f"edgeserve-python-restart-{self.spec.label}", daemon=True
+            )
+            self._restarter.start()
+
+    def _restart_loop(self) -> None:
+        delay = BACKOFF_START_S
+        while not self._stop.is_set():
+            try:
+                worker = start_worker(self.spec, self._stop)
+            except WorkerStopped:
+                break
+            except Exception as exc:
+                self._last_error = exc.message if isinstance(exc, InferenceError) else str(exc)
+                log.error("%s: restarting the Python worker failed (retry in %g s): %s",
+                          self.spec.label, delay, self._last_error)  # fmt: skip
+                self._attempted.set()
+                if self._stop.wait(delay):
+                    break
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                continue
+            with self._state:
+                keep = not self._closed
+                if keep:
+                    self._worker = worker
+                    self.restarts += 1
+            if not keep:
+                worker.kill(KILL_GRACE_S)
+            self._last_error = ""
+            log.warning("%s: Python worker restarted (pid %d)", self.spec.label, worker.pid)
+            break
+        self._attempted.set()
+
+    # -- close -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            worker, self._worker = self._worker, None
+            restarter = self._restarter
+        self._stop.set()
+        if worker is not None:
+            if self._call.acquire(blocking=False):
+                try:
+                    worker.stop(FINALIZE_GRACE_S)
+                finally:
+                    self._call.release()
+            else:  # a call is in flight (hung, or abandoned by the scheduler): kill it
+                worker.kill(KILL_GRACE_S)
+        if restarter is not None:
+            restarter.join(10.0)

@@ -1,0 +1,183 @@
+"""What the server and a Python model's worker process say to each other, and how tensors travel.
+
+Control channel: one AF_UNIX stream socket (a socketpair, the worker's end passed as an inherited
+fd). A message is a little-endian uint32 length and that many bytes of compact JSON. Only JSON
+crosses it: the server never unpickles anything a worker (user code) sends.
+
+Tensors: one shared-memory file per instance (a memfd, passed as an inherited fd; /dev/shm where
+memfd_create is missing), mapped by both sides. A call writes its inputs from offset 0; the worker
+writes the outputs after them. Each tensor is described in the JSON header as
+`{"n": name, "t": datatype, "s": shape, "o": offset, "b": nbytes}`; BYTES tensors are stored in the
+protocol's BYTES layout (edgeserve/protocol/datatypes.py). The file grows (to the next power of two)
+when a call does not fit; whoever grows it says the new size in its message, and the other side maps
+it again. It never shrinks, so its size is the largest call seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import socket
+import struct
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgeserve.protocol import datatypes
+
+Array = npt.NDArray[Any]
+Header = dict[str, Any]
+
+ALIGN = 64
+MIN_REGION = 1 << 20
+MAX_MESSAGE = 64 << 20  # a JSON header larger than this is a broken peer
+_LEN = struct.Struct("<I")
+
+
+class PeerGone(ConnectionError):
+    """The other end closed the control channel (the worker died, or the server went away)."""
+
+
+def align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+# -- control channel ----------------------------------------------------------------------------
+def send(sock: socket.socket, message: Mapping[str, Any]) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, count: int) -> bytes:
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    got = 0
+    while got < count:
+        n = sock.recv_into(view[got:], count - got)
+        if n == 0:
+            raise PeerGone("the control channel closed")
+        got += n
+    return bytes(buffer)
+
+
+def recv(sock: socket.socket) -> Header:
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if length > MAX_MESSAGE:
+        raise PeerGone(f"a control message of {length} bytes (broken peer)")
+    message = json.loads(_recv_exact(sock, length))
+    if not isinstance(message, dict):
+        raise PeerGone("a control message that is not a JSON object")
+    return message
+
+
+# -- shared memory ------------------------------------------------------------------------------
+def create_region_fd(label: str, size: int = MIN_REGION) -> int:
+    """A new shared-memory file of `size` bytes (close-on-exec; pass it with `pass_fds`)."""
+    try:
+        fd = os.memfd_create(f"edgeserve-py-{label}"[:200], os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # pragma: no cover - kernels without memfd
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="edgeserve-py-", dir=folder)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Region:
+    """One side's mapping of the shared file. Not thread-safe: one call at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, self.size)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self._map
+
+    def follow(self, size: int) -> None:
+        """The peer grew the file to `size`: map it again (old views stay valid until released)."""
+        if size > self.size:
+            self.size = size
+            self._map = mmap.mmap(self.fd, size)  # the old map is unmapped when its last view goes
+
+    def reserve(self, end: int) -> None:
+        """Make the file at least `end` bytes long (next power of two)."""
+        if end <= self.size:
+            return
+        size = max(MIN_REGION, 1 << (end - 1).bit_length())
+        os.ftruncate(self.fd, size)
+        self.follow(size)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # views still exported: unmapped when they go
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _encoded(array: Array, datatype: str) -> tuple[bytes | None, int]:
+    if datatype == "BYTES":
+        data = datatypes.serialize_bytes(array)
+        return data, len(data)
+    return None, int(array.nbytes)
+
+
+def write_tensors(
+    region: Region, tensors: Iterable[tuple[str, Array]], start: int
+) -> tuple[list[Header], int]:
+    """Copy `tensors` into the region from `start` (one copy each); their descriptors and the end."""
+    prepared: list[tuple[str, Array, str, bytes | None, int]] = []
+    for name, value in tensors:
+        array = np.asarray(value)
+        datatype = datatypes.from_numpy(array.dtype)
+        data, nbytes = _encoded(array, datatype)
+        prepared.append((name, array, datatype, data, nbytes))
+    offset = align(start)
+    end = offset
+    for *_, nbytes in prepared:
+        end = align(end) + nbytes
+    region.reserve(end)
+    buffer = region.buffer
+    headers: list[Header] = []
+    for name, array, datatype, data, nbytes in prepared:
+        offset = align(offset)
+        if data is not None:
+            buffer[offset : offset + nbytes] = data
+        elif nbytes:
+            target: Array = np.ndarray(array.shape, dtype=array.dtype, buffer=buffer, offset=offset)
+            np.copyto(target, array, casting="no")
+        headers.append({"n": name, "t": datatype, "s": list(array.shape), "o": offset, "b": nbytes})
+        offset += nbytes
+    return headers, end
+
+
+def read_tensor(region: Region, header: Mapping[str, Any], copy: bool) -> Array:
+    """The tensor a descriptor names: a view into the region, or a copy of it (`copy`)."""
+    name, datatype = str(header["n"]), str(header["t"])
+    shape = tuple(int(d) for d in header["s"])
+    offset, nbytes = int(header["o"]), int(header["b"])
+    if offset < 0 or nbytes < 0 or offset + nbytes > region.size:
+        raise ValueError(
+            f"tensor '{name}' lies outside the shared memory ({offset}+{nbytes} > {region.size})"
+        )
+    view = memoryview(region.buffer)[offset : offset + nbytes]
+    try:
+        if datatype == "BYTES":
+            return datatypes.deserialize_bytes(
+                view, datatypes.element_count(shape), f"tensor '{name}'"
+            ).reshape(shape)
+        array = datatypes.from_buffer(view, datatype, shape, f"tensor '{name}'")
+        return array.copy() if copy else array
+    finally:
+        if copy or datatype == "BYTES":
+            view.release()
