@@ -150,7 +150,7 @@ def summary(figures: Sequence[OutputFigures]) -> str:
     )
     tops = [f.top1 for f in figures if f.top1 is not None]
     if tops:
-        text += f", top-1 {min(tops):.1%}"
+        text += f", top-1 {min(tops):.1%} (scores: judged on top-1 and cosine)"
     return text
 
 
