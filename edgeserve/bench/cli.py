@@ -34,6 +34,22 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def parse_protocols(text: str) -> list[str]:
+    protocols = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in protocols if p not in PROTOCOL_NAMES]
+    if not protocols or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: protocols are {', '.join(PROTOCOL_NAMES)}")
+    return list(dict.fromkeys(protocols))
+
+
+def _address(args: argparse.Namespace, protocol: str) -> str:
+    if args.url:
+        return str(args.url)
+    if protocol.startswith("http"):
+        return str(args.http_url)
+    return str(args.grpc_url) if protocol.startswith("grpc") else str(args.zmq_url)
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(p) for p in text.split(",") if p.strip()]
@@ -82,18 +98,21 @@ def add_commands(sub: Any) -> None:
         "throughput, latency percentiles, the server-side queue/compute split and the client's CPU.",
     )
     bench.add_argument("model")
-    bench.add_argument("-i", "--protocol", choices=PROTOCOL_NAMES, default="grpc", help="default grpc")
     bench.add_argument(
-        "-u",
-        "--url",
-        default="",
-        help="server address for the protocol (default 127.0.0.1:8000 "
-        "HTTP, 127.0.0.1:8001 gRPC, ipc:///tmp/edgeserve.zmq ZeroMQ)",
+        "-i",
+        "--protocol",
+        type=parse_protocols,
+        default=["grpc"],
+        help=f"{', '.join(PROTOCOL_NAMES)}; several, comma-separated, run one after the other (default grpc)",
     )
+    bench.add_argument("-u", "--url", default="", help="the server's address for the one protocol given")
+    bench.add_argument("--http-url", default="127.0.0.1:8000", help="HTTP address (default 127.0.0.1:8000)")
+    bench.add_argument("--grpc-url", default="127.0.0.1:8001", help="gRPC address (default 127.0.0.1:8001)")
+    bench.add_argument("--zmq-url", default="", help="ZeroMQ endpoint (default ipc:///tmp/edgeserve.zmq)")
     bench.add_argument(
         "--stats-url",
-        default="127.0.0.1:8000",
-        help="ZeroMQ only: HTTP address for the config and statistics ('none': without)",
+        default="",
+        help="ZeroMQ only: HTTP address for the config and statistics (default --http-url; 'none': without)",
     )
     bench.add_argument("--model-version", default="")
     bench.add_argument("--concurrency", type=parse_levels, help="1,2,4,8 or start:end[:step] (default 1)")
@@ -179,43 +198,55 @@ def bench_command(args: argparse.Namespace) -> int:
                 import matplotlib  # noqa: F401  (checked before the run, not after it)
             except ImportError:
                 raise BenchError(f"--plot needs matplotlib: {PLOT_HINT}") from None
-        config = BenchConfig(
-            model=args.model,
-            protocol=args.protocol,
-            url=args.url,
-            stats_url=None if args.stats_url.lower() == "none" else args.stats_url,
-            version=args.model_version,
-            batch_size=args.batch_size,
-            shapes=parse_shape_flags(args.shape),
-            input_data=args.input_data or ["random"],
-            concurrency=args.concurrency or ([] if args.request_rate else [1]),
-            request_rates=args.request_rate or [],
-            settings=_settings(args, 1.0, 2.0, 10),
-            max_seconds=args.max_seconds,
-        )
-        run = asyncio.run(run_bench(config, say))
-        print(table(run.points))
+        if args.url and len(args.protocol) > 1:
+            raise BenchError("-u/--url names one protocol's address: use --http-url, --grpc-url, --zmq-url")
+        stats = args.stats_url or args.http_url
+        deadline = time.monotonic() + args.max_seconds
+        points: list[Any] = []
+        info: Any = None
+        for protocol in args.protocol:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                say(f"time limit ({args.max_seconds:g} s) reached: {protocol} not run")
+                continue
+            config = BenchConfig(
+                model=args.model,
+                protocol=protocol,
+                url=_address(args, protocol),
+                stats_url=None if stats.lower() == "none" else stats,
+                version=args.model_version,
+                batch_size=args.batch_size,
+                shapes=parse_shape_flags(args.shape),
+                input_data=args.input_data or ["random"],
+                concurrency=args.concurrency or ([] if args.request_rate else [1]),
+                request_rates=args.request_rate or [],
+                settings=_settings(args, 1.0, 2.0, 10),
+                max_seconds=left,
+            )
+            run = asyncio.run(run_bench(config, say))
+            points += run.points
+            info = info or run.info
+        print(table(points))
         if args.csv:
-            write_csv(args.csv, run.points)
+            write_csv(args.csv, points)
         if args.json:
             extra = {
-                "protocol": args.protocol,
-                "url": args.url,
-                "input_data": config.input_data,
+                "protocols": args.protocol,
+                "input_data": args.input_data or ["random"],
                 "window_s": config.settings.window_s,
                 "stability_pct": args.stability_pct,
             }
-            write_json(args.json, run.points, run.info, extra)
+            write_json(args.json, points, info, extra)
         if args.plot:
             from edgeserve.bench.plot import plot
 
-            plot(args.plot, run.points, f"{run.info.name} over {args.protocol}")
+            plot(args.plot, points, f"{info.name}: latency against throughput")
     except BenchError as exc:
         print(f"edgeserve bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 1 if run.points and all(p.requests == 0 for p in run.points) else 0
+    return 1 if points and all(p.requests == 0 for p in points) else 0
 
 
 def tune_command(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ def plot(path: Path, points: Sequence[Point], title: str, budget_ms: float | Non
     figure, axes = plt.subplots(figsize=(8, 5), dpi=100)
     try:
         for protocol in dict.fromkeys(p.protocol for p in points):
-            mine = sorted((p for p in points if p.protocol == protocol), key=lambda p: p.throughput)
+            mine = [p for p in points if p.protocol == protocol]  # in load order, as measured
             xs = [p.throughput for p in mine]
             (line,) = axes.plot(xs, [p.p99_ms for p in mine], marker="o", label=f"{protocol} p99")
             axes.plot(

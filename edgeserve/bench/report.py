@@ -55,9 +55,10 @@ def table(points: Sequence[Point]) -> str:
         "batch",
         "client cpu%",
     ]
+    several = len({p.protocol for p in points}) > 1
     rows = [head]
     for p in points:
-        load = p.label + ("" if p.stable else "*")
+        load = (f"{p.protocol} " if several else "") + p.label + ("" if p.stable else "*")
         if p.request_rate:
             load += f" (sent {p.sent_per_s:.1f}/s)"
         rows.append(

@@ -96,8 +96,14 @@ def test_csv_json_png(server: RunningServer, tmp_path: Path, capsys: pytest.Capt
     code, document, text = _bench(
         [
             "mlp",
-            "-u",
+            "-i",
+            "grpc,zmq",
+            "--grpc-url",
             server.grpc_url,
+            "--zmq-url",
+            server.zmq_endpoint,
+            "--stats-url",
+            server.http_url,
             "--concurrency",
             "1:2",
             "--batch-size",
@@ -115,11 +121,18 @@ def test_csv_json_png(server: RunningServer, tmp_path: Path, capsys: pytest.Capt
     with open(paths["csv"]) as handle:
         rows = list(csv.DictReader(handle))
     assert list(rows[0]) == Point.columns() == document["columns"]
-    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    assert [(r["protocol"], int(r["concurrency"])) for r in rows] == [
+        ("grpc", 1),
+        ("grpc", 2),
+        ("zmq", 1),
+        ("zmq", 2),
+    ]
     assert all(int(r["batch_size"]) == 4 and float(r["throughput"]) > 0 for r in rows)
+    assert all(float(r["server_batch"]) >= 1 for r in rows)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 5000
-    # the table on stdout: a header and one line per point
-    assert "p99 ms" in text and "client cpu%" in text
+    # the table on stdout: a header and one line per point, the protocol named when there are several
+    assert "p99 ms" in text and "client cpu%" in text and "zmq c=2" in text
+    assert document["run"]["protocols"] == ["grpc", "zmq"]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc-stream", "zmq-shm"])
