@@ -141,8 +141,10 @@ def _check_scheduling(check: _Checker, config: Any) -> None:
     if choice == "sequence_batching":
         check.fail("sequence_batching", "the sequence batcher is not supported by edgeserve yet; "
                    "remove it to serve the model statelessly", Status.UNSUPPORTED)  # fmt: skip
-    if choice == "ensemble_scheduling":
-        check.fail("ensemble_scheduling", "ensembles are not supported by edgeserve yet", Status.UNSUPPORTED)
+    if choice == "ensemble_scheduling" or config.platform == "ensemble":
+        from edgeserve.server.ensemble_graph import check_shape  # its steps are checked when they load
+
+        check_shape(config, check.where)
     if choice != "dynamic_batching":
         return
     batching = config.dynamic_batching

@@ -21,12 +21,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 from edgeserve.config import Settings
 from edgeserve.ota.store import active_models
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
-from edgeserve.repository import overrides
+from edgeserve.repository import ensembles, overrides
 from edgeserve.repository.config import parse_override, parse_pbtxt
 from edgeserve.repository.layout import CONFIG_FILE, check_model_name, list_models, version_dirs
 from edgeserve.repository.selection import BackendSelector, DefaultSelector
 from edgeserve.repository.served import ServedModel, build_served, close_instances, prepare_version
 from edgeserve.repository.versions import describe, select_versions
+from edgeserve.server.ensemble_graph import is_ensemble
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import RepositoryLike, ServedModelLike
@@ -77,7 +78,7 @@ class ModelRepository:
                     f"Request for unknown model: '{name}' version '{version}' is not a number"
                 ) from None
             if versions and number in versions:
-                return versions[number]
+                return self._serving(versions[number])
             if model is not None and number in model.states:
                 raise unavailable(
                     f"Request for unknown model: '{name}' version {number} is not at ready state"
@@ -86,10 +87,18 @@ class ModelRepository:
                 raise not_found(f"Request for unknown model: '{name}' is not found")
             raise not_found(f"Request for unknown model: '{name}' version {number} is not found")
         if versions:
-            return versions[max(versions)]
+            return self._serving(versions[max(versions)])
         if model is not None:
             raise unavailable(f"Request for unknown model: '{name}' has no available versions")
         raise not_found(f"Request for unknown model: '{name}' is not found")
+
+    def _serving(self, served: ServedModel) -> ServedModel:
+        """`served`, unless it is an ensemble one of whose composing models does not serve now."""
+        if served.depends_on:
+            problem = ensembles.dependency_problem(served, self.is_ready)
+            if problem is not None:
+                raise unavailable(problem)
+        return served
 
     def ready_versions(self, name: str) -> list[ServedModelLike]:
         versions = self._served.get(name, {})
@@ -106,7 +115,7 @@ class ModelRepository:
         """Triton's strict readiness: started, and every model asked for serves at least one version."""
         if not self._started or self._closing:
             return False
-        return all(self._served.get(name) for name, model in self._models.items() if model.wanted)
+        return all(self.is_ready(name) for name, model in self._models.items() if model.wanted)
 
     def config(self, name: str, version: str = "") -> Any:
         return self.get(name, version).config
@@ -134,6 +143,14 @@ class ModelRepository:
                 if ready_only and status.state != READY:
                     continue
                 reason = error if error and status.state == UNAVAILABLE else status.reason
+                served = self._served.get(name, {}).get(version)
+                if status.state == READY and served is not None and served.depends_on:
+                    problem = ensembles.dependency_problem(served, self.is_ready)
+                    if problem is not None:
+                        if ready_only:
+                            continue
+                        status = _VersionState(UNAVAILABLE, problem)
+                        reason = problem
                 entries.append({"name": name, "version": str(version), "state": status.state,
                                 "reason": reason})  # fmt: skip
         return entries
@@ -175,7 +192,9 @@ class ModelRepository:
         else:
             names = list(dict.fromkeys(server.load_models))
         log.info("loading %d model(s) from %s: %s", len(names), self.root, ", ".join(names) or "(none)")
-        await asyncio.gather(*(self._load_quietly(name) for name in names))
+        later = ensembles.in_folders(names, self.folders())  # loaded after the models they compose
+        await asyncio.gather(*(self._load_quietly(name) for name in names if name not in later))
+        await asyncio.gather(*(self._load_quietly(name) for name in later))
         self._started = True
 
     async def _load_quietly(self, name: str) -> None:
@@ -226,6 +245,13 @@ class ModelRepository:
             raise
         if files:
             model.override_dirs.append(source)
+        if is_ensemble(raw_config):
+            try:
+                await ensembles.load_composing(self, self._models, name, raw_config)
+            except InferenceError as exc:
+                log.error("model %s failed: %s", name, exc.message)
+                self._forget_override(model, source)
+                raise
         available = version_dirs(source)
         chosen, missing = select_versions(available, raw_config)
         if not chosen:
@@ -291,7 +317,11 @@ class ModelRepository:
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
         """Stop serving `name`: no new requests (UNAVAILABLE), queued ones finish, then close.
-        `unload_dependents` is accepted for Triton compatibility; edgeserve has no ensembles yet."""
+        An ensemble using `name` stops serving with it (NOT READY); `unload_dependents` unloads such
+        ensembles too (Triton's unload_dependents)."""
+        if unload_dependents:
+            for ensemble in ensembles.dependents(self._served, name):
+                await self.unload(ensemble, unload_dependents=True)
         model = self._models.get(name)
         if model is None:
             if name in self.folders():
@@ -348,6 +378,13 @@ class ModelRepository:
 
     async def _build(self, name: str, source: Path, version: int, version_dir: Path, raw_config: Any,
                      where: str) -> ServedModel:  # fmt: skip
+        if is_ensemble(raw_config):
+            log.info("model %s version %d loading (ensemble)", name, version)
+            try:
+                return ensembles.build_ensemble(name, source, version, raw_config, where, self.get)
+            except InferenceError as exc:
+                log.error("model %s version %d failed: %s", name, version, exc.message)
+                raise
         if self._slots is None:
             self._slots = asyncio.Semaphore(LOAD_PARALLELISM)
         log.info("model %s version %d loading", name, version)

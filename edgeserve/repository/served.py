@@ -46,6 +46,8 @@ class ServedModel:
     choice_reason: str = ""
     fallback_reason: str | None = None  # an instance runs on less than was asked for (CPU fallback)
     load_seconds: float = 0.0
+    # An ensemble: the (model, version "" = latest) its steps run; it serves only while they all do.
+    depends_on: tuple[tuple[str, str], ...] = ()
 
     @property
     def managed_scheduler(self) -> Scheduler:
