@@ -62,6 +62,39 @@ def build_mlp(
     return path
 
 
+def build_accumulate(path: Path) -> Path:
+    """A stateful running sum for the sequence batcher (models/accumulate): INPUT, START, READY and
+    STATE_IN [N,1] FP32 -> OUTPUT = STATE_OUT = READY ? STATE_IN * (1 - START) + INPUT : STATE_IN."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    one = numpy_helper.from_array(np.ones((1, 1), dtype=np.float32), "one")
+    nodes = [
+        helper.make_node("Sub", ["one", "START"], ["keep"]),
+        helper.make_node("Mul", ["STATE_IN", "keep"], ["carried"]),
+        helper.make_node("Add", ["carried", "INPUT"], ["summed"]),
+        helper.make_node("Sub", ["summed", "STATE_IN"], ["delta"]),
+        helper.make_node("Mul", ["delta", "READY"], ["step"]),
+        helper.make_node("Add", ["STATE_IN", "step"], ["total"]),
+        helper.make_node("Identity", ["total"], ["OUTPUT"]),
+        helper.make_node("Identity", ["total"], ["STATE_OUT"]),
+    ]
+    names = ("INPUT", "START", "READY", "STATE_IN")
+    graph = helper.make_graph(
+        nodes,
+        "accumulate",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 1]) for n in names],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 1]) for n in ("OUTPUT", "STATE_OUT")],
+        [one],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
 def _download_wheel(dest: Path) -> Path:
     print(f"samples: downloading {RAPIDOCR_WHEEL} (no dependencies) ...", flush=True)
     subprocess.run(
@@ -106,6 +139,10 @@ def prepare(repository: Path, with_ppocr: bool = True) -> None:
     if not mlp.exists():
         build_mlp(mlp)
         print(f"samples: built {mlp}", flush=True)
+    accumulate = repository / "accumulate" / "1" / "model.onnx"
+    if not accumulate.exists() and (repository / "accumulate").is_dir():
+        build_accumulate(accumulate)
+        print(f"samples: built {accumulate}", flush=True)
     if with_ppocr:
         missing = [m for m in PPOCR_MODELS.values() if not (repository / m / "1" / "model.onnx").exists()]
         if missing:

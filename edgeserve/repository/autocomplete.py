@@ -19,6 +19,7 @@ from edgeserve.backends.base import ModelIO, TensorSpec
 from edgeserve.protocol import datatypes
 from edgeserve.repository.config import type_name
 from edgeserve.repository.errors import RepositoryError
+from edgeserve.scheduling.sequence_config import server_inputs
 
 # One instance per model on this appliance. Triton defaults to 2 for ONNX Runtime on CPU; on a
 # small box two instances each get half the cores and double the memory, and one instance using
@@ -116,7 +117,7 @@ def complete(
                 )  # fmt: skip
             _merge(where, kind, declared, spec, batch_axis, model_file)
     # Every model input must be fed: add the undeclared ones. Outputs: a declared subset is allowed.
-    declared_inputs = {t.name for t in out.input}
+    declared_inputs = {t.name for t in out.input} | server_inputs(out)  # sequence controls and state
     for spec in io.inputs:
         if spec.name not in declared_inputs:
             tensor = out.input.add(name=spec.name, data_type=config_type(spec.datatype))

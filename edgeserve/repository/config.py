@@ -139,8 +139,10 @@ def _check_tensors(check: _Checker, config: Any, model_dir: Path | None) -> None
 def _check_scheduling(check: _Checker, config: Any) -> None:
     choice = config.WhichOneof("scheduling_choice")
     if choice == "sequence_batching":
-        check.fail("sequence_batching", "the sequence batcher is not supported by edgeserve yet; "
-                   "remove it to serve the model statelessly", Status.UNSUPPORTED)  # fmt: skip
+        from edgeserve.scheduling.sequence_config import check as check_sequence
+
+        check_sequence(config, check.where)
+        return
     if choice == "ensemble_scheduling" or config.platform == "ensemble":
         from edgeserve.server.ensemble_graph import check_shape  # its steps are checked when they load
 

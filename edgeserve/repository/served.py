@@ -198,8 +198,14 @@ def build_served(name: str, model_dir: Path, prepared: PreparedVersion, seconds:
 
     try:
         hang_s = hang_timeout_s(config, where)
-        scheduler = Scheduler(name, prepared.version, config, prepared.instances, stats,
-                              hang_timeout_s=hang_s, instance_factory=replacement)  # fmt: skip
+        if config.WhichOneof("scheduling_choice") == "sequence_batching":
+            from edgeserve.scheduling.sequence import SequenceBatcher
+
+            scheduler: Any = SequenceBatcher(name, prepared.version, config, prepared.instances, stats,
+                                             model_dir=model_dir)  # fmt: skip
+        else:
+            scheduler = Scheduler(name, prepared.version, config, prepared.instances, stats,
+                                  hang_timeout_s=hang_s, instance_factory=replacement)  # fmt: skip
         scheduler.start()
     except BaseException:
         close_instances(prepared.instances, f"model {name} version {prepared.version}")

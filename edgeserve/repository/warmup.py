@@ -105,6 +105,11 @@ def samples(config: Any, model_dir: Path, where: str, seed: int = 0) -> list[War
         implicit = implicit_sample(config)
         if implicit is not None:
             out.append(implicit)
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":  # + control inputs and state
+        from edgeserve.scheduling.sequence_config import warmup_inputs
+
+        for sample in out:
+            sample.inputs = warmup_inputs(config, sample.inputs)
     return out
 
 

@@ -59,7 +59,10 @@ def test_preferred_batch_size_over_max(tmp_path: Path) -> None:
         ("version_policy { specific { } }", "version_policy.specific.versions", "at least one"),
         ("dynamic_batching { priority_levels: 2 default_priority_level: 3 }",
          "dynamic_batching.default_priority_level", "between 1 and priority_levels 2"),
-        ("sequence_batching { }", "sequence_batching", "not supported"),
+        ('sequence_batching { control_input [ { name: "INPUT0" control [ { kind: CONTROL_SEQUENCE_START '
+         "fp32_false_true: [ 0, 1 ] } ] } ] }", "sequence_batching.control_input", "fed by the server"),
+        ('sequence_batching { control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_READY } ] } ] }',
+         "sequence_batching.control_input 'S'", "needs int32_false_true"),
         ('output [ { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 1 ] label_filename: "labels.txt" } ]',
          "output 'OUTPUT1'.label_filename", "'labels.txt' not found"),
         ('model_warmup [ { name: "w" batch_size: 1 inputs { key: "NOPE" value: { data_type: TYPE_FP32 '
