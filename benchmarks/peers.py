@@ -166,13 +166,14 @@ class PeerProcess:
         return f"(log: {self.log_path})"
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to our group while its leader lives (the group is then surely ours), SIGKILL to it
-        after `timeout`; then SIGKILL to every descendant seen that still runs (same pid and start
-        time: the process we saw, not a reused pid), in this group or one it made (Ray's workers)."""
+        """SIGTERM to the process we started (it shuts its own children down: PyTriton frees its
+        shared memory, Ray stops its services), SIGKILL to our group if it has not exited after
+        `timeout` (while its leader lives the group is surely ours); then, after 15 s more, SIGKILL to
+        every descendant seen that still runs (same pid and start time: the process we saw, not a
+        reused pid), in this group or in one it made."""
         self.tree()
         if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -180,11 +181,18 @@ class PeerProcess:
                     os.killpg(self.pgid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(10)
+        mine = []
         for pid, created in self.seen.items():
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
                 if proc.create_time() == created:
-                    proc.kill()
+                    mine.append(proc)
+        _, alive = psutil.wait_procs(mine, timeout=15)  # children still shutting down after their parent
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        if alive:
+            progress(f"{self.name}: killed {len(alive)} leftover process(es) it had started")
 
 
 # -- the session options edgeserve's ONNX Runtime instance uses -----------------------------------------
