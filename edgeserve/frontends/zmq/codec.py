@@ -165,6 +165,9 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
     return ShmRef(region, byte_size, start), guard
 
 
+_SEQUENCE_FIELDS: dict[str, Any] = {"sequence_id": (int, str), "sequence_start": bool, "sequence_end": bool}
+
+
 def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: SharedMemoryRegistry) -> Decoded:
     """Build the request; on error every lease taken so far is released before raising."""
     where = "request header"
@@ -180,6 +183,9 @@ def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: Shared
         priority=_field(header, "priority", int, where, 0),
         timeout_us=_field(header, "timeout_us", int, where, 0),
     )
+    for key in _SEQUENCE_FIELDS:  # top-level shorthands for the sequence batcher's parameters
+        if key in header:
+            request.parameters[key] = _field(header, key, _SEQUENCE_FIELDS[key], where)
     if request.priority < 0 or request.timeout_us < 0:
         raise invalid_arg("request header: 'priority' and 'timeout_us' must not be negative")
     request.timeout_us = clamp_timeout_us(request.timeout_us)
