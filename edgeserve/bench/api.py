@@ -37,6 +37,11 @@ def grpc_target(url: str) -> str:
     return url
 
 
+def grpc_metadata(headers: Mapping[str, str] | None) -> tuple[tuple[str, str], ...] | None:
+    """-H headers as gRPC metadata (keys lower-case, as gRPC requires)."""
+    return tuple((k.lower(), v) for k, v in headers.items()) if headers else None
+
+
 def _model_path(model: str, version: str) -> str:
     path = f"/v2/models/{quote(model, safe='')}"
     return path + (f"/versions/{quote(version, safe='')}" if version else "")
@@ -51,11 +56,13 @@ class ServerApi(Protocol):
 
 
 class HttpApi:
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 30.0, headers: Mapping[str, str] | None = None) -> None:
         import aiohttp
 
         self.base = http_base(url)
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s), headers=dict(headers or {})
+        )
 
     async def _get(self, path: str) -> tuple[int, Any]:
         import aiohttp
@@ -103,12 +110,13 @@ class HttpApi:
 
 
 class GrpcApi:
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 30.0, headers: Mapping[str, str] | None = None) -> None:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
         self.target = grpc_target(url)
         self.timeout_s = timeout_s
+        self.metadata = grpc_metadata(headers)
         self._channel = grpc.aio.insecure_channel(self.target)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
@@ -116,7 +124,8 @@ class GrpcApi:
         import grpc
 
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
+            call = getattr(self._stub, method)
+            return await call(request, timeout=timeout or self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise BenchError(

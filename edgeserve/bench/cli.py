@@ -50,6 +50,18 @@ def _address(args: argparse.Namespace, protocol: str) -> str:
     return str(args.grpc_url) if protocol.startswith("grpc") else str(args.zmq_url)
 
 
+def parse_headers(flags: list[str]) -> dict[str, str]:
+    from edgeserve.bench.errors import BenchError
+
+    headers: dict[str, str] = {}
+    for flag in flags:
+        name, sep, value = flag.partition(":")
+        if not sep or not name.strip():
+            raise BenchError(f"-H {flag!r}: expected NAME:VALUE")
+        headers[name.strip()] = value.strip()
+    return headers
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(p) for p in text.split(",") if p.strip()]
@@ -113,6 +125,14 @@ def add_commands(sub: Any) -> None:
         "--stats-url",
         default="",
         help="ZeroMQ only: HTTP address for the config and statistics (default --http-url; 'none': without)",
+    )
+    bench.add_argument(
+        "-H",
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="HTTP header / gRPC metadata on every call, e.g. an access token (repeatable)",
     )
     bench.add_argument("--model-version", default="")
     bench.add_argument("--concurrency", type=parse_levels, help="1,2,4,8 or start:end[:step] (default 1)")
@@ -222,6 +242,7 @@ def bench_command(args: argparse.Namespace) -> int:
                 request_rates=args.request_rate or [],
                 settings=_settings(args, 1.0, 2.0, 10),
                 max_seconds=left,
+                headers=parse_headers(args.header),
             )
             run = asyncio.run(run_bench(config, say))
             points += run.points

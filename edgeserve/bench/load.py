@@ -55,6 +55,7 @@ class BenchConfig:
     request_rates: Sequence[float] = ()
     settings: Settings = field(default_factory=Settings)
     max_seconds: float = 300.0
+    headers: dict[str, str] = field(default_factory=dict)  # -H: on every HTTP / gRPC call
 
 
 DEFAULT_URLS = {
@@ -76,9 +77,9 @@ def default_url(protocol: str) -> str:
 def server_api(config: BenchConfig, url: str) -> ServerApi:
     timeout = config.settings.timeout_s
     if config.protocol.startswith("http"):
-        return HttpApi(url, timeout)
+        return HttpApi(url, timeout, config.headers)
     if config.protocol.startswith("grpc"):
-        return GrpcApi(url, timeout)
+        return GrpcApi(url, timeout, config.headers)
     return ZmqApi(url, config.stats_url, timeout)
 
 
@@ -281,7 +282,9 @@ async def run_bench(
                     f"time limit ({config.max_seconds:g} s) reached: {len(loads) - i} load point(s) not run"
                 )
                 break
-            transport = TRANSPORTS[config.protocol](url, info, samples, config.settings.timeout_s)
+            transport = TRANSPORTS[config.protocol](
+                url, info, samples, config.settings.timeout_s, config.headers
+            )
             points.append(
                 await measure_point(
                     transport,

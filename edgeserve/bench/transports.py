@@ -14,13 +14,13 @@ import abc
 import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from edgeserve.bench.api import grpc_target, http_base
+from edgeserve.bench.api import grpc_metadata, grpc_target, http_base
 from edgeserve.bench.errors import RequestError
 from edgeserve.bench.inputs import ModelInfo, Sample
 from edgeserve.protocol import datatypes
@@ -37,8 +37,16 @@ def _wire(array: npt.NDArray[Any], datatype: str) -> bytes:
 class Transport(abc.ABC):
     protocol = ""
 
-    def __init__(self, url: str, info: ModelInfo, samples: Sequence[Sample], timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        info: ModelInfo,
+        samples: Sequence[Sample],
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.url, self.info, self.samples, self.timeout_s = url, info, list(samples), timeout_s
+        self.headers = dict(headers or {})  # HTTP headers / gRPC metadata on every request (-H)
         self.datatypes = {t.name: t.datatype for t in info.inputs}
 
     @abc.abstractmethod
@@ -88,7 +96,7 @@ class HttpTransport(Transport):
         self.bodies = self._bodies()
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self.headers
         )
 
     async def _post(self, index: int) -> tuple[int, bytes, Any]:
@@ -198,12 +206,15 @@ class GrpcTransport(Transport):
             grpc.aio.insecure_channel(grpc_target(self.url), options=options) for _ in range(lanes)
         ]
         self.calls = [ch.unary_unary(self._path) for ch in self.channels]
+        self.metadata = grpc_metadata(self.headers)
 
     async def infer(self, lane: int, index: int) -> None:
         import grpc
 
         try:
-            await self.calls[lane](self.bodies[index % len(self.bodies)], timeout=self.timeout_s)
+            await self.calls[lane](
+                self.bodies[index % len(self.bodies)], timeout=self.timeout_s, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise RequestError(f"gRPC {exc.code().name}: {exc.details()}") from None
 
@@ -215,14 +226,14 @@ class GrpcTransport(Transport):
 class _Stream:
     """One ModelStreamInfer stream; replies matched to requests by id, so several may be in flight."""
 
-    def __init__(self, channel: Any, timeout_s: float) -> None:
+    def __init__(self, channel: Any, timeout_s: float, metadata: Any) -> None:
         from tritonclient.grpc import service_pb2 as pb
 
         self.timeout_s = timeout_s
         self.call = channel.stream_stream(
             "/inference.GRPCInferenceService/ModelStreamInfer",
             response_deserializer=pb.ModelStreamInferResponse.FromString,
-        )()
+        )(metadata=metadata)
         self.pending: dict[str, asyncio.Future[None]] = {}
         self.writing = asyncio.Lock()  # grpc.aio takes one write at a time per stream
         self.reader = asyncio.get_running_loop().create_task(self._read())
@@ -290,7 +301,7 @@ class GrpcStreamTransport(GrpcTransport):
 
     async def open(self, lanes: int, inflight_per_lane: int = 1) -> None:
         await super().open(lanes, inflight_per_lane)
-        self.streams = [_Stream(ch, self.timeout_s) for ch in self.channels]
+        self.streams = [_Stream(ch, self.timeout_s, self.metadata) for ch in self.channels]
         self.next_id = 0
 
     async def infer(self, lane: int, index: int) -> None:

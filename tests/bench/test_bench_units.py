@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgeserve.bench.api import grpc_metadata
 from edgeserve.bench.candidates import Candidate, apply, layouts, search
-from edgeserve.bench.cli import parse_levels, parse_rates
+from edgeserve.bench.cli import parse_headers, parse_levels, parse_protocols, parse_rates
 from edgeserve.bench.errors import BenchError
 from edgeserve.bench.inputs import (
     ModelInfo,
@@ -207,3 +208,14 @@ def test_accuracy_compare() -> None:
     near = compare(ref, [{"y": np.array([0.0, 1.01, 2.0], np.float32)}])
     assert 0.004 < near["max_err_over_range"] < 0.006 and near["cosine_min"] > 0.999
     assert compare(ref, [{"y": np.zeros(2, np.float32)}])["max_err_over_range"] == math.inf
+
+
+def test_headers_and_protocol_lists() -> None:
+    headers = parse_headers(["triton-access-token: abc", "X-Trace:1:2"])
+    assert headers == {"triton-access-token": "abc", "X-Trace": "1:2"}
+    assert grpc_metadata(headers) == (("triton-access-token", "abc"), ("x-trace", "1:2"))
+    with pytest.raises(BenchError):
+        parse_headers(["no-colon"])
+    assert parse_protocols("grpc,zmq-shm,grpc") == ["grpc", "zmq-shm"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_protocols("grpc,carrier-pigeon")
