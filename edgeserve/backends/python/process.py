@@ -71,7 +71,8 @@ class Worker:
         path = env.get("PYTHONPATH", "")
         env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
         command = [sys.executable, "-m", "edgeserve.backends.python.worker", "--control-fd",
-                   str(child.fileno()), "--shm-fd", str(fd), "--parent", str(os.getpid())]  # fmt: skip
+                   str(child.fileno()), "--shm-fd", str(fd), "--parent", str(os.getpid()),
+                   "--label", spec.label]  # fmt: skip
         try:
             self.process = subprocess.Popen(
                 command, pass_fds=(child.fileno(), fd), close_fds=True, env=env, stdin=subprocess.DEVNULL

@@ -1,5 +1,5 @@
 """The worker process of one Python model instance (Triton's "stub"): `python -m
-edgeserve.backends.python.worker --control-fd N --shm-fd M --parent PID`.
+edgeserve.backends.python.worker --control-fd N --shm-fd M --parent PID --label L`.
 
 It imports the user's model.py (with `triton_python_backend_utils` importable as this package's
 pb_utils and the version folder on sys.path, as Triton does), then answers the server's messages
@@ -7,7 +7,8 @@ one at a time (wire.py): load, auto_complete, initialize, execute, finalize. An 
 code is reported as that call's error and the worker lives on; only `finalize`, the end of the
 control channel or the server's death (the parent pid changes) end it. It ignores SIGINT: the server
 drives its life (a Ctrl-C in a terminal reaches the whole process group). Only numpy and edgeserve's
-protocol helpers are imported here, never a runtime.
+protocol helpers are imported here, never a runtime. SystemExit from user code is not caught: the
+worker exits with its code, as the model asked, and the server restarts it.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Stub:
             module: ModuleType = importlib.util.module_from_spec(spec)
             sys.modules["model"] = module
             spec.loader.exec_module(module)
-        except BaseException as exc:  # SystemExit in module code too: report, do not die
+        except Exception as exc:
             return _error(exc, path)
         model_class = getattr(module, "TritonPythonModel", None)
         if model_class is None:
@@ -109,7 +110,7 @@ class Stub:
             return {"config": config}
         try:
             result = function(pb_utils.ModelConfig(config))
-        except BaseException as exc:
+        except Exception as exc:
             return _error(exc, self.model_file)
         if isinstance(result, pb_utils.ModelConfig):
             config = result.as_dict()
@@ -121,7 +122,7 @@ class Stub:
             initialize = getattr(model, "initialize", None)
             if initialize is not None:
                 initialize(dict(message["args"]))
-        except BaseException as exc:
+        except Exception as exc:
             return _error(exc, self.model_file)
         self.model = model
         return {"ok": True}
@@ -132,7 +133,7 @@ class Stub:
             return {"ok": True}
         try:
             finalize()
-        except BaseException as exc:
+        except Exception as exc:
             return _error(exc, self.model_file)
         return {"ok": True}
 
@@ -155,7 +156,7 @@ class Stub:
             )
         try:
             responses = self.model.execute(requests)
-        except BaseException as exc:
+        except Exception as exc:
             return {**_error(exc, self.model_file), "status": _status_of(exc)}
         if not isinstance(responses, Sequence) or isinstance(responses, (str, bytes)):
             return {
@@ -208,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--shm-fd", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--label", default="", help="which model instance (for ps; not used)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != args.parent:

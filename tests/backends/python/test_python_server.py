@@ -1,0 +1,224 @@
+"""Python models behind a real `edgeserve serve`: Triton's add_sub over HTTP and gRPC (tritonclient),
+BYTES, requests batched by the dynamic batcher, user-code errors, a worker that aborts or hangs while
+the server stays up, initialize failing the load, and no worker process left after unload or stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+from es_server import RunningServer, start_server
+from pymodels import ADD_SUB_CONFIG, write_model, write_repo
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.timeout(180)
+
+# Longer batching delay than the sample's, so concurrent requests surely meet in one batch.
+BATCHED_CONFIG = ADD_SUB_CONFIG.replace('name: "add_sub"', 'name: "add_sub_batched"').replace(
+    "max_queue_delay_microseconds: 20000", "max_queue_delay_microseconds: 300000"
+)
+
+
+def _workers(server: RunningServer, model: str | None = None) -> list[int]:
+    """Live workers of this server (by the --parent and --label in their command line)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"edgeserve.backends.python.worker" not in args or state == "Z":
+            continue
+        if args[args.index(b"--parent") + 1] != str(server.process.pid).encode():
+            continue
+        label = args[args.index(b"--label") + 1].decode() if b"--label" in args else ""
+        if model is None or label.startswith(f"model '{model}' "):
+            found.append(int(entry))
+    return found
+
+
+def _status(url: str) -> int | None:
+    from es_server import get_status
+
+    return get_status(url)
+
+
+def _wait_for(predicate: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("pyserver")
+    repo = write_repo(tmp / "repo", ["add_sub", "strings", "faulty", "broken_init"])
+    write_model(repo, "add_sub_batched", None, BATCHED_CONFIG)
+    (repo / "add_sub_batched" / "1" / "model.py").write_text(
+        (repo / "add_sub" / "1" / "model.py").read_text()
+    )
+    running = start_server(repo, tmp, wait_ready=False)  # never all ready: broken_init fails
+    models = ("add_sub", "add_sub_batched", "strings", "faulty")
+    ready = lambda: all(_status(f"{running.base}/v2/models/{m}/ready") == 200 for m in models)  # noqa: E731
+    assert _wait_for(ready, 120), running.log()
+    yield running
+    pid = running.process.pid
+    assert running.stop() == 0
+    assert "Cleaning up..." in running.log()  # finalize() ran on the way out
+    assert _wait_for(lambda: not _workers(running), 10), f"workers of server {pid} outlived it"
+
+
+def _add_sub_inputs(module: Any, a: np.ndarray, b: np.ndarray) -> list[Any]:
+    inputs = [
+        module.InferInput("INPUT0", list(a.shape), "FP32"),
+        module.InferInput("INPUT1", list(b.shape), "FP32"),
+    ]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+def test_add_sub_over_http_and_grpc(server: RunningServer) -> None:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.full((2, 4), 3.0, dtype=np.float32)
+    http = httpclient.InferenceServerClient(server.http_url)
+    result = http.infer("add_sub", _add_sub_inputs(httpclient, a, b))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    metadata = http.get_model_metadata("add_sub")
+    assert metadata["platform"] == "python" or metadata.get("backend", "python") == "python"
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    result = grpc.infer("add_sub", _add_sub_inputs(grpcclient, a, b))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    http.close()
+    grpc.close()
+
+
+def test_bytes_over_http_and_grpc(server: RunningServer) -> None:
+    text = np.array([b"edge", b"serve", b""], dtype=np.object_)
+    for module, url in ((httpclient, server.http_url), (grpcclient, server.grpc_url)):
+        client = module.InferenceServerClient(url)
+        tensor = module.InferInput("TEXT", [3], "BYTES")
+        tensor.set_data_from_numpy(text)
+        result = client.infer("strings", [tensor])
+        assert result.as_numpy("UPPER").tolist() == [b"EDGE", b"SERVE", b""]
+        assert result.as_numpy("LENGTH").tolist() == [4, 5, 0]
+        client.close()
+
+
+def test_concurrent_requests_are_batched(server: RunningServer) -> None:
+    rows = [np.full((1, 4), float(i), dtype=np.float32) for i in range(8)]
+
+    async def run() -> list[np.ndarray]:
+        client = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            ones = np.ones((1, 4), dtype=np.float32)
+            calls = [client.infer("add_sub_batched", _add_sub_inputs(grpcaio, row, ones)) for row in rows]
+            results = await asyncio.gather(*calls)
+            return [r.as_numpy("OUTPUT0") for r in results]
+        finally:
+            await client.close()
+
+    outputs = asyncio.run(run())
+    for row, out in zip(rows, outputs, strict=True):
+        np.testing.assert_array_equal(out, row + 1)  # each request got its own rows back
+    with urllib.request.urlopen(f"{server.base}/v2/models/add_sub_batched/stats") as response:
+        stats = json.loads(response.read())["model_stats"][0]
+    assert stats["inference_count"] == 8
+    assert stats["execution_count"] < 8  # at least two requests went to execute() together
+
+
+def _faulty(client: httpclient.InferenceServerClient, mode: int) -> np.ndarray:
+    x = httpclient.InferInput("X", [2], "FP32")
+    x.set_data_from_numpy(np.array([1.0, 2.0], dtype=np.float32))
+    flag = httpclient.InferInput("MODE", [1], "INT32")
+    flag.set_data_from_numpy(np.array([mode], dtype=np.int32))
+    result = client.infer("faulty", [x, flag])
+    out: np.ndarray = result.as_numpy("Y")
+    return out
+
+
+def test_user_errors_abort_and_hang_leave_the_server_up(server: RunningServer) -> None:
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=60)
+    with pytest.raises(InferenceServerException) as raised:
+        _faulty(client, 1)
+    assert "ValueError: mode 1 asks for an exception" in str(raised.value)
+    assert raised.value.status() == "500"
+    assert _faulty(client, 0).tolist() == [2.0, 4.0]
+
+    first = _workers(server, "faulty")
+    assert len(first) == 1
+    with pytest.raises(InferenceServerException) as raised:
+        _faulty(client, 3)  # os.abort()
+    message = str(raised.value)
+    assert "model 'faulty' version 1 instance 0" in message and "SIGABRT" in message, message
+    assert raised.value.status() == "500"
+    assert _faulty(client, 0).tolist() == [2.0, 4.0]  # restarted
+    assert _workers(server, "faulty") and first[0] not in _workers(server, "faulty")
+
+    second = _workers(server, "faulty")
+    with pytest.raises(InferenceServerException) as raised:
+        _faulty(client, 4)  # sleeps 1000 s; hang_timeout_s is 1
+    assert raised.value.status() == "503"
+    assert "did not answer in 1 s; it is being replaced" in str(raised.value)
+    assert _wait_for(lambda: second[0] not in _workers(server, "faulty"))  # the hung worker was killed
+    assert _wait_for(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]))
+    assert server.alive()
+    client.close()
+
+
+def _try(check: Any) -> bool:
+    try:
+        return bool(check())
+    except InferenceServerException:
+        return False
+
+
+def test_initialize_failure_fails_the_load(server: RunningServer) -> None:
+    request = urllib.request.Request(f"{server.base}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(request) as response:
+        index = {m["name"]: m for m in json.loads(response.read())}
+    assert index["broken_init"]["state"] == "UNAVAILABLE"
+    assert "RuntimeError: no weights in broken_init" in index["broken_init"]["reason"]
+    assert not _workers(server, "broken_init")
+    client = httpclient.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("broken_init")
+    assert "initialize() failed: RuntimeError: no weights in broken_init (model.py:7 in initialize)" in str(
+        raised.value
+    )
+    assert not _workers(server, "broken_init")
+    client.close()
+
+
+def test_unload_and_reload_leave_no_workers(server: RunningServer) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    before = _workers(server, "strings")
+    assert len(before) == 1
+    client.unload_model("strings")
+    assert _wait_for(lambda: not _workers(server, "strings"))
+    client.load_model("strings")
+    after = _workers(server, "strings")
+    assert len(after) == 1 and after != before
+    client.load_model("strings")  # a reload replaces the worker
+    assert _wait_for(lambda: len(_workers(server, "strings")) == 1 and _workers(server, "strings") != after)
+    client.close()
