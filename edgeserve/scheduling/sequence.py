@@ -26,15 +26,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Arrays, Job
-from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec, parse
-from edgeserve.scheduling.sequence_run import Row, run_batch
+from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec, parse, sequence_flags
+from edgeserve.scheduling.sequence_run import Row, Sequence, Step, run_batch
 from edgeserve.scheduling.stats import JobTiming, ModelStats
 
 if TYPE_CHECKING:
@@ -46,40 +44,6 @@ MAX_STEPS_PER_SEQUENCE = 64
 BACKLOG_FACTOR = 4  # backlog bound: this many sequences per place (at least MIN_BACKLOG)
 MIN_BACKLOG = 64
 _EXPIRED_MEMORY = 1024  # IDs of sequences freed by the idle timeout, for a clearer error
-
-
-@dataclass(slots=True)
-class _Step:
-    job: Job
-    start: bool
-    end: bool
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    key: SequenceKey
-    slot: tuple[int, int] | None = None  # Direct: (instance, row); Oldest: (-1, -1); None: backlog
-    state: dict[str, Any] | None = None
-    pending: deque[_Step] = field(default_factory=deque)
-    busy: bool = False
-    ended: bool = False  # an END is queued: only a new START may follow
-    last_ns: int = 0
-
-
-def sequence_flags(parameters: Mapping[str, Any], model_name: str) -> tuple[SequenceKey, bool, bool]:
-    """(key, start, end) from a request's parameters; INVALID_ARG for a missing or bad ID."""
-    value = parameters.get("sequence_id", 0)
-    start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
-    if not isinstance(start, bool) or not isinstance(end, bool):
-        raise InferenceError(Status.INVALID_ARG, "sequence_start and sequence_end must be booleans")
-    if isinstance(value, str) and value:
-        return ("s", value), start, end
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**64:
-        return ("u", value), start, end
-    if value in (0, ""):
-        raise InferenceError(Status.INVALID_ARG, f"inference request to model '{model_name}' must specify a "
-                             "non-zero or non-empty correlation ID")  # fmt: skip
-    raise InferenceError(Status.INVALID_ARG, f"sequence_id {value!r} must be an unsigned integer or a string")
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:
@@ -102,12 +66,12 @@ class SequenceBatcher:
         self.spec: SequenceSpec = parse(config, f"model '{model_name}'", model_dir)
         self._instances = list(instances)
         rows = self.spec.max_rows
-        self._slots: list[list[_Sequence | None]] = [[None] * rows for _ in instances]
+        self._slots: list[list[Sequence | None]] = [[None] * rows for _ in instances]
         self._places = self.spec.max_candidates or rows * len(instances)  # Oldest
         capacity = self._places if self.spec.oldest else rows * len(instances)
         self.max_backlog = max_backlog or max(MIN_BACKLOG, BACKLOG_FACTOR * capacity)
-        self._sequences: dict[SequenceKey, _Sequence] = {}  # holding a place or in the backlog
-        self._backlog: deque[_Sequence] = deque()
+        self._sequences: dict[SequenceKey, Sequence] = {}  # holding a place or in the backlog
+        self._backlog: deque[Sequence] = deque()
         self._expired: OrderedDict[SequenceKey, None] = OrderedDict()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -193,7 +157,7 @@ class SequenceBatcher:
             raise InferenceError(Status.INVALID_ARG, message)
         now = time.monotonic_ns()
         if seq is None:
-            seq = _Sequence(key, last_ns=now)
+            seq = Sequence(key, last_ns=now)
             if not self._place(seq):
                 if len(self._backlog) >= self.max_backlog:
                     waiting = len(self._backlog)
@@ -206,13 +170,13 @@ class SequenceBatcher:
             raise InferenceError(Status.UNAVAILABLE, f"sequence {key[1]} to model '{self.model_name}' has "
                                  f"{len(seq.pending)} requests queued; wait for their answers")  # fmt: skip
         job.enqueue_ns = now
-        seq.pending.append(_Step(job, start, end))
+        seq.pending.append(Step(job, start, end))
         seq.ended = end
         seq.last_ns = now
         self._pending += 1
         self._work.notify_all()
 
-    def _place(self, seq: _Sequence) -> bool:  # lock held
+    def _place(self, seq: Sequence) -> bool:  # lock held
         if self.spec.oldest:
             if self.active_sequences >= self._places:
                 return False
@@ -230,7 +194,7 @@ class SequenceBatcher:
         seq.slot = best
         return True
 
-    def _release(self, seq: _Sequence) -> None:  # lock held
+    def _release(self, seq: Sequence) -> None:  # lock held
         if self._sequences.get(seq.key) is seq:
             del self._sequences[seq.key]
         if seq.slot is not None and seq.slot[0] >= 0:
@@ -254,7 +218,7 @@ class SequenceBatcher:
             finally:
                 self._after(batch)
 
-    def _next_batch(self, index: int) -> list[tuple[int, _Sequence, _Step]] | None:
+    def _next_batch(self, index: int) -> list[tuple[int, Sequence, Step]] | None:
         with self._lock:
             while True:
                 if self.spec.oldest:
@@ -274,14 +238,14 @@ class SequenceBatcher:
                     return None
                 self._work.wait()
 
-    def _batch_delay(self, chosen: list[_Sequence]) -> int:  # lock held
+    def _batch_delay(self, chosen: list[Sequence]) -> int:  # lock held
         spec = self.spec
         if not spec.oldest or not spec.delay_ns or not self._accepting or len(chosen) >= spec.preferred_rows:
             return 0
         return chosen[0].pending[0].job.enqueue_ns + spec.delay_ns - time.monotonic_ns()
 
-    def _take(self, chosen: list[_Sequence]) -> list[tuple[int, _Sequence, _Step]]:  # lock held
-        batch: list[tuple[int, _Sequence, _Step]] = []
+    def _take(self, chosen: list[Sequence]) -> list[tuple[int, Sequence, Step]]:  # lock held
+        batch: list[tuple[int, Sequence, Step]] = []
         for position, seq in enumerate(chosen):
             step = seq.pending.popleft()
             seq.busy = True
@@ -291,7 +255,7 @@ class SequenceBatcher:
         self._executing += 1
         return sorted(batch, key=lambda item: item[0])
 
-    def _execute(self, instance: Instance, batch: list[tuple[int, _Sequence, _Step]]) -> None:
+    def _execute(self, instance: Instance, batch: list[tuple[int, Sequence, Step]]) -> None:
         taken_ns = time.monotonic_ns()
         rows = [Row(row, seq.key, step.start, step.end, step.job.inputs, None if step.start else seq.state)
                 for row, seq, step in batch]  # fmt: skip
@@ -332,7 +296,7 @@ class SequenceBatcher:
             log.exception("%s version %d: the result callback of request '%s' failed",
                           self.model_name, self.version, job.request_id)  # fmt: skip
 
-    def _after(self, batch: list[tuple[int, _Sequence, _Step]]) -> None:
+    def _after(self, batch: list[tuple[int, Sequence, Step]]) -> None:
         with self._lock:
             now = time.monotonic_ns()
             for _, seq, step in batch:

@@ -97,6 +97,22 @@ class SequenceSpec:
         return out
 
 
+def sequence_flags(parameters: Mapping[str, Any], model_name: str) -> tuple[SequenceKey, bool, bool]:
+    """(key, start, end) from a request's parameters; INVALID_ARG for a missing or bad ID."""
+    value = parameters.get("sequence_id", 0)
+    start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
+    if not isinstance(start, bool) or not isinstance(end, bool):
+        raise InferenceError(Status.INVALID_ARG, "sequence_start and sequence_end must be booleans")
+    if isinstance(value, str) and value:
+        return ("s", value), start, end
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**64:
+        return ("u", value), start, end
+    if value in (0, ""):
+        raise InferenceError(Status.INVALID_ARG, f"inference request to model '{model_name}' must specify a "
+                             "non-zero or non-empty correlation ID")  # fmt: skip
+    raise InferenceError(Status.INVALID_ARG, f"sequence_id {value!r} must be an unsigned integer or a string")
+
+
 def _corrid(control: Control, key: SequenceKey | None) -> Any:
     if key is None:
         return b"" if control.dtype == np.object_ else 0

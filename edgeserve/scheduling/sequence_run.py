@@ -4,17 +4,36 @@ instance, split the outputs per request and take each sequence's next state."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.job import Arrays
+from edgeserve.scheduling.job import Arrays, Job
 from edgeserve.scheduling.sequence_config import Array, SequenceKey, SequenceSpec, StateSpec
 
 if TYPE_CHECKING:
     from edgeserve.backends.base import Instance
+
+
+@dataclass(slots=True)
+class Step:
+    job: Job
+    start: bool
+    end: bool
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    key: SequenceKey
+    slot: tuple[int, int] | None = None  # Direct: (instance, row); Oldest: (-1, -1); None: backlog
+    state: dict[str, Any] | None = None
+    pending: deque[Step] = field(default_factory=deque)
+    busy: bool = False
+    ended: bool = False  # an END is queued: only a new START may follow
+    last_ns: int = 0
 
 
 @dataclass(slots=True)
