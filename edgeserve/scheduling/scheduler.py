@@ -495,16 +495,24 @@ class Scheduler:
         rows = sum(job.batch_size for job in jobs)
         entry = (jobs, taken_ns)
         self._batches[index] = entry  # a dict store: atomic, read by the watchdog
+        # An instance with `infer_requests` (Python models: Triton's execute(requests)) takes the
+        # batch as one input dict per job and answers each job on its own (outputs or an error).
+        per_request = getattr(instance, "infer_requests", None) if len(jobs) > 1 else None
+        results: Sequence[Arrays | BaseException]
         try:
-            inputs = self._assemble(jobs)
+            inputs = self._assemble(jobs) if per_request is None else {}
             infer_start = time.monotonic_ns()
-            outputs = instance.infer(inputs)
+            if per_request is None:
+                outputs = instance.infer(inputs)
+            else:
+                results = per_request([job.inputs for job in jobs])
             infer_end = time.monotonic_ns()
             ewma = self.compute_ewma_ns
             spent = infer_end - infer_start
             self.compute_ewma_ns = spent if ewma == 0 else ewma + (spent - ewma) // 8
             self._measure(spent, len(jobs))
-            results = self._split(jobs, outputs, rows)
+            if per_request is None:
+                results = self._split(jobs, outputs, rows)
         except BaseException as exc:
             with self._lock:
                 if self._batches.get(index) is entry:
@@ -526,6 +534,10 @@ class Scheduler:
             pairs = list(zip(jobs, results, strict=True))
         timings: list[JobTiming] = []
         for job, result in pairs:
+            if isinstance(result, BaseException):  # one request of a per-request batch failed
+                self.stats.record_fail(time.monotonic_ns() - job.arrival_ns, "BACKEND")
+                self._deliver(job, self._backend_error(result))
+                continue
             self._deliver(job, result)
             end = time.monotonic_ns()
             timings.append(JobTiming(end - job.arrival_ns, taken_ns - job.enqueue_ns, end - infer_end))

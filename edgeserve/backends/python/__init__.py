@@ -5,10 +5,11 @@ calls, crashes, restarts, hangs, close), process.py (spawning and talking to one
 (the control messages and the shared-memory tensor transport), worker.py (the worker's main),
 pb_utils.py (`triton_python_backend_utils` inside the worker).
 
-Batching: the scheduler hands an instance the already-concatenated batch, so `execute(requests)` gets
-one request holding the whole batch (the first axis is the batch axis when max_batch_size > 0). A
-Triton model that loops over its requests and computes row-wise, as Triton's examples do, runs
-unchanged.
+Batching: Triton's semantics. When the dynamic batcher groups several client requests, the
+scheduler calls `PythonInstance.infer_requests` with one input dict per request instead of
+concatenating them, so `execute(requests)` gets one pb_utils request per client request (each with
+its own rows) and answers each with its own response or error, as in Triton. A batch of one request
+goes through `infer`.
 
 This module stays import-light: the worker process imports the package too, and must not pull in the
 server side (BACKEND is loaded on first access).

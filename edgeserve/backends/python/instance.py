@@ -1,7 +1,9 @@
 """`PythonInstance`: one instance of a Python model, backed by one worker process.
 
 - infer(): the inputs are copied once into the shared memory, the worker runs `execute`, the
-  outputs are copied once out of it (the region is reused by the next call).
+  outputs are copied once out of it (the region is reused by the next call). infer_requests(): the
+  same for a scheduler batch of several jobs, one pb_utils request per job (Triton's semantics);
+  the scheduler calls it instead of concatenating the batch.
 - An exception in execute(), or a response with `error=TritonError(...)`, fails that call with the
   model's message (status INTERNAL, or the TritonError's code); the worker lives on.
 - A worker that dies during a call (os.abort(), a segfault, sys.exit, the OOM killer) fails the call
@@ -95,11 +97,29 @@ class PythonInstance:
 
     # -- calls -------------------------------------------------------------------------------------
     def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        """One call of execute() with one request (the batch the scheduler assembled)."""
+        result = self._execute([inputs], outputs)[0]
+        if isinstance(result, InferenceError):
+            raise result
+        return result
+
+    def infer_requests(self, batch: Sequence[Mapping[str, Array]]) -> list[dict[str, Array] | InferenceError]:
+        """One call of execute() with one request per job of the scheduler's batch (Triton's
+        semantics): each gets its own response or error. A failure of the whole call (execute()
+        raised, the worker died or hung) raises."""
+        return self._execute(batch, None)
+
+    def _execute(
+        self, batch: Sequence[Mapping[str, Array]], outputs: Sequence[str] | None
+    ) -> list[dict[str, Array] | InferenceError]:
         with self._call:
             worker = self._live_worker()
-            headers, _ = wire.write_tensors(worker.region, inputs.items(), 0)
-            request = {"id": "", "params": "{}", "inputs": headers, "outputs": list(outputs or [])}
-            message = {"op": "execute", "size": worker.region.size, "requests": [request]}
+            requests = []
+            end = 0
+            for inputs in batch:
+                headers, end = wire.write_tensors(worker.region, inputs.items(), end)
+                requests.append({"id": "", "params": "{}", "inputs": headers, "outputs": list(outputs or [])})
+            message = {"op": "execute", "size": worker.region.size, "requests": requests}
             label = self.spec.label
             try:
                 reply = worker.request(message, self.spec.call_timeout_s, self._stop)
@@ -120,14 +140,18 @@ class PythonInstance:
                 ) from None
             except WorkerStopped:
                 raise self._closed_error() from None
-            return self._outputs(worker, reply, outputs)
+            if "error" in reply:  # execute() raised, or returned the wrong thing: the whole batch fails
+                raise InferenceError(_status(reply.get("status")), f"{label}: {reply['error']}")
+            responses = reply.get("responses")
+            if not isinstance(responses, list) or len(responses) != len(batch):
+                raise InferenceError(Status.INTERNAL, f"{label}: a bad reply from the Python worker")
+            return [self._response(worker, response, outputs) for response in responses]
 
-    def _outputs(self, worker: Worker, reply: wire.Header, wanted: Sequence[str] | None) -> dict[str, Array]:
-        if "error" in reply:  # execute() raised, or returned the wrong thing
-            raise InferenceError(_status(reply.get("status")), f"{self.spec.label}: {reply['error']}")
-        response = reply["responses"][0]
+    def _response(
+        self, worker: Worker, response: Any, wanted: Sequence[str] | None
+    ) -> dict[str, Array] | InferenceError:
         if "error" in response:
-            raise InferenceError(_status(response.get("status")), str(response["error"]))
+            return InferenceError(_status(response.get("status")), str(response["error"]))
         try:
             out = {
                 str(h["n"]): wire.read_tensor(worker.region, h, copy=True)
@@ -136,10 +160,10 @@ class PythonInstance:
             }
         except (ValueError, KeyError, TypeError, InferenceError) as exc:
             message = exc.message if isinstance(exc, InferenceError) else str(exc)
-            raise InferenceError(Status.INTERNAL, f"{self.spec.label}: a bad response: {message}") from None
+            return InferenceError(Status.INTERNAL, f"{self.spec.label}: a bad response: {message}")
         missing = [n for n in wanted or () if n not in out]
         if missing:
-            raise InferenceError(
+            return InferenceError(
                 Status.INTERNAL, f"{self.spec.label}: execute() returned no output {', '.join(missing)}"
             )
         return out

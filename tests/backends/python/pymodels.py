@@ -179,12 +179,48 @@ class TritonPythonModel:
 
 AUTO_CONFIG = 'backend: "python"\n'
 
+# Says how execute() saw the batch: requests in this call, rows in this request; X < 0 is refused.
+BATCH_PROBE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x < 0).any():
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("negative X", pb_utils.TritonError.INVALID_ARG)))
+                continue
+            rows = x.shape[0]
+            n = np.full((rows, 1), len(requests), dtype=np.int32)
+            own = np.full((rows, 1), rows, dtype=np.int32)
+            tensors = [pb_utils.Tensor("N", n), pb_utils.Tensor("ROWS", own), pb_utils.Tensor("Y", x * 10)]
+            responses.append(pb_utils.InferenceResponse(tensors))
+        return responses
+"""
+
+BATCH_PROBE_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }]
+output [
+  { name: "N" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 300000 }
+"""
+
 MODELS: dict[str, tuple[str, str]] = {
     "add_sub": (ADD_SUB, ADD_SUB_CONFIG),
     "strings": (STRINGS, STRINGS_CONFIG),
     "faulty": (FAULTY, FAULTY_CONFIG),
     "broken_init": (BROKEN_INIT, BROKEN_INIT_CONFIG),
     "auto": (AUTO, AUTO_CONFIG),
+    "batch_probe": (BATCH_PROBE, BATCH_PROBE_CONFIG),
 }
 
 

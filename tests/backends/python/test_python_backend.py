@@ -77,6 +77,18 @@ def test_add_sub_batch_and_large_tensor(load: Any) -> None:
     assert instance.io.inputs[0].shape == (-1, 4)
 
 
+def test_infer_requests_answers_each_request(load: Any) -> None:
+    instance = load("batch_probe")
+    batch = [{"X": np.array([[1.0], [2.0]], np.float32)}, {"X": np.array([[-1.0]], np.float32)},
+             {"X": np.array([[3.0]], np.float32)}]  # fmt: skip
+    first, second, third = instance.infer_requests(batch)
+    assert isinstance(first, dict) and isinstance(third, dict)
+    assert first["N"].tolist() == [[3], [3]] and first["ROWS"].tolist() == [[2], [2]]
+    assert first["Y"].tolist() == [[10.0], [20.0]] and third["Y"].tolist() == [[30.0]]
+    assert isinstance(second, InferenceError) and second.status is Status.INVALID_ARG
+    assert second.message == "negative X"
+
+
 def test_bytes_in_and_out(load: Any) -> None:
     instance = load("strings")
     text = np.array([b"hello", b"", "ed\u00e9".encode(), b"x" * 1000], dtype=np.object_)

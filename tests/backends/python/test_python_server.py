@@ -70,13 +70,13 @@ def _wait_for(predicate: Any, timeout: float = 20.0) -> bool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("pyserver")
-    repo = write_repo(tmp / "repo", ["add_sub", "strings", "faulty", "broken_init"])
+    repo = write_repo(tmp / "repo", ["add_sub", "strings", "faulty", "broken_init", "batch_probe"])
     write_model(repo, "add_sub_batched", None, BATCHED_CONFIG)
     (repo / "add_sub_batched" / "1" / "model.py").write_text(
         (repo / "add_sub" / "1" / "model.py").read_text()
     )
     running = start_server(repo, tmp, wait_ready=False)  # never all ready: broken_init fails
-    models = ("add_sub", "add_sub_batched", "strings", "faulty")
+    models = ("add_sub", "add_sub_batched", "strings", "faulty", "batch_probe")
     ready = lambda: all(_status(f"{running.base}/v2/models/{m}/ready") == 200 for m in models)  # noqa: E731
     assert _wait_for(ready, 120), running.log()
     yield running
@@ -145,6 +145,41 @@ def test_concurrent_requests_are_batched(server: RunningServer) -> None:
         stats = json.loads(response.read())["model_stats"][0]
     assert stats["inference_count"] == 8
     assert stats["execution_count"] < 8  # at least two requests went to execute() together
+
+
+def test_batched_requests_reach_execute_one_by_one(server: RunningServer) -> None:
+    """Triton's semantics: the batcher's batch arrives as several requests, each with its own rows
+    and its own response; one request's error leaves the others alone."""
+    values = [1.0, 2.0, -1.0, 4.0, 5.0, 6.0]
+
+    async def run() -> list[Any]:
+        client = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+
+            async def one(value: float) -> Any:
+                tensor = grpcaio.InferInput("X", [1, 1], "FP32")
+                tensor.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+                try:
+                    return await client.infer("batch_probe", [tensor])
+                except InferenceServerException as exc:
+                    return exc
+
+            return list(await asyncio.gather(*(one(v) for v in values)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    seen = []
+    for value, result in zip(values, results, strict=True):
+        if value < 0:
+            assert isinstance(result, InferenceServerException)
+            assert "negative X" in str(result) and result.status() == "StatusCode.INVALID_ARGUMENT"
+            continue
+        assert not isinstance(result, InferenceServerException), result
+        assert result.as_numpy("Y").tolist() == [[value * 10]]
+        assert result.as_numpy("ROWS").tolist() == [[1]]  # its own rows, not the batch's
+        seen.append(int(result.as_numpy("N")[0, 0]))
+    assert max(seen) > 1  # several client requests in one execute() call
 
 
 def _faulty(client: httpclient.InferenceServerClient, mode: int) -> np.ndarray:
