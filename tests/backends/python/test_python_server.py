@@ -182,12 +182,12 @@ def test_batched_requests_reach_execute_one_by_one(server: RunningServer) -> Non
     assert max(seen) > 1  # several client requests in one execute() call
 
 
-def _faulty(client: httpclient.InferenceServerClient, mode: int) -> np.ndarray:
+def _faulty(client: httpclient.InferenceServerClient, mode: int, timeout_us: int | None = None) -> np.ndarray:
     x = httpclient.InferInput("X", [2], "FP32")
     x.set_data_from_numpy(np.array([1.0, 2.0], dtype=np.float32))
     flag = httpclient.InferInput("MODE", [1], "INT32")
     flag.set_data_from_numpy(np.array([mode], dtype=np.int32))
-    result = client.infer("faulty", [x, flag])
+    result = client.infer("faulty", [x, flag], timeout=timeout_us)
     out: np.ndarray = result.as_numpy("Y")
     return out
 
@@ -216,6 +216,13 @@ def test_user_errors_abort_and_hang_leave_the_server_up(server: RunningServer) -
     assert raised.value.status() == "503"
     assert "did not answer in 1 s; it is being replaced" in str(raised.value)
     assert _wait_for(lambda: second[0] not in _workers(server, "faulty"))  # the hung worker was killed
+    assert _wait_for(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]))
+
+    third = _workers(server, "faulty")
+    with pytest.raises(InferenceServerException) as raised:
+        _faulty(client, 4, timeout_us=200_000)  # the request's own timeout answers before the hang detector
+    assert raised.value.status() == "503" and "Request timeout expired" in str(raised.value)
+    assert _wait_for(lambda: third[0] not in _workers(server, "faulty"))  # still replaced as hung
     assert _wait_for(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]))
     assert server.alive()
     client.close()
