@@ -9,11 +9,12 @@ instance count; ONNX Runtime on 1 thread, as its load-time probe does). Scenario
 max_batch_size) with one batch in flight per instance. Score = geometric mean of the time per
 inference over the scenarios.
 
-Fair and bounded: every candidate is compiled and warmed up first (the rule's choice first, then the
-other options, then the other layouts), within `[runtime] race_budget_s` (compile + timing); then
-rounds A B C, B C A, ... (monotonic clock, medians) as many as the rest of the budget allows, at
-least 3. A candidate that does not fit is not timed ("over budget"); when fewer than two can be timed
-the rule's choice stays and the result says why. Results are cached (race_result.py).
+Fair and bounded (race_timing.py): every candidate is compiled and warmed up first (the rule's choice
+first, then the other options, then the other layouts), within `[runtime] race_budget_s` (compile +
+timing), a clearly slower one dropped at once; then rounds A B C, B C A, ... (monotonic clock,
+medians) as many as the rest of the budget allows, at least 3. A candidate that does not fit is not
+timed ("over budget"); when fewer than two can be timed the rule's choice stays and the result says
+why. Results are cached (race_result.py).
 """
 
 from __future__ import annotations
@@ -22,58 +23,31 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
-import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgeserve.backends.options import BackendOptions
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
-    FAILED,
     OVER_BUDGET,
     REJECTED,
-    SKIPPED,
     TIMED,
     RaceCache,
     RaceResult,
     Row,
 )
+from edgeserve.hardware.race_timing import MAX_ROUNDS, MIN_ROUNDS, Entrant, Scenario, Stopwatch, close
 
 log = logging.getLogger("edgeserve.hardware.race")
 
 RACED_BACKENDS = ("onnxruntime", "openvino")
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
-MIN_ROUNDS, MAX_ROUNDS = 3, 15
-SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
-RACE_VERSION = 1  # bump when what is timed changes, so old cache entries are not reused
+RACE_VERSION = 2  # bump when what is timed changes, so old cache entries are not reused
 # One race at a time in this process: two models loading in parallel must not time each other's load.
 _RACING = threading.Lock()
-
-
-@dataclass
-class _Entrant:
-    row: Row
-    option: PlanOption
-    artifact: Path
-    options: BackendOptions
-    instances: list[Any] = dataclasses.field(default_factory=list)
-    pool: ThreadPoolExecutor | None = None
-    estimate_s: float = 0.0  # one round of every scenario
-    samples: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Scenario:
-    name: str
-    batch: int
-    saturate: bool  # one request per instance in flight (else one request in flight)
 
 
 class Racer:
@@ -101,7 +75,7 @@ class Racer:
                 out.append((1, 1))
         return list(dict.fromkeys(out))
 
-    def entrants(self, plan: ModelPlan, config: Any) -> tuple[list[_Entrant], list[Row]]:
+    def entrants(self, plan: ModelPlan, config: Any) -> tuple[list[Entrant], list[Row]]:
         """(candidates to time, in the order they are compiled; rows rejected before timing)."""
         pinned = sum(max(int(g.count), 0) for g in getattr(config, "instance_group", []))
         params = {k: v.string_value for k, v in config.parameters.items()} if config is not None else {}
@@ -120,8 +94,8 @@ class Racer:
         if chosen is not None and chosen in viable:  # the rule's choice is compiled first
             viable.remove(chosen)
             viable.insert(0, chosen)
-        first: list[_Entrant] = []
-        rest: list[_Entrant] = []
+        first: list[Entrant] = []
+        rest: list[Entrant] = []
         for v in viable:
             o = v.option
             assert v.artifact is not None
@@ -135,7 +109,7 @@ class Racer:
                 options = dataclasses.replace(base, threads=threads, parameters=parameters)
                 guarded = o.precision not in ("fp32", "auto") and o.precision not in plan.pins.allowed
                 row = Row(o.backend, o.device, o.precision, instances, threads, hint, guarded=guarded)
-                (first if number == 0 else rest).append(_Entrant(row, o, v.artifact, options))
+                (first if number == 0 else rest).append(Entrant(row, o, v.artifact, options, number == 0))
         return first + rest, rejected
 
     # -- the race --------------------------------------------------------------------------------
@@ -193,7 +167,7 @@ class Racer:
 
     def _workload(
         self, name: str, version_dir: Path, config: Any, completed: Any, where: str, multi: bool
-    ) -> tuple[list[_Scenario], dict[int, dict[str, Any]], str]:
+    ) -> tuple[list[Scenario], dict[int, dict[str, Any]], str]:
         """Scenarios, a feed per batch size, and where the data came from."""
         from edgeserve.hardware.accuracy import sample_feeds
         from edgeserve.hardware.inputs import model_inputs
@@ -221,16 +195,16 @@ class Racer:
             preferred = [int(b) for b in completed.dynamic_batching.preferred_batch_size]
             wanted = preferred or [int(completed.max_batch_size)]
             sizes = sorted({b for b in wanted if 1 < b <= completed.max_batch_size})
-        scenarios = [_Scenario("1 in flight", 1, False)]
-        scenarios += [_Scenario(f"batch {b} x instances", b, True) for b in sizes]
+        scenarios = [Scenario("1 in flight", 1, False)]
+        scenarios += [Scenario(f"batch {b} x instances", b, True) for b in sizes]
         if not sizes and multi:
-            scenarios.append(_Scenario("1 per instance", 1, True))
+            scenarios.append(Scenario("1 per instance", 1, True))
         feeds = {1: base}
         for b in sizes:
             feeds[b] = {k: np.concatenate([v] * b) for k, v in base.items()}
         return scenarios, feeds, source
 
-    def _key(self, entrants: list[_Entrant], scenarios: list[_Scenario], feeds: dict[int, Any]) -> str:
+    def _key(self, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any]) -> str:
         from edgeserve.hardware.accuracy import _cpu_model, _runtime_version
 
         planner = self.planner
@@ -251,121 +225,35 @@ class Racer:
     def _race(
         self,
         name: str,
-        entrants: list[_Entrant],
-        scenarios: list[_Scenario],
+        entrants: list[Entrant],
+        scenarios: list[Scenario],
         feeds: dict[int, Any],
         config: Any,
     ) -> RaceResult:
-        from edgeserve.backends.base import get_backend
-
-        start = time.monotonic()
-        budget = self.budget_s
-        compile_s: dict[str, float] = {}
-        defaults: dict[PlanOption, float] = {}  # seconds per call of each option's first layout
-        total, _ = self.planner.threads()
-        log.info("model %s: racing %d candidates within %gs: %s", name, len(entrants), budget,
-                 ", ".join(e.row.label() for e in entrants))  # fmt: skip
+        total = self.planner.threads()[0]
+        watch = Stopwatch(name, scenarios, feeds, config, self.budget_s, total, self.max_rounds)
         try:
-            for number, e in enumerate(entrants, 1):
-                spent = time.monotonic() - start
-                guess = compile_s.get(e.option.backend, 0.0) * e.row.instances
-                # leave room for MIN_ROUNDS rounds of what is compiled, this one included (as slow as
-                # the slowest so far): compiling everything first and timing nothing would be no race
-                estimates = [x.estimate_s for x in entrants if x.instances]
-                reserve = (MIN_ROUNDS - 1) * (sum(estimates) + max(estimates, default=0.0))
-                if spent + guess > budget or (len(estimates) >= 2 and spent + guess + reserve > budget):
-                    e.row.status = OVER_BUDGET
-                    e.row.reason = (
-                        f"not compiled: {spent:.1f}s of the {budget:g}s budget spent or kept for timing"
-                    )
-                    continue
-                small = defaults.get(e.option)
-                if e.row.threads < total and e.row.instances == 1 and small is not None and small > SMALL_S:
-                    e.row.status = SKIPPED
-                    e.row.reason = f"fewer threads only pay below {SMALL_S * 1e3:g} ms per call"
-                    continue
-                t0 = time.monotonic()
-                try:
-                    backend = get_backend(e.option.backend)
-                    for _ in range(e.row.instances):
-                        e.instances.append(backend.load(e.artifact, config, e.options))
-                    e.row.compile_s = time.monotonic() - t0
-                    compile_s[e.option.backend] = e.row.compile_s / e.row.instances
-                    e.pool = ThreadPoolExecutor(e.row.instances, thread_name_prefix="race")
-                    for s in scenarios:
-                        _run(e, s, feeds[s.batch])  # first calls allocate: not timed
-                    t1 = time.monotonic()
-                    for s in scenarios:
-                        e.samples[s.name] = [_run(e, s, feeds[s.batch])]  # warm: the first round
-                    e.estimate_s = time.monotonic() - t1
-                    defaults.setdefault(e.option, e.samples[scenarios[0].name][0] / 1e9)
-                except Exception as exc:
-                    e.row.status, e.row.reason = FAILED, _short(exc)
-                    _close(e)
-                    continue
-                log.info("model %s: race %d/%d: %s compiled in %.2fs, %.2f ms per round", name, number,
-                         len(entrants), e.row.label(), e.row.compile_s, e.estimate_s * 1e3)  # fmt: skip
-            ready = [e for e in entrants if e.instances]
-            while len(ready) > 1:  # keep the candidates that MIN_ROUNDS rounds can time, in order
-                left = budget - (time.monotonic() - start)
-                if (MIN_ROUNDS - 1) * sum(e.estimate_s for e in ready) <= left:
-                    break
-                cut = ready.pop()
-                cut.row.status = OVER_BUDGET
-                cut.row.reason = f"not timed: {cut.estimate_s * 1e3:.1f} ms per round does not fit the budget"
-                _close(cut)
-            result = RaceResult(name, [s.name for s in scenarios], [e.row for e in entrants], budget_s=budget)
-            left = budget - (time.monotonic() - start)
-            if len(ready) < 2 or (MIN_ROUNDS - 1) * sum(e.estimate_s for e in ready) > left:
-                result.fallback = (
-                    f"over budget: {len(ready)} of {len(entrants)} candidates compiled and warmed up in time "
-                    f"for {MIN_ROUNDS} timed rounds within {budget:g}s (compiling took "
-                    f"{sum(e.row.compile_s for e in entrants):.1f}s); the profile's order decides"
-                )
-                for e in ready:
-                    e.row.status, e.row.reason = OVER_BUDGET, "too few candidates timed to race"
-            else:
-                rounds = self._rounds(name, ready, scenarios, feeds, start)
-                for e in ready:
-                    _score(e, scenarios, rounds)
-            result.seconds = time.monotonic() - start
-            return result
+            ready = watch.time(entrants)[0]
         finally:
             for e in entrants:
-                _close(e)
-
-    def _rounds(
-        self,
-        name: str,
-        ready: list[_Entrant],
-        scenarios: list[_Scenario],
-        feeds: dict[int, Any],
-        start: float,
-    ) -> int:
-        """Interleaved rounds (who goes first rotates) until the budget is spent: at least MIN_ROUNDS
-        (the warm-up round counts), at most max_rounds. Returns the number of rounds taken."""
-        log.info("model %s: timing %d candidates in rounds for up to %.1fs more", name, len(ready),
-                 max(0.0, self.budget_s - (time.monotonic() - start)))  # fmt: skip
-        durations: list[float] = []
-        rounds = 1
-        while rounds < self.max_rounds:
-            if (
-                rounds >= MIN_ROUNDS
-                and time.monotonic() - start + statistics.median(durations) > self.budget_s
-            ):
-                break
-            t0 = time.monotonic()
-            order = ready[rounds % len(ready) :] + ready[: rounds % len(ready)]
-            for e in order:
-                for s in scenarios:
-                    e.samples[s.name].append(_run(e, s, feeds[s.batch]))
-            durations.append(time.monotonic() - t0)
-            rounds += 1
-        log.info("model %s: %d rounds timed", name, rounds)
-        return rounds
+                close(e)
+        result = RaceResult(
+            name, [s.name for s in scenarios], [e.row for e in entrants], budget_s=self.budget_s
+        )
+        if not ready:
+            result.fallback = (
+                f"over budget: fewer than 2 candidates could be compiled, warmed up and timed "
+                f"{MIN_ROUNDS} times within {self.budget_s:g}s (compiling took "
+                f"{sum(e.row.compile_s for e in entrants):.1f}s); the profile's order decides"
+            )
+            for e in entrants:
+                if e.row.status == TIMED:
+                    e.row.status, e.row.reason = OVER_BUDGET, "warmed up, but too few candidates to race"
+        result.seconds = time.monotonic() - watch.start
+        return result
 
     def _pick(
-        self, result: RaceResult, entrants: list[_Entrant], plan: ModelPlan, name: str, version_dir: Path,
+        self, result: RaceResult, entrants: list[Entrant], plan: ModelPlan, name: str, version_dir: Path,
         config: Any, where: str,
     ) -> None:  # fmt: skip
         """The fastest timed row that passes the accuracy guard wins."""
@@ -390,43 +278,3 @@ class Racer:
             result.winner = result.rows.index(row)
             return
         result.fallback = "no timed candidate passed the accuracy guard"
-
-
-def _run(e: _Entrant, s: _Scenario, feed: dict[str, Any]) -> int:
-    """Nanoseconds for one call (or one call per instance, at once, when the scenario saturates)."""
-    t0 = time.perf_counter_ns()
-    if s.saturate and e.pool is not None:
-        for future in [e.pool.submit(i.infer, feed) for i in e.instances]:
-            future.result()
-    else:
-        e.instances[0].infer(feed)
-    return time.perf_counter_ns() - t0
-
-
-def _score(e: _Entrant, scenarios: list[_Scenario], rounds: int) -> None:
-    row = e.row
-    logs = []
-    for s in scenarios:
-        ms = statistics.median(e.samples[s.name]) / 1e6
-        row.ms[s.name] = ms
-        row.per_item_ms[s.name] = ms / (s.batch * (len(e.instances) if s.saturate else 1))
-        logs.append(math.log(max(row.per_item_ms[s.name], 1e-9)))
-    row.score_ms = math.exp(sum(logs) / len(logs))
-    row.rounds, row.status = rounds, TIMED
-
-
-def _close(e: _Entrant) -> None:
-    if e.pool is not None:
-        e.pool.shutdown(wait=True)
-        e.pool = None
-    for instance in e.instances:
-        try:
-            instance.close()
-        except Exception:
-            log.debug("closing a race instance failed", exc_info=True)
-    e.instances = []
-
-
-def _short(exc: BaseException) -> str:
-    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -171,6 +171,24 @@ class JobQueue:
             )
         return priority
 
+    def would_refuse(self, client: str, soft_cap: int = 0) -> bool:
+        """Whether a job of `client` at the default level would be refused now (full level, no
+        heavier client to make room). A hint read without the scheduler's lock, for refusing before a
+        request is decoded; `push` still decides exactly. Only for models without priority levels."""
+        if self.priorities:
+            return False
+        entry = self._levels[0]
+        limit = entry.policy.max_queue_size
+        if soft_cap > 0 and not entry.policy.explicit_size and soft_cap < limit:
+            limit = soft_cap
+        if len(entry) < limit:
+            return False
+        try:
+            counts = list(entry.clients.values())
+        except RuntimeError:  # resized by a push on another thread: let push decide
+            return False
+        return not counts or max(counts) <= entry.clients.get(client, 0) + 1
+
     def push(self, job: Job, level: int, now_ns: int, soft_cap: int = 0) -> Job | None:
         """Queue `job` at `level`; sets its deadline. A full level (`max_queue_size`, or `soft_cap`
         > 0 unless the config set the size) either makes room by evicting a heavier client's newest

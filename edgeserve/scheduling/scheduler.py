@@ -212,6 +212,15 @@ class Scheduler:
         if evicted is not None:  # a heavier client's newest job made room for this one
             self._fail([evicted], InferenceError(Status.UNAVAILABLE, QUEUE_FULL_MESSAGE), "REJECTED")
 
+    def refuses(self, client: str) -> bool:
+        """True (and counted as a rejected request) when a request of `client` would find the queue
+        full: the frontend then answers UNAVAILABLE before reading its tensors, which is what keeps an
+        overloaded server's rejections cheap. Lock-free hint; `submit` decides exactly."""
+        if not self._accepting or not self._queue.would_refuse(client, self._soft_cap):
+            return False
+        self.stats.record_fail(0, "REJECTED")
+        return True
+
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
         """Run `job` on the calling thread if nothing is queued, an instance is idle, the model does
         not wait for a batch to fill, and its recent compute time is under `max_compute_ns` (the

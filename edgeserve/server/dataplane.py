@@ -21,7 +21,8 @@ from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
 from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
 from edgeserve.scheduling.cache import ResponseCache
-from edgeserve.scheduling.job import Arrays, Job
+from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job
+from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE
 from edgeserve.server import validation
 from edgeserve.server.logsettings import LogSettings
 
@@ -190,12 +191,15 @@ class DataPlane:
             total += cap + instances * max(1, int(model.config.max_batch_size))
         return max(MIN_AUTO_INFLIGHT, min(MAX_AUTO_INFLIGHT, AUTO_INFLIGHT_FACTOR * total))
 
-    def admit(self) -> None:
+    def admit(self, model: str = "", version: str = "", client: str | None = None) -> None:
         """Count one request in flight, or raise UNAVAILABLE at once when the server holds its limit
-        (`[server] max_inflight`). Call before reading/decoding the request's tensors; the request must
-        then reach `submit`/`infer` with `admitted=True`, or the caller calls `release()`."""
+        (`[server] max_inflight`) or when `model`'s queue is full for this client (CURRENT_CLIENT
+        unless `client` is given). Call before reading/decoding the request's tensors; the request
+        must then reach `submit`/`infer` with `admitted=True`, or the caller calls `release()`."""
         if self.shutting_down:
             raise unavailable("server is shutting down")
+        if model:
+            self._refuse_if_queue_full(model, version, client)
         limit = self.inflight_limit()
         with self._inflight_lock:
             if self._inflight >= limit:
@@ -211,6 +215,17 @@ class DataPlane:
     def release(self) -> None:
         with self._inflight_lock:
             self._inflight -= 1
+
+    def _refuse_if_queue_full(self, model: str, version: str, client: str | None) -> None:
+        # Under overload most requests are refused: refusing them before their body is read and
+        # decoded keeps the frontends' CPU for the requests that are served.
+        try:
+            scheduler = self.repository.get(model, version).scheduler
+        except Exception:  # unknown model, bad version: the normal path answers with the reason
+            return
+        refuses = getattr(scheduler, "refuses", None)
+        if refuses is not None and refuses(CURRENT_CLIENT.get() if client is None else client):
+            raise unavailable(QUEUE_FULL_MESSAGE)
 
     # -- inference --------------------------------------------------------------------------------
     async def infer(self, request: InferRequest, *, admitted: bool = False) -> InferResponse:

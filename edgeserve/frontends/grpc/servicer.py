@@ -137,7 +137,8 @@ class InferenceServicer:
 
     # -- inference ------------------------------------------------------------------------------
     async def ModelInfer(self, request: wire.DecodedInfer, context: Context) -> bytes:
-        self.dataplane.admit()  # UNAVAILABLE at once when the server holds its in-flight limit
+        # UNAVAILABLE at once when the server holds its in-flight limit or the model's queue is full
+        self.dataplane.admit(request.message.model_name, request.message.model_version)
         try:
             infer_request = codec.to_infer_request(request)
         except BaseException:

@@ -122,7 +122,8 @@ class StreamHandler:
                     msg = message.message
                     meta = _Meta(msg.id, msg.model_name, msg.model_version)
                     try:
-                        self.dataplane.admit()  # per message: refused at once when the server is full
+                        # per message: refused at once when the server or the model's queue is full
+                        self.dataplane.admit(msg.model_name, msg.model_version)
                     except InferenceError as exc:
                         deliver(meta, exc)
                         continue

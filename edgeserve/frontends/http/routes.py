@@ -192,7 +192,7 @@ class Routes:
         name, version = _model(request)
         # Admission before the body is read: an overloaded server answers 503 at once and spends
         # nothing on the tensors (aiohttp drains the unread body and keeps the connection).
-        self.dataplane.admit()
+        self.dataplane.admit(name, version)
         try:
             body = await read_body(request, self.max_input_bytes)
             header_length = codec.parse_header_length(request.headers.get(codec.HEADER_LENGTH), len(body))

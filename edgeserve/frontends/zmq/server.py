@@ -181,7 +181,13 @@ class ZmqFrontend:
                 f"too many requests in flight from this client (max {self.max_inflight}); "
                 "wait for replies before sending more",
             )
-        self.dataplane.admit()  # UNAVAILABLE at once, before decoding, when the server is at its limit
+        # UNAVAILABLE at once, before decoding, when the server is at its limit or the queue is full
+        model, version = header.get("model"), header.get("version", "")
+        self.dataplane.admit(
+            model if isinstance(model, str) else "",
+            str(version) if isinstance(version, (str, int)) else "",
+            peer.owner,
+        )
         try:
             decoded = codec.decode_infer(header, frames, self.dataplane.shm)
         except BaseException:
