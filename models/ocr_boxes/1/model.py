@@ -162,7 +162,7 @@ def box_score(prob: np.ndarray, box: np.ndarray) -> float:
 
 def unclip(corners: np.ndarray, width: float, height: float) -> tuple[np.ndarray, float]:
     """The rectangle grown by area * ratio / perimeter on every side (pyclipper's round offset
-    of a rectangle, then its minimum-area rectangle); (corners, shorter side)."""
+    of a rectangle, then its minimum-area rectangle), on integer points; (corners, shorter side)."""
     distance = width * height * UNCLIP_RATIO / (2 * (width + height))
     center = corners.mean(0)
     u = (corners[1] - corners[0]) / (np.linalg.norm(corners[1] - corners[0]) or 1.0)
@@ -171,7 +171,7 @@ def unclip(corners: np.ndarray, width: float, height: float) -> tuple[np.ndarray
     for corner in corners:
         offset = corner - center
         out.append(corner + np.sign(offset @ u) * distance * u + np.sign(offset @ v) * distance * v)
-    return np.array(out), min(width, height) + 2 * distance
+    return np.round(np.array(out)), min(width, height) + 2 * distance  # pyclipper works in integers
 
 
 def detect_boxes(prob: np.ndarray, src_h: int, src_w: int) -> tuple[np.ndarray, np.ndarray]:
