@@ -4,7 +4,8 @@ For each model (the samples in models/ and the shapes in plan_models.py), `--rep
 1. the load-time race as the server runs it (fresh, `[runtime] race_budget_s`, default 6 s): its winner
    is what the plan serves (or the profile's rule when the race falls back);
 2. a reference measurement of the same candidates in the same process, much longer (`--reference-s`,
-   up to 60 interleaved rounds): the fastest candidate that passes the accuracy guard;
+   up to 60 interleaved rounds, no candidate dropped at warm-up): the fastest candidate that passes
+   the accuracy guard;
 3. the ratio: the reference score of the plan's choice / the best reference score (1.00 = the plan
    served the fastest; the target is <= 1.05).
 Score = geometric mean of the time per inference over the model's scenarios (1 in flight at batch 1;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -84,7 +86,7 @@ def run_model(
         outcome.fallbacks.append(race.fallback or "" if race is not None else "not raced")
     outcome.choices.append(served)
     progress(f"{name}: the plan serves {served}; reference measurement ({args.reference_s:g}s) ...")
-    reference = Racer(selector.planner, RaceCache(None), args.reference_s, max_rounds=60)
+    reference = Racer(selector.planner, RaceCache(None), args.reference_s, max_rounds=60, prune=math.inf)
     ref = reference.run(plan, name, folder / "1", config, where, fresh=True)
     if ref is None or ref.chosen is None:
         progress(f"{name}: the reference measurement did not finish: {ref.fallback if ref else 'not raced'}")

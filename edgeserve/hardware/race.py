@@ -39,7 +39,7 @@ from edgeserve.hardware.race_result import (
     RaceResult,
     Row,
 )
-from edgeserve.hardware.race_timing import MAX_ROUNDS, MIN_ROUNDS, Entrant, Scenario, Stopwatch, close
+from edgeserve.hardware.race_timing import MAX_ROUNDS, MIN_ROUNDS, PRUNE, Entrant, Scenario, Stopwatch, close
 
 log = logging.getLogger("edgeserve.hardware.race")
 
@@ -52,12 +52,14 @@ _RACING = threading.Lock()
 
 class Racer:
     def __init__(
-        self, planner: Planner, cache: RaceCache, budget_s: float, max_rounds: int = MAX_ROUNDS
-    ) -> None:
+        self, planner: Planner, cache: RaceCache, budget_s: float, max_rounds: int = MAX_ROUNDS,
+        prune: float = PRUNE,
+    ) -> None:  # fmt: skip
         self.planner = planner
         self.cache = cache
         self.budget_s = budget_s
         self.max_rounds = max(MIN_ROUNDS, max_rounds)  # benchmarks time longer than a load does
+        self.prune = prune  # math.inf: time every candidate that fits (a benchmark's reference)
 
     # -- candidates ------------------------------------------------------------------------------
     def _layouts(self, backend: str, pinned_instances: int, threads_param: bool) -> list[tuple[int, int]]:
@@ -231,7 +233,7 @@ class Racer:
         config: Any,
     ) -> RaceResult:
         total = self.planner.threads()[0]
-        watch = Stopwatch(name, scenarios, feeds, config, self.budget_s, total, self.max_rounds)
+        watch = Stopwatch(name, scenarios, feeds, config, self.budget_s, total, self.max_rounds, self.prune)
         try:
             ready = watch.time(entrants)[0]
         finally:

@@ -59,7 +59,7 @@ class Scenario:
 class Stopwatch:
     def __init__(
         self, name: str, scenarios: list[Scenario], feeds: dict[int, Any], config: Any, budget_s: float,
-        threads: int, max_rounds: int = MAX_ROUNDS,
+        threads: int, max_rounds: int = MAX_ROUNDS, prune: float = PRUNE,
     ) -> None:  # fmt: skip
         self.name = name
         self.scenarios = scenarios
@@ -68,6 +68,7 @@ class Stopwatch:
         self.budget_s = budget_s
         self.threads = threads
         self.max_rounds = max(MIN_ROUNDS, max_rounds)
+        self.prune = prune
         self.start = 0.0
 
     def left(self) -> float:
@@ -176,7 +177,7 @@ class Stopwatch:
         warm = [e for e in entrants if e.instances]
         best = min((e.warm_score for e in warm), default=0.0)
         for e in warm:
-            if best > 0 and e.warm_score > PRUNE * best:
+            if best > 0 and e.warm_score > self.prune * best:
                 e.row.status = SKIPPED
                 e.row.reason = (
                     f"clearly slower at warm-up ({e.warm_score / best:.1f}x the best): not timed further"
