@@ -84,7 +84,10 @@ class Worker:
         finally:
             child.close()
         self.sock = parent
+        self.sock.settimeout(READ_TIMEOUT_S)  # for the read once poll said a reply is there
         self.region = wire.Region(fd)
+        self._poller = select.poll()
+        self._poller.register(parent.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
         self._lock = threading.Lock()  # kill vs. cleanup
         self._closed = False
 
@@ -111,8 +114,7 @@ class Worker:
         except OSError:
             raise WorkerDied(self.exit_text()) from None
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+        poller = self._poller
         while True:
             if stop is not None and stop.is_set():
                 raise WorkerStopped()
@@ -128,7 +130,6 @@ class Worker:
             if self.process.poll() is not None:  # died without closing (a child of it holds the fd)
                 raise WorkerDied(self.exit_text())
         try:
-            self.sock.settimeout(READ_TIMEOUT_S)
             reply = wire.recv(self.sock)
         except (wire.PeerGone, OSError, ValueError):
             if stop is not None and stop.is_set():

@@ -37,6 +37,7 @@ ALIGN = 64
 MIN_REGION = 1 << 20
 MAX_MESSAGE = 64 << 20  # a JSON header larger than this is a broken peer
 _LEN = struct.Struct("<I")
+_FIRST_READ = 1 << 16
 
 
 class PeerGone(ConnectionError):
@@ -66,10 +67,21 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
 
 
 def recv(sock: socket.socket) -> Header:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    """One message. The common case (a message under 64 KiB that arrived whole) is one recv call."""
+    first = sock.recv(_FIRST_READ)
+    if not first:
+        raise PeerGone("the control channel closed")
+    if len(first) < _LEN.size:
+        first += _recv_exact(sock, _LEN.size - len(first))
+    (length,) = _LEN.unpack_from(first)
     if length > MAX_MESSAGE:
         raise PeerGone(f"a control message of {length} bytes (broken peer)")
-    message = json.loads(_recv_exact(sock, length))
+    body = first[_LEN.size :]
+    if len(body) < length:
+        body += _recv_exact(sock, length - len(body))
+    elif len(body) > length:
+        raise PeerGone("a control message longer than its length (broken peer)")
+    message = json.loads(body)
     if not isinstance(message, dict):
         raise PeerGone("a control message that is not a JSON object")
     return message
