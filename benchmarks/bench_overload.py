@@ -36,6 +36,7 @@ from tests.es_server import RunningServer, start_server  # noqa: E402
 MODEL = "chain"
 DIM = 256
 LAYERS = 24
+WEIGHTS = 8
 
 
 def build_repository(root: Path, layers: int = LAYERS) -> Path:
@@ -44,11 +45,13 @@ def build_repository(root: Path, layers: int = LAYERS) -> Path:
 
     rng = np.random.default_rng(0)
     nodes, inits, prev = [], [], "x"
-    for i in range(layers):
+    # a few weight matrices shared by every layer: a slow model stays a small file
+    for i in range(WEIGHTS):
         w = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
         inits.append(numpy_helper.from_array(w, f"w{i}"))
+    for i in range(layers):
         out = "y" if i == layers - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("MatMul", [prev, f"w{i % WEIGHTS}"], [f"m{i}"]))
         nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
         prev = out
     graph = helper.make_graph(

@@ -158,6 +158,49 @@ def test_full_queue_is_shared_fairly_between_clients() -> None:
     assert len(queue) == 4 and len(queue.pop_all()) == 4
 
 
+def test_refusal_hint_agrees_with_push() -> None:
+    # would_refuse lets a frontend refuse before decoding; it must never refuse what push would take
+    queue = JobQueue([QueuePolicy(max_queue_size=3)], priorities=False)
+    assert not queue.would_refuse("camera-a")
+    for _ in range(3):
+        queue.push(_job("camera-a")[0], 1, 0)
+    assert queue.would_refuse("camera-a")  # full, and a is the only client
+    assert not queue.would_refuse("camera-b")  # b would take a's newest place
+    queue.push(_job("camera-b")[0], 1, 0)
+    assert queue.would_refuse("camera-b")  # a 2, b 1: no longer 2 more than b
+    with pytest.raises(InferenceError):
+        queue.push(_job("camera-b")[0], 1, 0)
+    unsized = JobQueue([QueuePolicy()], priorities=False)  # no max_queue_size: the soft cap bounds it
+    for _ in range(2):
+        unsized.push(_job("camera-a")[0], 1, 0)
+    assert not unsized.would_refuse("camera-a", soft_cap=8)
+    assert unsized.would_refuse("camera-a", soft_cap=2)
+    levels = JobQueue([QueuePolicy(max_queue_size=1)] * 2, priorities=True)
+    levels.push(_job("camera-a")[0], 1, 0)
+    assert not levels.would_refuse("camera-a")  # the level depends on the request: push decides
+
+
+def test_scheduler_refuses_a_full_queue_before_decoding(make_scheduler: Any) -> None:
+    scheduler, gated = make_scheduler("mlp", BATCHING, open_gate=False, max_queue_wait_s=0.5)
+    scheduler._soft_cap = 4
+    held = []
+    with client_scope("camera-a"):
+        assert not scheduler.refuses("camera-a")
+        while not scheduler.refuses("camera-a"):
+            job, result = make_job(mlp_input())
+            scheduler.submit(job)
+            held.append(result)
+        assert len(held) <= 4 + 8 + 1  # the queue's cap, plus what a worker took as a batch
+        with pytest.raises(InferenceError, match=QUEUE_FULL_MESSAGE):
+            scheduler.submit(make_job(mlp_input())[0])
+    assert not scheduler.refuses("camera-b")
+    assert scheduler.stats.snapshot().fail_by_reason["REJECTED"] == 2  # the hint and the submit
+    gated[0].gate.set()
+    for result in held:
+        result.outputs()
+    assert scheduler.wait_idle(WAIT_S) and not scheduler.refuses("camera-a")
+
+
 def test_soft_cap_bounds_the_wait_and_explicit_size_wins(make_scheduler: Any) -> None:
     scheduler, _ = make_scheduler("mlp", BATCHING, max_queue_wait_s=0.5)
     for _ in range(20):
