@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-IDENTITY = '''
+IDENTITY = """
 import triton_python_backend_utils as pb_utils
 
 
@@ -46,7 +46,7 @@ class TritonPythonModel:
             in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", in_0.as_numpy())]))
         return responses
-'''
+"""
 CONFIG = """
 name: "identity"
 backend: "python"
@@ -127,8 +127,12 @@ def timed(call: Callable[[np.ndarray], np.ndarray], array: np.ndarray, calls: in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000, help="calls per mode, size and round (600 KB: 1/4)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--calls", type=int, default=2000, help="calls per mode, size and round (600 KB: 1/4)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--grpc", action="store_true", help="also time the whole server over gRPC")
     parser.add_argument("--json", type=Path, help="write the figures here")
