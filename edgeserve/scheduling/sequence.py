@@ -118,6 +118,10 @@ class SequenceBatcher:
 
     @property
     def active_sequences(self) -> int:
+        with self._lock:
+            return self._active_count()
+
+    def _active_count(self) -> int:  # lock held
         return sum(1 for s in self._sequences.values() if s.slot is not None)
 
     @property
@@ -133,8 +137,9 @@ class SequenceBatcher:
         try:
             with self._lock:
                 self._enqueue(job)
-        except InferenceError:
-            self.stats.record_fail(time.monotonic_ns() - job.arrival_ns, "REJECTED")
+        except InferenceError as exc:
+            reason = "REJECTED" if exc.status is Status.UNAVAILABLE else "OTHER"
+            self.stats.record_fail(time.monotonic_ns() - job.arrival_ns, reason)
             raise
 
     def _enqueue(self, job: Job) -> None:  # lock held
@@ -178,7 +183,7 @@ class SequenceBatcher:
 
     def _place(self, seq: Sequence) -> bool:  # lock held
         if self.spec.oldest:
-            if self.active_sequences >= self._places:
+            if self._active_count() >= self._places:
                 return False
             seq.slot = (-1, -1)
             return True
@@ -345,6 +350,9 @@ class SequenceBatcher:
         """Stop accepting; let queued requests finish (up to `timeout_s`), then stop the workers."""
         with self._lock:
             self._accepting = False
+            # No new requests: sequences with nothing queued give their places to the backlog now.
+            for seq in [s for s in self._sequences.values() if s.slot and not s.pending and not s.busy]:
+                self._release(seq)
             self._work.notify_all()
         if not self._threads:
             self.start()

@@ -251,3 +251,20 @@ def test_close_fails_what_is_queued(make_batcher: Any) -> None:
     assert total(running) == 1.0
     error = queued.error()
     assert isinstance(error, InferenceError) and error.status is Status.UNAVAILABLE
+
+
+def test_drain_runs_the_backlog_and_refuses_new_requests(make_batcher: Any) -> None:
+    import asyncio
+
+    batcher, _ = make_batcher(accumulate_config(max_batch=1, idle_us=60_000_000))
+    assert total(step(batcher, 1, 1.0, start=True)) == 1.0
+    waiting = step(batcher, 2, 2.0, start=True)  # backlog: sequence 1 holds the only slot for a minute
+    assert asyncio.run(batcher.drain(10.0))
+    assert total(waiting) == 2.0  # draining freed the idle slot for it
+    with pytest.raises(InferenceError) as err:
+        step(batcher, 3, 1.0, start=True)
+    assert err.value.status is Status.UNAVAILABLE
+    stats = batcher.stats.to_dict()
+    assert (
+        stats["inference_stats"]["success"]["count"] == 2 and stats["inference_stats"]["fail"]["count"] == 1
+    )

@@ -200,3 +200,24 @@ def test_zmq_sequence_parameters(server: RunningServer) -> None:
         assert step("zmq-a", 3.0, end=True) == 6.0
         with pytest.raises(ClientError, match="START flag"):
             step(77, 1.0)
+
+
+def test_grpc_stream_sequence_in_order(server: RunningServer) -> None:
+    results: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        results.append(error if error is not None else float(result.as_numpy("OUTPUT")[0, 0]))
+        if len(results) == 4:
+            done.set()
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback)
+        for n, value in enumerate((1.0, 2.0, 3.0, 4.0)):
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
+            client.async_stream_infer("accumulate", [tensor], sequence_id=8080, sequence_start=n == 0,
+                                      sequence_end=n == 3)  # fmt: skip
+        assert done.wait(20)
+        client.stop_stream()
+    assert results == [1.0, 3.0, 6.0, 10.0]
