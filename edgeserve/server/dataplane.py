@@ -36,6 +36,7 @@ log = logging.getLogger("edgeserve.dataplane")
 
 EXTENSIONS: tuple[str, ...] = (
     "classification",
+    "sequence",
     "model_repository",
     "model_repository(unload_dependents)",
     "schedule_policy",
