@@ -264,3 +264,15 @@ def test_unload_and_reload_leave_no_workers(server: RunningServer) -> None:
     client.load_model("strings")  # a reload replaces the worker
     assert _wait_for(lambda: len(_workers(server, "strings")) == 1 and _workers(server, "strings") != after)
     client.close()
+
+
+def test_python_code_in_a_load_request_is_refused(server: RunningServer) -> None:
+    from pymodels import ADD_SUB, ADD_SUB_CONFIG
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    config = ADD_SUB_CONFIG.replace('name: "add_sub"', 'name: "sneaky"')
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("sneaky", config=config, files={"file:1/model.py": ADD_SUB.encode()})
+    assert "only from the local model repository or a signed bundle" in str(raised.value)
+    assert not _workers(server, "sneaky")
+    client.close()
