@@ -245,9 +245,9 @@ class SequenceBatcher:
 
     def _batch_delay(self, chosen: list[Sequence]) -> int:  # lock held
         spec = self.spec
-        if not spec.oldest or not spec.delay_ns or not self._accepting or len(chosen) >= spec.preferred_rows:
+        if not spec.delay_ns or not self._accepting or len(chosen) >= spec.preferred_rows:
             return 0
-        return chosen[0].pending[0].job.enqueue_ns + spec.delay_ns - time.monotonic_ns()
+        return min(s.pending[0].job.enqueue_ns for s in chosen) + spec.delay_ns - time.monotonic_ns()
 
     def _take(self, chosen: list[Sequence]) -> list[tuple[int, Sequence, Step]]:  # lock held
         batch: list[tuple[int, Sequence, Step]] = []

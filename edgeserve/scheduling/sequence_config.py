@@ -9,6 +9,7 @@ the sequence's previous value of the state output, or zeros / `initial_state` at
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,9 @@ class SequenceSpec:
     batching: bool  # max_batch_size > 0: a batch axis, rows from several sequences
     max_rows: int  # rows per batch (1 without batching)
     max_candidates: int  # Oldest: sequences holding a place at once (0 = slots of all instances)
-    preferred_rows: int  # Oldest: wait for this many rows (up to delay_ns)
+    # Wait up to delay_ns for this many rows: Oldest's largest preferred_batch_size (else
+    # max_batch_size), Direct's minimum_slot_utilization x slots (0, the default: one row).
+    preferred_rows: int
     delay_ns: int
 
     @property
@@ -213,11 +216,15 @@ def parse(config: Any, where: str = "config.pbtxt", model_dir: Path | None = Non
     for size in preferred:
         if not 1 <= size <= max_rows:
             raise _bad(where, "oldest.preferred_batch_size", f"{size} must be between 1 and {max_rows}")
+    utilization = float(seq.direct.minimum_slot_utilization)
+    if not 0.0 <= utilization <= 1.0:
+        raise _bad(where, "direct.minimum_slot_utilization", f"{utilization} must be between 0 and 1")
+    rows_wanted = max_rows if oldest else max(1, math.ceil(utilization * max_rows))
     idle_us = int(seq.max_sequence_idle_microseconds) or DEFAULT_IDLE_US
     return SequenceSpec(
         controls=tuple(controls), states=tuple(states), idle_ns=idle_us * 1000, oldest=oldest,
         batching=batching, max_rows=max_rows, max_candidates=int(seq.oldest.max_candidate_sequences),
-        preferred_rows=max(preferred) if preferred else max_rows, delay_ns=delay_us * 1000,
+        preferred_rows=max(preferred) if preferred else rows_wanted, delay_ns=delay_us * 1000,
     )  # fmt: skip
 
 

@@ -268,3 +268,13 @@ def test_drain_runs_the_backlog_and_refuses_new_requests(make_batcher: Any) -> N
     assert (
         stats["inference_stats"]["success"]["count"] == 2 and stats["inference_stats"]["fail"]["count"] == 1
     )
+
+
+def test_direct_waits_for_minimum_slot_utilization(make_batcher: Any) -> None:
+    strategy = "direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 0.5 }"
+    batcher, gated = make_batcher(accumulate_config(strategy, max_batch=4))
+    first = step(batcher, 1, 1.0, start=True)
+    assert not first._event.wait(0.2)  # 1 of 4 slots ready: waits for a second one (or 2 s)
+    second = step(batcher, 2, 2.0, start=True)
+    assert total(first) == 1.0 and total(second) == 2.0
+    assert len(gated[0].calls) == 1 and gated[0].calls[0]["READY"].ravel().tolist() == [1.0, 1.0]
