@@ -79,6 +79,7 @@ class PythonInstance:
     def __init__(self, spec: WorkerSpec, io: ModelIO, worker: Worker) -> None:
         self.spec = spec
         self.io = io
+        self._types = {spec.name: spec.datatype for spec in io.outputs}
         self.fallback_reason: str | None = None
         self.restarts = 0  # workers started after a crash or a hang
         self._worker: Worker | None = worker
@@ -152,6 +153,14 @@ class PythonInstance:
     ) -> dict[str, Array] | InferenceError:
         if "error" in response:
             return InferenceError(_status(response.get("status")), str(response["error"]))
+        for header in response.get("outputs") or ():
+            declared = self._types.get(str(header.get("n")))
+            if declared is not None and header.get("t") != declared:
+                return InferenceError(
+                    Status.INTERNAL,
+                    f"{self.spec.label}: execute() returned output '{header.get('n')}' as {header.get('t')}, "
+                    f"but the config declares {declared}",
+                )
         try:
             out = {
                 str(h["n"]): wire.read_tensor(worker.region, h, copy=True)

@@ -14,6 +14,7 @@ worker exits with its code, as the model asked, and the server restarts it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
@@ -83,6 +84,7 @@ class Stub:
     def load(self, message: dict[str, Any]) -> dict[str, Any]:
         path = os.path.abspath(str(message["model_file"]))
         self.model_file = path
+        sys.argv = [path]  # a model that looks at argv sees itself, not the worker's options
         folder = os.path.dirname(path)
         if folder not in sys.path:
             sys.path.insert(0, folder)  # model.py may import its neighbours, as in Triton
@@ -220,7 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.reconfigure(line_buffering=True)
     sock = socket.socket(fileno=args.control_fd)
     stub = Stub(sock, wire.Region(args.shm_fd))
-    return stub.serve()
+    code = stub.serve()
+    # Threads the model started must not hold the exit up (the server would wait, then kill).
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

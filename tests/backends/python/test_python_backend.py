@@ -287,3 +287,24 @@ def test_pb_utils_surface() -> None:
     with pytest.raises(ValueError):
         auto.set_max_batch_size(2)
     assert auto.as_dict()["max_batch_size"] == 4 and len(auto.as_dict()["input"]) == 1
+
+
+def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tmp_path: Path) -> None:
+    source = (
+        "import numpy as np\nimport triton_python_backend_utils as pb_utils\n\n\n"
+        "class TritonPythonModel:\n    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceResponse([pb_utils.Tensor('Y', np.zeros(1))]) for r in requests]\n"
+    )
+    config_text = (
+        'backend: "python"\ninput [{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }]\n'
+        'output [{ name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }]\n'
+    )
+    path = write_model(tmp_path / "repo", "float64", source, config_text)
+    config = parse_pbtxt(path.parent.parent / "config.pbtxt")
+    instance = backend.load(path, config, BackendOptions())
+    try:
+        with pytest.raises(InferenceError) as raised:
+            instance.infer({"X": np.zeros(1, np.float32)})
+        assert "returned output 'Y' as FP64, but the config declares FP32" in raised.value.message
+    finally:
+        instance.close()
