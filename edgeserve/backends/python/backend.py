@@ -124,6 +124,12 @@ class PythonBackend:
         if "auto_complete_config" in source:
             _check_origin(model_path)
             config = self._auto_complete(model_path, raw_config, where)
+        if config.model_transaction_policy.decoupled:
+            raise InferenceError(
+                Status.UNSUPPORTED,
+                f"{where}: model_transaction_policy.decoupled: edgeserve's Python backend answers each "
+                "request with one response (no decoupled models)",
+            )
         if not config.input or not config.output:
             kind = "inputs" if not config.input else "outputs"
             raise InferenceError(

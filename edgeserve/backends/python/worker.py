@@ -24,12 +24,14 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from edgeserve.backends.python import pb_utils, wire
 
 PARENT_CHECK_S = 0.5
+OOM_SCORE_ADJ = 500  # a leaking model is the OOM killer's first choice, before the server
 MODULE_NAME = "triton_python_backend_utils"
 STATUS_NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
                 "ALREADY_EXISTS", "CANCELLED")  # fmt: skip
@@ -217,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getppid() != args.parent:
         return 70
     threading.Thread(target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True).start()
+    with contextlib.suppress(OSError):  # under memory pressure the kernel kills a worker, not the server
+        Path("/proc/self/oom_score_adj").write_text(str(OOM_SCORE_ADJ))
     sys.modules[MODULE_NAME] = pb_utils
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)

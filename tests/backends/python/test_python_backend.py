@@ -308,3 +308,11 @@ def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tm
         assert "returned output 'Y' as FP64, but the config declares FP32" in raised.value.message
     finally:
         instance.close()
+
+
+def test_decoupled_models_are_refused(backend: PythonBackend, tmp_path: Path) -> None:
+    config_text = 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+    path = write_model(tmp_path / "repo", "decoupled", "class TritonPythonModel:\n    pass\n", config_text)
+    with pytest.raises(InferenceError) as raised:
+        backend.inspect_config(path, parse_pbtxt(path.parent.parent / "config.pbtxt"), "decoupled")
+    assert raised.value.status is Status.UNSUPPORTED and "decoupled" in raised.value.message

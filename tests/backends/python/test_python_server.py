@@ -276,3 +276,24 @@ def test_python_code_in_a_load_request_is_refused(server: RunningServer) -> None
     assert "only from the local model repository or a signed bundle" in str(raised.value)
     assert not _workers(server, "sneaky")
     client.close()
+
+
+def test_workers_die_with_a_killed_server(tmp_path: Path) -> None:
+    repo = write_repo(tmp_path / "repo", ["add_sub"])
+    running = start_server(repo, tmp_path)
+    try:
+        workers = _workers(running, "add_sub")
+        assert len(workers) == 1
+        assert Path(f"/proc/{workers[0]}/oom_score_adj").read_text().strip() == "500"
+        running.process.kill()  # SIGKILL: no close(), no finalize()
+        running.process.wait(10)
+        assert _wait_for(lambda: not Path(f"/proc/{workers[0]}").exists() or _zombie(workers[0]), 10)
+    finally:
+        running.stop()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
