@@ -72,6 +72,18 @@ def build_repository(root: Path, layers: int = LAYERS) -> Path:
     return repo
 
 
+def pin_cores(server: RunningServer, spec: str) -> str:
+    """`--pin SERVER:CLIENT` (CPU lists, e.g. 1:0): every thread of the server on SERVER's CPUs, this
+    load generator on CLIENT's, so the two do not take each other's CPU. Returns what was done."""
+    import os
+
+    server_cpus, client_cpus = ({int(c) for c in part.split(",")} for part in spec.split(":"))
+    for task in Path(f"/proc/{server.process.pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), server_cpus)
+    os.sched_setaffinity(0, client_cpus)
+    return f"server on CPU {sorted(server_cpus)}, load generator on CPU {sorted(client_cpus)}"
+
+
 def rss_mb(server: RunningServer) -> float:
     for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -316,6 +328,9 @@ def main() -> None:
     parser.add_argument("--no-fairness", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
+        "--pin", help="SERVER:CLIENT CPU lists (e.g. 1:0): keep the load generator off the server's CPUs"
+    )
+    parser.add_argument(
         "--layers", type=int, default=LAYERS, help="MatMul layers of the model: more = a slower model"
     )
     args = parser.parse_args()
@@ -329,6 +344,9 @@ def main() -> None:
             env={"EDGESERVE_RUNTIME_CPU_THREADS": "1", "EDGESERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT": "512"},
         )
         try:
+            if args.pin:
+                report["pinned"] = pin_cores(server, args.pin)
+                print(report["pinned"], flush=True)
             for name in args.frontends.split(","):
                 front = {"http": Http, "grpc": Grpc, "zmq": Zmq}[name]()
                 result = asyncio.run(bench_frontend(front, server, args))
