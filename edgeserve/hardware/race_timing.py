@@ -1,8 +1,9 @@
 """The race's stopwatch (race.py decides what to race; this times it, fairly and within a budget).
 
 1. Warm-up, one candidate at a time in the race's order: compile (one instance per layout instance),
-   one untimed call per scenario (first calls allocate), then two timed rounds. A candidate is not
-   compiled when the budget left would not also time what is already warm for MIN_ROUNDS rounds.
+   one untimed call per scenario (first calls allocate), then two timed rounds (up to ten for a fast
+   model, within 20 ms: microsecond calls are noisy). A candidate is not compiled when the budget
+   left would not also time what is already warm for MIN_ROUNDS rounds.
    One whose warm-up score is more than PRUNE x the best so far is dropped at once ("clearly
    slower"): the budget goes to candidates that can still win, and the other layouts of a dropped
    option are not tried.
@@ -30,7 +31,8 @@ from edgeserve.hardware.race_result import FAILED, OVER_BUDGET, SKIPPED, TIMED, 
 log = logging.getLogger("edgeserve.hardware.race")
 
 MIN_ROUNDS, MAX_ROUNDS = 3, 15
-WARM_ROUNDS = 2  # timed rounds at warm-up (they count); the better one is the candidate's estimate
+WARM_ROUNDS = 2  # timed rounds at warm-up (they count); their median is the candidate's estimate
+WARM_S, WARM_MAX = 0.02, 10  # a fast model gets more warm-up rounds (up to 20 ms): µs calls are noisy
 PRUNE = 2.0  # a candidate this many times slower than the best at warm-up is not timed further
 SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
 
@@ -158,7 +160,7 @@ class Stopwatch:
                 run_once(e, s, self.feeds[s.batch])  # first calls allocate: not timed
             rounds: list[float] = []
             e.samples = {s.name: [] for s in self.scenarios}
-            for _ in range(WARM_ROUNDS):
+            while len(rounds) < WARM_ROUNDS or (len(rounds) < WARM_MAX and sum(rounds) < WARM_S):
                 t1 = time.monotonic()
                 for s in self.scenarios:
                     e.samples[s.name].append(run_once(e, s, self.feeds[s.batch]))
@@ -167,10 +169,11 @@ class Stopwatch:
             e.row.status, e.row.reason = FAILED, short(exc)
             close(e)
             return False
-        e.estimate_s = min(rounds)
-        per_item = [min(e.samples[s.name]) / 1e6 / _items(e, s) for s in self.scenarios]
+        e.estimate_s = statistics.median(rounds)
+        warm = {s.name: statistics.median(e.samples[s.name]) / 1e6 for s in self.scenarios}
+        per_item = [warm[s.name] / _items(e, s) for s in self.scenarios]
         e.warm_score = math.exp(sum(math.log(max(x, 1e-9)) for x in per_item) / len(per_item))
-        e.row.ms = {s.name: min(e.samples[s.name]) / 1e6 for s in self.scenarios}  # until timed
+        e.row.ms = warm  # until timed
         return True
 
     def _prune(self, entrants: list[Entrant], pruned: set[PlanOption]) -> None:
@@ -229,7 +232,7 @@ def _score(e: Entrant, scenarios: list[Scenario], rounds: int) -> None:
         row.per_item_ms[s.name] = ms / _items(e, s)
         logs.append(math.log(max(row.per_item_ms[s.name], 1e-9)))
     row.score_ms = math.exp(sum(logs) / len(logs))
-    row.rounds, row.status = rounds, TIMED
+    row.rounds, row.status = len(e.samples[scenarios[0].name]), TIMED
 
 
 def close(e: Entrant) -> None:
