@@ -202,7 +202,8 @@ def build_served(name: str, model_dir: Path, prepared: PreparedVersion, seconds:
             from edgeserve.scheduling.sequence import SequenceBatcher
 
             scheduler: Any = SequenceBatcher(name, prepared.version, config, prepared.instances, stats,
-                                             model_dir=model_dir)  # fmt: skip
+                                             model_dir=model_dir, hang_timeout_s=hang_s,
+                                             instance_factory=replacement)  # fmt: skip
         else:
             scheduler = Scheduler(name, prepared.version, config, prepared.instances, stats,
                                   hang_timeout_s=hang_s, instance_factory=replacement)  # fmt: skip

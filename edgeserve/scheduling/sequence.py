@@ -15,23 +15,24 @@ the oldest sequences that have a request (up to max_batch_size rows, waiting up 
 
 More sequences than places wait in a bounded backlog (in START order) and take a place as one frees;
 past the backlog a new sequence gets UNAVAILABLE. A sequence queues at most MAX_STEPS_PER_SEQUENCE
-requests. Not covered here: request timeouts while queued and the hung-instance watchdog of the
-stateless scheduler.
+requests. A batch running past the hang timeout is answered UNAVAILABLE, its sequences must START
+again and its instance is replaced (sequence_life.py). Request timeouts do not apply while queued
+(as in Triton, where they belong to the dynamic batcher).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.job import Arrays, Job
+from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec, parse, sequence_flags
+from edgeserve.scheduling.sequence_life import Batch, InstanceFactory, SequenceLifecycle
 from edgeserve.scheduling.sequence_run import Row, Sequence, Step, run_batch
 from edgeserve.scheduling.stats import JobTiming, ModelStats
 
@@ -43,20 +44,21 @@ log = logging.getLogger("edgeserve.sequence")
 MAX_STEPS_PER_SEQUENCE = 64
 BACKLOG_FACTOR = 4  # backlog bound: this many sequences per place (at least MIN_BACKLOG)
 MIN_BACKLOG = 64
-_EXPIRED_MEMORY = 1024  # IDs of sequences freed by the idle timeout, for a clearer error
+DEFAULT_HANG_TIMEOUT_S = 30.0  # as the stateless scheduler's; model parameter `hang_timeout_s`
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:
     return tuple(sorted((name, a.dtype.str, a.shape) for name, a in job.inputs.items()))
 
 
-class SequenceBatcher:
+class SequenceBatcher(SequenceLifecycle):
     """A model version's scheduler when its config has `sequence_batching` (the data plane's
     SchedulerLike, plus the lifecycle the repository uses: start, drain, close)."""
 
     def __init__(self, model_name: str, version: int, config: Any, instances: list[Instance],
-                 stats: ModelStats, *, model_dir: Path | None = None,
-                 max_backlog: int = 0) -> None:  # fmt: skip
+                 stats: ModelStats, *, model_dir: Path | None = None, max_backlog: int = 0,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 instance_factory: InstanceFactory | None = None) -> None:  # fmt: skip
         if not instances:
             raise InferenceError(Status.INTERNAL, f"model '{model_name}' version {version} has no instances")
         self.model_name = model_name
@@ -72,33 +74,12 @@ class SequenceBatcher:
         self.max_backlog = max_backlog or max(MIN_BACKLOG, BACKLOG_FACTOR * capacity)
         self._sequences: dict[SequenceKey, Sequence] = {}  # holding a place or in the backlog
         self._backlog: deque[Sequence] = deque()
-        self._expired: OrderedDict[SequenceKey, None] = OrderedDict()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._idle = threading.Condition(self._lock)
-        self._reaper_wake = threading.Condition(self._lock)
-        self._threads: list[threading.Thread] = []
-        self._executing = 0
         self._pending = 0
         self._accepting = True
-        self._stopping = False
-        self._closed = False
         self.compute_ewma_ns = 0
-        self.replaced = 0
-
-    # -- lifecycle -------------------------------------------------------------------------------------
-    def start(self) -> None:
-        with self._lock:
-            if self._threads or self._closed:
-                return
-            name = f"edgeserve-{self.model_name}-v{self.version}"
-            for index in range(len(self._instances)):
-                self._threads.append(threading.Thread(target=self._worker, args=(index,), daemon=True,
-                                                      name=f"{name}-seq{index}"))  # fmt: skip
-            self._threads.append(threading.Thread(target=self._reaper, daemon=True, name=f"{name}-reaper"))
-            threads = list(self._threads)
-        for thread in threads:
-            thread.start()
+        self._init_lifecycle(hang_timeout_s, instance_factory)
 
     @property
     def pending_count(self) -> int:
@@ -190,6 +171,8 @@ class SequenceBatcher:
         best: tuple[int, int] | None = None
         best_used = 0
         for index, slots in enumerate(self._slots):
+            if index in self._out_of_service:
+                continue
             used = sum(1 for s in slots if s is not None)
             if used < len(slots) and (best is None or used < best_used):
                 best, best_used = (index, slots.index(None)), used
@@ -210,22 +193,32 @@ class SequenceBatcher:
         self._work.notify_all()
 
     # -- workers -----------------------------------------------------------------------------------------
-    def _worker(self, index: int) -> None:
+    def _worker(self, index: int, generation: int) -> None:
         instance = self._instances[index]
         while True:
-            batch = self._next_batch(index)
+            batch = self._next_batch(index, generation)
             if batch is None:
                 return
             try:
-                self._execute(instance, batch)
+                self._execute(instance, batch, index, generation)
             except BaseException:  # a bug here must not leave the counts wrong
                 log.exception("%s version %d: sequence worker failed", self.model_name, self.version)
             finally:
-                self._after(batch)
+                current = self._after(batch, index, generation)
+            if not current:  # declared hung and replaced while it ran
+                log.warning("%s version %d: hung instance %d answered at last; closing it",
+                            self.model_name, self.version, index)  # fmt: skip
+                try:
+                    instance.close()
+                except Exception:
+                    log.exception("%s: closing a hung instance failed", self.model_name)
+                return
 
-    def _next_batch(self, index: int) -> list[tuple[int, Sequence, Step]] | None:
+    def _next_batch(self, index: int, generation: int) -> Batch | None:
         with self._lock:
             while True:
+                if self._generation[index] != generation:
+                    return None
                 if self.spec.oldest:
                     ready = [s for s in self._sequences.values() if s.slot and s.pending and not s.busy]
                     ready.sort(key=lambda s: s.pending[0].job.enqueue_ns)
@@ -236,7 +229,7 @@ class SequenceBatcher:
                     chosen = [s for s in ready if _shape_key(s.pending[0].job) == shape][: self.spec.max_rows]
                     wait_ns = self._batch_delay(chosen)
                     if wait_ns <= 0:
-                        return self._take(chosen)
+                        return self._take(chosen, index)
                     self._work.wait(wait_ns / 1e9)
                     continue
                 if self._stopping:
@@ -249,18 +242,20 @@ class SequenceBatcher:
             return 0
         return min(s.pending[0].job.enqueue_ns for s in chosen) + spec.delay_ns - time.monotonic_ns()
 
-    def _take(self, chosen: list[Sequence]) -> list[tuple[int, Sequence, Step]]:  # lock held
-        batch: list[tuple[int, Sequence, Step]] = []
+    def _take(self, chosen: list[Sequence], index: int) -> Batch:  # lock held
+        batch: Batch = []
         for position, seq in enumerate(chosen):
             step = seq.pending.popleft()
             seq.busy = True
             row = seq.slot[1] if seq.slot is not None and not self.spec.oldest else position
             batch.append((row, seq, step))
+        batch.sort(key=lambda item: item[0])
         self._pending -= len(batch)
         self._executing += 1
-        return sorted(batch, key=lambda item: item[0])
+        self._running[index] = (batch, time.monotonic_ns())
+        return batch
 
-    def _execute(self, instance: Instance, batch: list[tuple[int, Sequence, Step]]) -> None:
+    def _execute(self, instance: Instance, batch: Batch, index: int, generation: int) -> None:
         taken_ns = time.monotonic_ns()
         rows = [Row(row, seq.key, step.start, step.end, step.job.inputs, None if step.start else seq.state)
                 for row, seq, step in batch]  # fmt: skip
@@ -271,18 +266,22 @@ class SequenceBatcher:
             prefix = f"{self.model_name} version {self.version}: "
             if not error.message.startswith(prefix):
                 error = InferenceError(error.status, prefix + error.message)
-            now = time.monotonic_ns()
-            for _, _, step in batch:
-                self.stats.record_fail(now - step.job.arrival_ns, "BACKEND")
-                self._deliver(step.job, error)
+            with self._lock:
+                failed = self._claim([step.job for _, _, step in batch])
+            self._fail(failed, error, "BACKEND")
             if not isinstance(exc, Exception):
                 raise
             return
-        for (_, seq, _), state in zip(batch, states, strict=True):
-            seq.state = state
+        with self._lock:
+            if self._generation[index] == generation:  # else: answered and released as hung
+                for (_, seq, _), state in zip(batch, states, strict=True):
+                    seq.state = state
+            live = {id(job) for job in self._claim([step.job for _, _, step in batch])}
         timings: list[JobTiming] = []
         for (_, _, step), result in zip(batch, results, strict=True):
-            self._deliver(step.job, result)
+            if id(step.job) not in live:
+                continue
+            self._answer(step.job, result)
             end = time.monotonic_ns()
             timings.append(
                 JobTiming(end - step.job.arrival_ns, taken_ns - step.job.enqueue_ns, end - timing[2])
@@ -291,18 +290,12 @@ class SequenceBatcher:
         self.stats.record_execution(len(batch), timing[1] - taken_ns, timing[2] - timing[1],
                                     time.monotonic_ns() - timing[2], timings)  # fmt: skip
 
-    def _deliver(self, job: Job, result: Arrays | BaseException) -> None:
-        if job.finished:
-            return
-        job.finished = True
-        try:
-            job.done(result)
-        except Exception:
-            log.exception("%s version %d: the result callback of request '%s' failed",
-                          self.model_name, self.version, job.request_id)  # fmt: skip
-
-    def _after(self, batch: list[tuple[int, Sequence, Step]]) -> None:
+    def _after(self, batch: Batch, index: int, generation: int) -> bool:
+        """False when the instance was declared hung meanwhile (the reaper settled the counts)."""
         with self._lock:
+            if self._generation[index] != generation:
+                return False
+            self._running.pop(index, None)
             now = time.monotonic_ns()
             for _, seq, step in batch:
                 seq.busy = False
@@ -313,92 +306,4 @@ class SequenceBatcher:
             self._work.notify_all()
             if self._is_idle():
                 self._idle.notify_all()
-
-    # -- idle timeout ------------------------------------------------------------------------------------
-    def _reaper(self) -> None:
-        period = min(max(self.spec.idle_ns / 4e9, 0.005), 0.5)
-        with self._lock:
-            while not self._stopping:
-                self._reaper_wake.wait(period)
-                self.reap(time.monotonic_ns())
-
-    def reap(self, now_ns: int) -> int:  # lock held (or a test)
-        """Free the places of sequences idle longer than the timeout; returns how many."""
-        limit = self.spec.idle_ns
-        idle = [
-            s for s in self._sequences.values()
-            if s.slot is not None and not s.busy and not s.pending and now_ns - s.last_ns >= limit
-        ]  # fmt: skip
-        for seq in idle:
-            log.info("%s: sequence %s idle for over %d us; its slot is released",
-                     self.model_name, seq.key[1], self.spec.idle_ns // 1000)  # fmt: skip
-            self._release(seq)
-            self._expired[seq.key] = None
-            if len(self._expired) > _EXPIRED_MEMORY:
-                self._expired.popitem(last=False)
-        return len(idle)
-
-    # -- drain and close ---------------------------------------------------------------------------------
-    def _is_idle(self) -> bool:  # lock held
-        return self._pending == 0 and self._executing == 0
-
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        with self._lock:
-            return bool(self._idle.wait_for(self._is_idle, timeout_s))
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Stop accepting; let queued requests finish (up to `timeout_s`), then stop the workers."""
-        with self._lock:
-            self._accepting = False
-            # No new requests: sequences with nothing queued give their places to the backlog now.
-            for seq in [s for s in self._sequences.values() if s.slot and not s.pending and not s.busy]:
-                self._release(seq)
-            self._work.notify_all()
-        if not self._threads:
-            self.start()
-        idle = await asyncio.get_running_loop().run_in_executor(None, self.wait_idle, timeout_s)
-        if idle:
-            self._stop()
-            await asyncio.get_running_loop().run_in_executor(None, self._join, 5.0)
-        return idle
-
-    def _stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._work.notify_all()
-            self._reaper_wake.notify_all()
-
-    def _join(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-
-    def close(self, join_timeout_s: float = 30.0) -> None:
-        """Fail queued requests (UNAVAILABLE), stop the workers and the reaper, close the instances."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._accepting = False
-            leftover = [step for seq in self._sequences.values() for step in seq.pending]
-            for seq in self._sequences.values():
-                seq.pending.clear()
-            self._pending = 0
-            self._sequences.clear()
-            self._backlog.clear()
-        error = InferenceError(Status.UNAVAILABLE, f"model '{self.model_name}' version {self.version} is not "
-                               "available (unloading)")  # fmt: skip
-        now = time.monotonic_ns()
-        for step in leftover:
-            self.stats.record_fail(now - step.job.arrival_ns, "OTHER")
-            self._deliver(step.job, error)
-        self._stop()
-        self._join(join_timeout_s)
-        for index, instance in enumerate(self._instances):
-            try:
-                instance.close()
-            except Exception:
-                log.exception(
-                    "%s version %d: closing instance %d failed", self.model_name, self.version, index
-                )
+            return True

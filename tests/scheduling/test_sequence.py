@@ -278,3 +278,31 @@ def test_direct_waits_for_minimum_slot_utilization(make_batcher: Any) -> None:
     second = step(batcher, 2, 2.0, start=True)
     assert total(first) == 1.0 and total(second) == 2.0
     assert len(gated[0].calls) == 1 and gated[0].calls[0]["READY"].ravel().tolist() == [1.0, 1.0]
+
+
+def test_a_hung_instance_is_answered_and_replaced(make_batcher: Any, accumulate_path: Path) -> None:
+    config = make_config(accumulate_config(max_batch=2))
+    fresh: list[GatedInstance] = []
+
+    def factory() -> GatedInstance:
+        fresh.append(GatedInstance(load_instance(accumulate_path, config)))
+        return fresh[-1]
+
+    batcher, gated = make_batcher(accumulate_config(max_batch=2), open_gate=False, hang_timeout_s=0.3,
+                                  instance_factory=factory)  # fmt: skip
+    hung = step(batcher, 2, 1.0, start=True)
+    gated[0].wait_entered()
+    error = hung.error()
+    assert isinstance(error, InferenceError) and error.status is Status.UNAVAILABLE
+    assert "did not answer in 0.3 s" in error.message and "must start again" in error.message
+    with pytest.raises(InferenceError, match="START flag"):
+        step(batcher, 2, 1.0)  # its state went with the instance
+    assert total(step(batcher, 2, 7.0, start=True)) == 7.0  # on the replacement
+    assert batcher.replaced == 1 and len(fresh) == 1
+    gated[0].gate.set()  # the hung call returns at last: dropped, the old instance closed
+    deadline = time.monotonic() + 5
+    while not gated[0].closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gated[0].closed and hung.calls == 1
+    stats = batcher.stats.to_dict()["inference_stats"]
+    assert stats["fail"]["count"] == 2 and stats["success"]["count"] == 1
