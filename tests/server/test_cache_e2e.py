@@ -20,6 +20,8 @@ import tritonclient.http as httpclient
 from es_server import RunningServer, start_server
 from onnx_models import write_model
 
+from edgeserve.client import ZmqClient
+
 pytestmark = pytest.mark.timeout(300)
 
 MLP = """backend: "onnxruntime"
@@ -191,3 +193,15 @@ def test_reload_drops_the_entries(server: RunningServer) -> None:
         _infer(client, httpclient, "mlp_cached", data)
     stats = _inference_stats(server, "mlp_cached")["inference_stats"]
     assert stats["cache_hit"]["count"] == 0 and stats["cache_miss"]["count"] == 1
+
+
+def test_zmq_hits(server: RunningServer, reference: ort.InferenceSession) -> None:
+    data = _row(2024)
+    expected = reference.run(["OUTPUT0"], {"INPUT0": data})[0]
+    before = _inference_stats(server, "mlp_cached")["inference_stats"]["cache_hit"]["count"]
+    with ZmqClient(server.zmq_endpoint, timeout=10) as client:
+        for _ in range(4):
+            np.testing.assert_array_equal(
+                client.infer("mlp_cached", {"INPUT0": data}).as_numpy("OUTPUT0"), expected
+            )
+    assert _inference_stats(server, "mlp_cached")["inference_stats"]["cache_hit"]["count"] == before + 3
