@@ -300,12 +300,16 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    parser.add_argument("--render", type=Path, help="print the table of a saved --json run and exit")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse()
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
     works = [WORKLOADS[m] for m in args.models.split(",")]
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(PEERS)
@@ -352,6 +356,7 @@ def main() -> int:
             for inproc in inprocs.values():
                 inproc.close()
     report["seconds"] = round(time.monotonic() - t0, 1)
+    report["load_end"] = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     report["targets"] = targets(report["rows"])
     text = render(report)
     print("\n" + text)
