@@ -316,3 +316,15 @@ def test_decoupled_models_are_refused(backend: PythonBackend, tmp_path: Path) ->
     with pytest.raises(InferenceError) as raised:
         backend.inspect_config(path, parse_pbtxt(path.parent.parent / "config.pbtxt"), "decoupled")
     assert raised.value.status is Status.UNSUPPORTED and "decoupled" in raised.value.message
+
+
+def test_a_worker_killed_while_idle_is_replaced_by_the_next_call(load: Any) -> None:
+    import signal
+
+    instance = load("faulty")
+    old = instance.pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)  # the OOM killer, say
+    assert _gone(old)
+    assert _faulty(instance, 0)["Y"].tolist() == [3.0, -4.0]
+    assert instance.restarts == 1 and instance.pid not in (None, old)
