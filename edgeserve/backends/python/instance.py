@@ -79,7 +79,7 @@ class PythonInstance:
     def __init__(self, spec: WorkerSpec, io: ModelIO, worker: Worker) -> None:
         self.spec = spec
         self.io = io
-        self._types = {spec.name: spec.datatype for spec in io.outputs}
+        self._types = {t.name: t.datatype for t in io.outputs}
         self.fallback_reason: str | None = None
         self.restarts = 0  # workers started after a crash or a hang
         self._worker: Worker | None = worker
