@@ -333,9 +333,13 @@ class Scheduler:
             self._idle.wait_for(lambda: not self._claimed, join_timeout_s)
         for index, instance in enumerate(self._instances):
             if index < len(self._threads) and self._threads[index] in alive:
-                log.warning("%s version %d: instance %d still busy after %.0fs; not closing it",
+                if not getattr(instance, "close_while_busy", False):
+                    log.warning("%s version %d: instance %d still busy after %.0fs; not closing it",
+                                self.model_name, self.version, index, join_timeout_s)  # fmt: skip
+                    continue
+                # e.g. a Python model's worker process: close() kills it, which ends the call
+                log.warning("%s version %d: instance %d still busy after %.0fs; closing it anyway",
                             self.model_name, self.version, index, join_timeout_s)  # fmt: skip
-                continue
             try:
                 instance.close()
             except Exception:

@@ -76,6 +76,9 @@ def start_worker(spec: WorkerSpec, stop: threading.Event | None = None) -> Worke
 
 
 class PythonInstance:
+    # The scheduler may close() it while a call runs (unload of a hung model): that kills the worker.
+    close_while_busy = True
+
     def __init__(self, spec: WorkerSpec, io: ModelIO, worker: Worker) -> None:
         self.spec = spec
         self.io = io

@@ -328,3 +328,27 @@ def test_a_worker_killed_while_idle_is_replaced_by_the_next_call(load: Any) -> N
     assert _gone(old)
     assert _faulty(instance, 0)["Y"].tolist() == [3.0, -4.0]
     assert instance.restarts == 1 and instance.pid not in (None, old)
+
+
+def test_closing_the_scheduler_of_a_hung_model_kills_its_worker(load: Any) -> None:
+    """hang_timeout_s 0 (no hang detector): an unload still ends the stuck call and the worker."""
+    from edgeserve.scheduling.job import Job
+    from edgeserve.scheduling.scheduler import Scheduler
+    from edgeserve.scheduling.stats import ModelStats
+
+    instance = load("faulty", BackendOptions(parameters={"hang_timeout_s": "0"}))
+    pid = instance.pid
+    assert pid is not None
+    config = parse_pbtxt(Path(instance.spec.model_file).parent.parent / "config.pbtxt")
+    scheduler = Scheduler("faulty", 1, config, [instance], ModelStats("faulty", 1), hang_timeout_s=0)
+    scheduler.start()
+    answers: list[Any] = []
+    inputs = {"X": np.zeros(2, np.float32), "MODE": np.array([4], np.int32)}
+    scheduler.submit(Job(inputs, 1, answers.append))
+    time.sleep(0.5)
+    scheduler.close(join_timeout_s=0.5)
+    assert _gone(pid)
+    deadline = time.monotonic() + 10
+    while not answers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(answers[0], InferenceError) and answers[0].status is Status.UNAVAILABLE
