@@ -100,6 +100,10 @@ class ModelCollector(Collector):
         pending = GaugeMetricFamily("nv_inference_pending_request_count",
                                     "Instantaneous number of pending requests awaiting execution per-model.",
                                     labels=_MODEL_LABELS)  # fmt: skip
+        sequences = GaugeMetricFamily("edgeserve_sequence_active", "Sequences holding a batch slot",
+                                      labels=_MODEL_LABELS)  # fmt: skip
+        backlog = GaugeMetricFamily("edgeserve_sequence_backlog", "Sequences waiting for a batch slot",
+                                    labels=_MODEL_LABELS)  # fmt: skip
         histograms = {
             "request": HistogramMetricFamily("edgeserve_request_duration_seconds",
                                              "Latency of successful requests, arrival to response ready",
@@ -138,11 +142,16 @@ class ModelCollector(Collector):
                 counters[fail].add_sample(fail, {**labels, "reason": reason}, snap.fail_by_reason[reason])
             scheduler = getattr(item, "scheduler", None)
             pending.add_metric([labels["model"], labels["version"]], getattr(scheduler, "pending_count", 0))
+            if scheduler is not None and hasattr(scheduler, "active_sequences"):  # a sequence batcher
+                sequences.add_metric([labels["model"], labels["version"]], scheduler.active_sequences)
+                backlog.add_metric([labels["model"], labels["version"]], scheduler.backlog)
             for key, hist in (("request", snap.request_hist), ("queue", snap.queue_hist),
                               ("infer", snap.compute_infer_hist)):  # fmt: skip
                 _add_histogram(histograms[key], [labels["model"], labels["version"]], hist)
         yield from counters.values()
         yield pending
+        yield sequences
+        yield backlog
         yield from histograms.values()
 
 

@@ -221,3 +221,13 @@ def test_grpc_stream_sequence_in_order(server: RunningServer) -> None:
         assert done.wait(20)
         client.stop_stream()
     assert results == [1.0, 3.0, 6.0, 10.0]
+
+
+def test_metrics_show_sequences(server: RunningServer) -> None:
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        _grpc_step(client, "accumulate", 31, 1.0, start=True)
+        with urllib.request.urlopen(f"{server.base}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        _grpc_step(client, "accumulate", 31, 1.0, end=True)
+    assert 'edgeserve_sequence_active{model="accumulate",version="1"}' in text
+    assert 'edgeserve_sequence_backlog{model="accumulate",version="1"} 0.0' in text
