@@ -59,8 +59,12 @@ class CachedModel(Protocol):
 
 
 def cache_enabled(config: Any) -> bool:
-    """The model asks for the cache and is stateless."""
-    return bool(config.response_cache.enable) and not config.HasField("sequence_batching")
+    """The model asks for the cache, is stateless and answers once per request."""
+    return (
+        bool(config.response_cache.enable)
+        and not config.HasField("sequence_batching")
+        and not config.model_transaction_policy.decoupled
+    )
 
 
 def has_sequence(parameters: Mapping[str, Any]) -> bool:

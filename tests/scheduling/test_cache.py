@@ -79,6 +79,8 @@ def test_enabled_only_by_config_and_never_for_sequences() -> None:
     assert not cache_enabled(make_config('name: "m"\nmax_batch_size: 4'))
     sequence = make_config('name: "m"\nresponse_cache { enable: true }\nsequence_batching { }')
     assert not cache_enabled(sequence)
+    decoupled = 'name: "m"\nresponse_cache { enable: true }\nmodel_transaction_policy { decoupled: true }'
+    assert not cache_enabled(make_config(decoupled))
     assert has_sequence({"sequence_id": 7}) and has_sequence({"sequence_id": "a"})
     assert not has_sequence({"sequence_id": 0, "sequence_start": False}) and not has_sequence({})
     cache = ResponseCache(1 << 20)

@@ -150,10 +150,15 @@ def test_hits_skip_the_model_and_show_in_metrics(server: RunningServer) -> None:
         for _ in range(5):
             np.testing.assert_array_equal(_infer(client, grpcclient, "mlp_cached", data), first)
         after = _inference_stats(server, "mlp_cached")
+        top = grpcclient.InferRequestedOutput("OUTPUT0", class_count=2)  # classification of a cached answer
+        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor.set_data_from_numpy(data)
+        labels = client.infer("mlp_cached", [tensor], outputs=[top]).as_numpy("OUTPUT0")
     assert after["inference_count"] == before["inference_count"]  # no model run for a hit
     assert (
         after["inference_stats"]["cache_hit"]["count"] == before["inference_stats"]["cache_hit"]["count"] + 5
     )
+    assert [int(x.split(b":")[1]) for x in labels[0]] == np.argsort(-first[0])[:2].tolist()
     metrics = _get(server, "/metrics")
     hits = re.search(r'^nv_cache_num_hits_per_model\{model="mlp_cached",version="1"\} (\d+)', metrics, re.M)
     assert hits is not None and int(hits.group(1)) >= 5
