@@ -275,3 +275,41 @@ async def test_composing_models_load_with_the_ensemble_and_unloading_one_makes_i
     await plane.unload_model("add_sub", unload_dependents=True)
     assert not plane.model_ready("ens")
     assert next(e for e in plane.repository_index() if e["name"] == "ens")["reason"] == "unloaded"
+
+
+async def test_nested_ensembles_and_a_cycle_between_ensembles(repo_dir: Path, make_plane: Plane) -> None:
+    _ensemble(repo_dir, "outer", """
+name: "outer" platform: "ensemble" max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "split" input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } }
+] }
+""")  # fmt: skip
+    _ensemble(repo_dir, "split", """
+name: "split" platform: "ensemble" max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "small" input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
+    output_map { key: "OUTPUT0" value: "Y" } }
+] }
+""")  # fmt: skip
+    for name, other in (("loop_a", "loop_b"), ("loop_b", "loop_a")):
+        _ensemble(repo_dir, name, f"""
+name: "{name}" platform: "ensemble" max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1, 4 ] }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "{other}" input_map {{ key: "X" value: "X" }} output_map {{ key: "Y" value: "Y" }} }}
+] }}
+""")  # fmt: skip
+    plane = await make_plane(repo_dir, load_models=[])
+    await plane.load_model("outer")  # loads split, which loads small
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_allclose(_outputs(await plane.infer(_request("outer", X=x)))["Y"], 2 * x)
+    with pytest.raises(InferenceError) as cycle:
+        await plane.load_model("loop_a")
+    assert "ensembles form a cycle: loop_a -> loop_b -> loop_a" in cycle.value.message
+    entry = next(e for e in plane.repository_index() if e["name"] == "loop_a")
+    assert entry["state"] == "UNAVAILABLE" and "cycle" in entry["reason"]
