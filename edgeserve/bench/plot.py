@@ -40,6 +40,9 @@ def plot(path: Path, points: Sequence[Point], title: str, budget_ms: float | Non
                 )
         if budget_ms is not None:
             axes.axhline(budget_ms, color="red", linestyle=":", label=f"budget {budget_ms:g} ms")
+        values = [v for p in points for v in (p.p50_ms, p.p99_ms) if v > 0]  # nan compares false
+        if values and max(values) > 20 * min(values):
+            axes.set_yscale("log")  # a wide range: the fast points stay readable
         axes.set_xlabel("throughput (inferences/s)")
         axes.set_ylabel("latency (ms)")
         axes.set_title(title)
