@@ -7,8 +7,10 @@
    One whose warm-up score is more than PRUNE x the best so far is dropped at once ("clearly
    slower"): the budget goes to candidates that can still win, and the other layouts of a dropped
    option are not tried.
-2. Interleaved rounds, who goes first rotating (A B C, B C A, ...), until the budget is spent (at
-   least MIN_ROUNDS rounds counting the warm-up ones, at most max_rounds); medians of each scenario.
+2. Interleaved rounds, who goes first rotating (A B C, B C A, ...), each turn after a 2 ms idle gap
+   (OpenVINO's and ONNX Runtime's worker threads keep spinning a while after a call, and would tax
+   whoever comes next: in a server only the winner runs), until the budget is spent (at least
+   MIN_ROUNDS rounds counting the warm-up ones, at most max_rounds); medians of each scenario.
 Times come from perf_counter_ns (monotonic).
 """
 
@@ -34,6 +36,7 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 15
 WARM_ROUNDS = 2  # timed rounds at warm-up (they count); their median is the candidate's estimate
 WARM_S, WARM_MAX = 0.02, 10  # a fast model gets more warm-up rounds (up to 20 ms): µs calls are noisy
 PRUNE = 2.0  # a candidate this many times slower than the best at warm-up is not timed further
+GAP_S = 0.002  # idle time before each candidate's turn: another runtime's spinning threads settle
 SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
 
 
@@ -160,6 +163,7 @@ class Stopwatch:
                 run_once(e, s, self.feeds[s.batch])  # first calls allocate: not timed
             rounds: list[float] = []
             e.samples = {s.name: [] for s in self.scenarios}
+            time.sleep(GAP_S)
             while len(rounds) < WARM_ROUNDS or (len(rounds) < WARM_MAX and sum(rounds) < WARM_S):
                 t1 = time.monotonic()
                 for s in self.scenarios:
@@ -200,6 +204,7 @@ class Stopwatch:
             t0 = time.monotonic()
             shift = rounds % len(ready)
             for e in ready[shift:] + ready[:shift]:
+                time.sleep(GAP_S)  # the previous candidate's worker threads go idle first
                 for s in self.scenarios:
                     e.samples[s.name].append(run_once(e, s, self.feeds[s.batch]))
             durations.append(time.monotonic() - t0)
