@@ -140,7 +140,9 @@ class Racer:
         key = self._key(entrants, scenarios, feeds)
         if not fresh:
             cached = self.cache.get(digest, key)
-            if cached is not None:
+            if cached is not None and self._still_accurate(
+                cached, entrants, plan, name, version_dir, config, where
+            ):
                 log.info("model %s: race result from the cache: %s", name, cached.summary())
                 return cached
         with _RACING:
@@ -152,6 +154,28 @@ class Racer:
         self.cache.put(digest, key, result)
         log.info("model %s: %s", name, result.summary())
         return result
+
+    def _still_accurate(
+        self, cached: RaceResult, entrants: list[Entrant], plan: ModelPlan, name: str, version_dir: Path,
+        config: Any, where: str,
+    ) -> bool:  # fmt: skip
+        """A cached lower-precision winner is judged again (from the guard's own cache, so cheaply):
+        the tolerance or the model's sample inputs may have changed since the race."""
+        row = cached.chosen
+        if row is None or not row.guarded or self.planner.guard is None:
+            return True
+        entrant = next((e for e in entrants if e.row.label() == row.label()), None)
+        if entrant is None:
+            return False
+        tolerance = plan.pins.tolerance
+        if tolerance is None:
+            tolerance = self.planner.settings.runtime.accuracy_tolerance
+        verdict = self.planner.check_accuracy(entrant.artifact, entrant.option, tolerance, name, version_dir,
+                                              config, where)  # fmt: skip
+        if not verdict.ok:
+            log.info("model %s: the cached race winner %s no longer passes the accuracy guard (%s): racing "
+                     "again", name, row.label(), verdict.reason)  # fmt: skip
+        return verdict.ok
 
     def _complete(self, plan: ModelPlan, name: str, config: Any, where: str) -> Any:
         from tritonclient.grpc import model_config_pb2 as mc

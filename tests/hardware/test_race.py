@@ -13,6 +13,7 @@ import pytest
 from hw_helpers import ROOT, settings
 from race_models import build_wide_mlp
 
+from edgeserve.hardware.probes import probe_hardware
 from edgeserve.hardware.race_result import OVER_BUDGET, REJECTED, TIMED, RaceCache, RaceResult
 from edgeserve.hardware.runtimes import inventory
 from edgeserve.hardware.selector import PlanSelector
@@ -186,3 +187,26 @@ def test_detect_model_prints_the_race_table(model: Path, tmp_path: Path) -> None
     assert winner["score_ms"] == min(r["score_ms"] for r in timed)
     assert {r["status"] for r in rows} <= {TIMED, REJECTED, OVER_BUDGET, "failed", "skipped"}
     assert data["plan"]["chosen"]["backend"] in ("onnxruntime", "openvino")
+
+
+@pytest.mark.skipif(not probe_hardware("/").cpu.bf16, reason="this CPU has no native bf16")
+def test_a_cached_lower_precision_winner_is_judged_again(model: Path, tmp_path: Path) -> None:
+    """A tighter tolerance after the race: the cached bf16 winner is re-judged (from the guard's
+    cache) and, failing, the model is raced again rather than served in bf16."""
+    assert _race(_selector(tmp_path), model) is not None
+    (file,) = (tmp_path / "state" / "cache" / "race").glob("*.json")
+    entries = json.loads(file.read_text())
+    (key,) = entries
+    rows = entries[key]["rows"]
+    bf16 = next(i for i, r in enumerate(rows) if r["precision"] == "bf16" and r["instances"])
+    rows[bf16].update(status=TIMED, score_ms=1e-3, guarded=True, reason="")
+    entries[key]["winner"], entries[key]["fallback"] = bf16, None
+    file.write_text(json.dumps(entries))
+    cached = _race(_selector(tmp_path), model)
+    assert cached is not None and cached.cached and cached.chosen is not None
+    assert cached.chosen.precision == "bf16"  # within the default tolerance: the cache stands
+    tight = 'parameters { key: "accuracy_tolerance" value: { string_value: "1e-12" } }\n'
+    (model / "config.pbtxt").write_text(CONFIG + tight)
+    again = _race(_selector(tmp_path), model)
+    assert again is not None and not again.cached
+    assert again.chosen is None or again.chosen.precision != "bf16"
