@@ -45,6 +45,12 @@ class ServerSection:
 
 
 @dataclass
+class RepositorySection:
+    memory_budget_mb: int = 0  # memory the models may hold together; 0 = the device's (hardware probe)
+    load_wait_s: float = 60.0  # a request waits this long for a load on first use (its timeout if less)
+
+
+@dataclass
 class HttpSection:
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -177,6 +183,7 @@ class FleetSection:
 @dataclass
 class Settings:
     server: ServerSection = field(default_factory=ServerSection)
+    repository: RepositorySection = field(default_factory=RepositorySection)
     http: HttpSection = field(default_factory=HttpSection)
     grpc: GrpcSection = field(default_factory=GrpcSection)
     zmq: ZmqSection = field(default_factory=ZmqSection)
@@ -267,6 +274,8 @@ class Settings:
             fail("server.max_inflight", "must be 0 (sized from the model queues) or a count of requests")
         if self.server.cache_mb < 0:
             fail("server.cache_mb", "must be 0 (no response cache) or a size in MB")
+        if self.repository.memory_budget_mb < 0 or self.repository.load_wait_s <= 0:
+            fail("repository", "memory_budget_mb must be 0 (the device's) or MB; load_wait_s a positive time")
         if self.grpc.max_message_bytes > 2**31 - 1:
             fail("grpc.max_message_bytes", f"must be at most {2**31 - 1} (gRPC's limit)")
         for path, count in (

@@ -22,6 +22,7 @@ from edgeserve.config import Settings
 from edgeserve.ota.store import active_models
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
 from edgeserve.repository import ensembles, overrides
+from edgeserve.repository.budget import MemoryBudget
 from edgeserve.repository.config import parse_override, parse_pbtxt
 from edgeserve.repository.layout import CONFIG_FILE, check_model_name, list_models, version_dirs
 from edgeserve.repository.selection import BackendSelector, DefaultSelector
@@ -65,11 +66,15 @@ class ModelRepository:
         self._slots: asyncio.Semaphore | None = None
         self._started = False
         self._closing = False
+        self.budget = MemoryBudget(self)  # memory budget, LRU eviction, load on first use, autoscale
+        self.load_on_demand = self.budget.load_on_demand
 
     # -- lookups (event loop thread; no awaits, so each sees one consistent served map) ------------
     def get(self, name: str, version: str = "") -> ServedModel:
         versions = self._served.get(name)
         model = self._models.get(name)
+        if versions:
+            self.budget.residency.touch(name)
         if version:
             try:
                 number = int(version)
@@ -134,8 +139,8 @@ class ModelRepository:
                 if ready_only:
                     continue
                 error = model.error if model is not None else ""
-                entries.append({"name": name, "version": "", "state": UNAVAILABLE if error else "",
-                                "reason": error})  # fmt: skip
+                state, error = self.budget.reason(name, UNAVAILABLE if error else "", error)
+                entries.append({"name": name, "version": "", "state": state, "reason": error})
                 continue
             error = model.error if model is not None else ""
             for version in sorted(states):
@@ -151,6 +156,7 @@ class ModelRepository:
                             continue
                         status = _VersionState(UNAVAILABLE, problem)
                         reason = problem
+                _, reason = self.budget.reason(name, status.state, reason)
                 entries.append({"name": name, "version": str(version), "state": status.state,
                                 "reason": reason})  # fmt: skip
         return entries
@@ -191,6 +197,7 @@ class ModelRepository:
             names = list(self.folders())
         else:
             names = list(dict.fromkeys(server.load_models))
+        names = self.budget.startup(names)  # less the load-on-first-use models
         log.info("loading %d model(s) from %s: %s", len(names), self.root, ", ".join(names) or "(none)")
         later = ensembles.in_folders(names, self.folders())  # loaded after the models they compose
         await asyncio.gather(*(self._load_quietly(name) for name in names if name not in later))
@@ -208,6 +215,7 @@ class ModelRepository:
     async def close(self) -> None:
         """Refuse new loads, then drain and unload every model."""
         self._closing = True
+        await self.budget.close()
         await asyncio.gather(*(self._unload_quietly(name) for name in list(self._models)))
 
     async def _unload_quietly(self, name: str) -> None:
@@ -327,6 +335,7 @@ class ModelRepository:
             if name in self.folders():
                 return  # in the repository but not loaded: nothing to do
             raise not_found(f"failed to unload '{name}': model is not found")
+        self.budget.unloaded(name)
         async with model.lock:
             model.wanted = False
             old = self._served.pop(name, {})
@@ -390,13 +399,12 @@ class ModelRepository:
         log.info("model %s version %d loading", name, version)
         start = time.monotonic()
         try:
-            async with self._slots:
-                prepared = await asyncio.to_thread(
-                    prepare_version, self.selector, name, source, version, version_dir, raw_config, where,
-                    self.settings.runtime.default_max_batch_size,
-                )  # fmt: skip
+            prepared = await self.budget.prepare(
+                name, version, version_dir, raw_config, self._slots, prepare_version, self.selector, name,
+                source, version, version_dir, raw_config, where, self.settings.runtime.default_max_batch_size,
+            )  # fmt: skip
             seconds = time.monotonic() - start
-            served = build_served(name, source, prepared, seconds)
+            served = self.budget.serve(prepared, lambda: build_served(name, source, prepared, seconds))
         except InferenceError as exc:
             log.error("model %s version %d failed: %s", name, version, exc.message)
             raise
@@ -428,6 +436,7 @@ class ModelRepository:
             except Exception:
                 log.exception("model %s version %d: close failed", name, served.version)
                 await asyncio.to_thread(close_instances, served.instances, f"model {name}")
+            self.budget.retired(served)
 
         await asyncio.gather(*(retire(m) for m in models))
 

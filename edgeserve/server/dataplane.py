@@ -8,6 +8,7 @@ encodes bytes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -253,6 +254,7 @@ class DataPlane:
         *,
         inline_max_ns: int = 0,
         admitted: bool = False,
+        on_demand: bool = True,
     ) -> bool:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
         before queueing) right here, with the response or an InferenceError.
@@ -260,6 +262,9 @@ class DataPlane:
         `inline_max_ns` > 0 (a frontend with its own thread, never the event loop): run the request
         right here when an instance is idle and the model's recent compute time is under it.
         Returns True when it ran here.
+
+        `on_demand`: a request for a model that is not loaded but loads on first use (or was unloaded
+        for the memory budget) loads it and waits for it (at most its timeout), then runs.
 
         `admitted`: the caller already counted the request in flight (`admit()`); otherwise it is
         admitted here. Either way it leaves the in-flight count when `on_done` is called."""
@@ -269,7 +274,7 @@ class DataPlane:
             except InferenceError as exc:
                 on_done(exc)
                 return False
-        on_done = self._releasing(on_done)
+        first_on_done, on_done = on_done, self._releasing(on_done)
         if self.shutting_down:
             on_done(unavailable("server is shutting down"))
             return False
@@ -304,6 +309,8 @@ class DataPlane:
                 lease.release()
             if served is not None:
                 served.stats.record_fail(time.monotonic_ns() - request.arrival_ns)
+            elif on_demand and self._load_first(exc, request, first_on_done, on_done):
+                return False  # submitted again once the model serves
             on_done(exc)
             return False
         except Exception as exc:  # never let a decoding bug take the frontend down
@@ -362,6 +369,29 @@ class DataPlane:
                 lease.release()
             on_done(exc)
         return False
+
+    def _load_first(
+        self, error: InferenceError, request: InferRequest, retry_done: ResponseCallback,
+        on_done: ResponseCallback,
+    ) -> bool:  # fmt: skip
+        """Start (or join) the load of a load-on-first-use / evicted model; the request is submitted
+        again when it serves, or answered UNAVAILABLE. False: not such a model, answer `error` now."""
+        start = getattr(self.repository, "load_on_demand", None)
+        if start is None or error.status not in (Status.UNAVAILABLE, Status.NOT_FOUND):
+            return False
+        loading = start(request.model_name, request.model_version, request.timeout_us / 1e6)
+        if loading is None:
+            return False
+
+        def loaded(future: concurrent.futures.Future[None]) -> None:
+            failure = unavailable("model load cancelled") if future.cancelled() else future.exception()
+            if failure is None:
+                self.submit(request, retry_done, admitted=True, on_demand=False)
+            else:
+                on_done(failure if isinstance(failure, InferenceError) else internal(str(failure)))
+
+        loading.add_done_callback(loaded)
+        return True
 
     def _releasing(self, on_done: ResponseCallback) -> ResponseCallback:
         """`on_done` that first takes its request out of the in-flight count (once)."""
