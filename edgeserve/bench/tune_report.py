@@ -96,7 +96,13 @@ def render(records: Sequence[Mapping[str, Any]], budget_ms: float) -> tuple[str,
             else "-"
         )
         status = str(record.get("status", "?"))
-        if mine is None:
+        lowest = min(points_of(record), key=lambda p: p.p99_ms, default=None)
+        if mine is None and lowest is not None:  # measured, but even its lowest p99 is over the budget
+            label = record["label"]
+            lines.append(
+                f"{label:40} {'over':9} {'-':>12} {lowest.concurrency:5d} {lowest.p99_ms:8.2f}  {acc}"
+            )
+        elif mine is None:
             why = "" if status == "ok" else str(record.get("error", ""))[:60]
             lines.append(f"{record['label']:40} {status:9} {'-':>12} {'-':>5} {'-':>8}  {acc} {why}".rstrip())
         else:
@@ -104,6 +110,10 @@ def render(records: Sequence[Mapping[str, Any]], budget_ms: float) -> tuple[str,
                 f"{record['label']:40} {status:9} {mine.throughput:12.1f} {mine.concurrency:5d} "
                 f"{mine.p99_ms:8.2f}  {acc}"
             )
+    lines.append(
+        f"(best infer/s: the most throughput with p99 within {budget_ms:g} ms; over: no point within it, "
+        "its lowest p99 shown)"
+    )
     every = [p for r in records for p in points_of(r)]
     best = best_within(every, budget_ms)
     lines += [
