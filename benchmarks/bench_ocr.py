@@ -13,6 +13,9 @@ Modes, taking turns each round (A B C D A B C D ...), each after 1 s of unmeasur
     zmq-shm x4  the same, 4 frames in flight (steps of different frames overlap in the pipeline)
     grpc        tritonclient gRPC unary, 1 frame in flight
 
+CPU per frame: user + system time of this process and of the server with its Python workers,
+over the frames of each mode (less sensitive to other jobs on a shared box than frames/s).
+
 Per stage: in-process, the wall time of each step; served, the ensemble's `ensemble_steps` statistics
 (submit to outputs, queueing and the Python worker round trip included) and each composing model's
 own compute time (`compute_infer` per request), both as deltas over the served rounds of 1 frame in
@@ -132,6 +135,24 @@ def _served_stages(before: dict[str, Any], after: dict[str, Any]) -> dict[str, d
     return stages
 
 
+def cpu_seconds(server_pid: int) -> float:
+    """CPU time used so far by this process and by the server with its worker processes."""
+    import psutil
+
+    total = time.process_time()
+    try:
+        server = psutil.Process(server_pid)
+        for process in (server, *server.children(recursive=True)):
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
 def run(mode: str, call: Callable[[], list[str]], seconds: float, expected: list[str],
         latencies: dict[str, list[float]]) -> int:  # fmt: skip
     end = time.monotonic() + seconds
@@ -210,15 +231,21 @@ def main(argv: list[str] | None = None) -> int:
                 call()
         by_hand.stage_ns, by_hand.frames = dict.fromkeys(STEPS, 0), 0
         stage_rows: list[dict[str, dict[str, float]]] = []
+        cpu = dict.fromkeys(latencies, 0.0)
+        pid = server.process.pid
         for round_index in range(args.rounds):
             progress(f"round {round_index + 1}/{args.rounds}")
             for mode, call in modes.items():
                 before = _stats(server.base) if mode == "zmq-shm" else None
+                used = cpu_seconds(pid)
                 run(mode, call, args.seconds, expected, latencies)
+                cpu[mode] += cpu_seconds(pid) - used
                 if before is not None:
                     stage_rows.append(_served_stages(before, _stats(server.base)))
+            used = cpu_seconds(pid)
             windows.append(zmq_window(args.seconds))
-        report(args, image, expected, latencies, windows, by_hand, stage_rows)
+            cpu["zmq-shm x4"] += cpu_seconds(pid) - used
+        report(args, image, expected, latencies, windows, by_hand, stage_rows, cpu)
     finally:
         server.stop()
     return 0
@@ -226,22 +253,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace, image: np.ndarray, expected: list[str],
            latencies: dict[str, list[float]], windows: list[tuple[int, float]], by_hand: ByHand,
-           stage_rows: list[dict[str, dict[str, float]]]) -> None:  # fmt: skip
+           stage_rows: list[dict[str, dict[str, float]]], cpu: dict[str, float]) -> None:  # fmt: skip
     rows = {}
     for mode, values in latencies.items():
         if mode == "zmq-shm x4":
             frames = sum(w[0] for w in windows)
             fps = frames / max(sum(w[1] for w in windows), 1e-9)
-            rows[mode] = {"frames": frames, "fps": fps}
+            rows[mode] = {"frames": frames, "fps": fps, "cpu_ms": cpu[mode] / max(frames, 1) * 1e3}
             continue
         rows[mode] = {"frames": len(values), "fps": len(values) / max(sum(values), 1e-9),
                       "p50_ms": percentile(values, 50) * 1e3,
-                      "p99_ms": percentile(values, 99) * 1e3}  # fmt: skip
+                      "p99_ms": percentile(values, 99) * 1e3,
+                      "cpu_ms": cpu[mode] / max(len(values), 1) * 1e3}  # fmt: skip
     print(f"\nOCR pipeline, {image.shape[1]}x{image.shape[0]} frame, reads {expected}")
-    print(f"{'mode':<12} {'frames':>7} {'frames/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'mode':<12} {'frames':>7} {'frames/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/frame':>13}")
     for mode, row in rows.items():
         print(f"{mode:<12} {row['frames']:>7} {row['fps']:>9.2f} {row.get('p50_ms', float('nan')):>8.1f} "
-              f"{row.get('p99_ms', float('nan')):>8.1f}")  # fmt: skip
+              f"{row.get('p99_ms', float('nan')):>8.1f} {row['cpu_ms']:>13.1f}")  # fmt: skip
     stages = {}
     for step in STEPS:
         inproc = by_hand.stage_ns[step] / max(by_hand.frames, 1) / 1e6
