@@ -117,19 +117,36 @@ def device_fingerprint() -> str:
 
 
 def compare(reference: Outputs, got: Outputs) -> dict[str, float]:
-    """Worst error over the output's range, and lowest cosine similarity, over samples and outputs."""
-    worst, cosine = 0.0, 1.0
+    """Worst error over the output's scale, lowest cosine similarity and top-1 agreement (on the last
+    axis), over samples and outputs. The scale of an output is its range over every reference sample,
+    or its largest magnitude when that is larger: a softmax of two near-equal classes (range ~0) or a
+    near-zero map does not blow the figure up."""
+    scales: dict[str, float] = {}
+    for sample in reference:
+        for name, ref in sample.items():
+            a = ref.astype(np.float64)
+            if a.size:
+                scale = max(float(a.max() - a.min()), float(np.abs(a).max()))
+                scales[name] = max(scales.get(name, 0.0), scale)
+    worst, cosine, agree, total = 0.0, 1.0, 0, 0
     for ref_sample, got_sample in zip(reference, got, strict=True):
         for name, ref in ref_sample.items():
             if name not in got_sample or got_sample[name].shape != ref.shape:
-                return {"max_err_over_range": float("inf"), "cosine_min": 0.0}
-            a = ref.astype(np.float64).ravel()
-            b = got_sample[name].astype(np.float64).ravel()
-            span = float(a.max() - a.min()) if a.size else 0.0
-            worst = max(worst, float(np.abs(a - b).max(initial=0.0)) / max(span, 1e-6))
+                return {"max_err_over_range": float("inf"), "cosine_min": 0.0, "top1_agreement": 0.0}
+            a = ref.astype(np.float64)
+            b = got_sample[name].astype(np.float64)
+            worst = max(worst, float(np.abs(a - b).max(initial=0.0)) / max(scales.get(name, 0.0), 1e-6))
             norm = float(np.linalg.norm(a) * np.linalg.norm(b))
-            cosine = min(cosine, float(a @ b) / norm if norm > 0 else (1.0 if np.array_equal(a, b) else 0.0))
-    return {"max_err_over_range": worst, "cosine_min": cosine}
+            dot = float(a.ravel() @ b.ravel())
+            cosine = min(cosine, dot / norm if norm > 0 else (1.0 if np.array_equal(a, b) else 0.0))
+            if a.ndim and a.shape[-1] > 1:
+                agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+                total += int(a.size // a.shape[-1])
+    return {
+        "max_err_over_range": worst,
+        "cosine_min": cosine,
+        "top1_agreement": agree / total if total else 1.0,
+    }
 
 
 class _Reference:
@@ -213,7 +230,7 @@ def _measure(
             if accuracy["max_err_over_range"] > options.tolerance:
                 say(
                     f"{candidate.label}: rejected: error {accuracy['max_err_over_range']:.3g} "
-                    "of the output range "
+                    "of the output's scale "
                     f"> {options.tolerance:g} (cosine {accuracy['cosine_min']:.5f})"
                 )
                 return {"status": "rejected", "accuracy": accuracy, "error": "accuracy"}

@@ -91,7 +91,8 @@ def render(records: Sequence[Mapping[str, Any]], budget_ms: float) -> tuple[str,
         mine = best_within(points_of(record), budget_ms)
         accuracy = record.get("accuracy") or {}
         acc = accuracy.get("note") or (
-            f"err/range {accuracy['max_err_over_range']:.2g}, cos {accuracy['cosine_min']:.5f}"
+            f"err/scale {accuracy['max_err_over_range']:.2g}, cos {accuracy['cosine_min']:.5f}"
+            + (f", top-1 {accuracy['top1_agreement']:.0%}" if "top1_agreement" in accuracy else "")
             if "max_err_over_range" in accuracy
             else "-"
         )

@@ -208,6 +208,10 @@ def test_accuracy_compare() -> None:
     near = compare(ref, [{"y": np.array([0.0, 1.01, 2.0], np.float32)}])
     assert 0.004 < near["max_err_over_range"] < 0.006 and near["cosine_min"] > 0.999
     assert compare(ref, [{"y": np.zeros(2, np.float32)}])["max_err_over_range"] == math.inf
+    # two near-equal classes: the range is ~0, the scale is not; top-1 flips are counted, not fatal
+    soft = [{"p": np.array([[0.5001, 0.4999]], np.float32)}]
+    flipped = compare(soft, [{"p": np.array([[0.4999, 0.5001]], np.float32)}])
+    assert flipped["max_err_over_range"] < 1e-3 and flipped["top1_agreement"] == 0.0
 
 
 def test_headers_and_protocol_lists() -> None:
