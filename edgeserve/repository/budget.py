@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,12 +23,11 @@ from edgeserve.protocol.errors import InferenceError, unavailable
 from edgeserve.repository import ensembles
 from edgeserve.repository.residency import (
     EVICTED_REASON,
-    FILE_FACTOR,
     FIRST_USE_REASON,
     MIB,
     Charge,
     Residency,
-    files_bytes,
+    floor_bytes,
     model_flags,
     param_true,
     rss_bytes,
@@ -127,12 +127,13 @@ class MemoryBudget:
         return prepared
 
     def _measured(self, charge: Charge, version_dir: Path, fn: Callable[..., T], *args: Any) -> T:
-        before = rss_bytes()
+        modules, before = len(sys.modules), rss_bytes()
         result = fn(*args)
         growth = rss_bytes() - before
+        if len(sys.modules) > modules:  # it imported a runtime: that memory is the server's, not the model's
+            growth = 0
         instances = len(getattr(result, "instances", ()) or ()) or 1
-        floor = int(files_bytes(version_dir) * FILE_FACTOR) * instances
-        self.residency.measured(charge, growth, floor)
+        self.residency.measured(charge, growth, floor_bytes(version_dir, instances))
         return result
 
     def serve(self, prepared: PreparedVersion, build: Callable[[], ServedModel]) -> ServedModel:

@@ -8,8 +8,10 @@ path until it fits; when nothing more can go the load fails with RESOURCE_EXHAUS
 budget, what is resident and the fix.
 
 A version's cost is measured as the process RSS growth around its load (a lower bound: a load can
-reuse memory freed by an unload) and never taken below its files' size x `FILE_FACTOR`; the measured
-figure is remembered per (model, version) and used as the estimate for its next load.
+reuse memory freed by an unload) and never taken below its files' size x `FILE_FACTOR` plus
+`INSTANCE_OVERHEAD` per instance; a load that imported a runtime (the first one) counts only that
+floor, the import being the server's, not the model's. The measured figure is remembered per (model,
+version) and used as the estimate for its next load.
 
 Model config `parameters` (Triton has no standard for these):
   `load_on_first_use: "true"`: not loaded at start; the first request loads it (and waits for it);
@@ -36,7 +38,10 @@ MIB = 2**20
 EVICTED_REASON = "unloaded: memory budget (LRU)"
 FIRST_USE_REASON = "not loaded: load on first use"
 FILE_FACTOR = 1.5  # a loaded model holds at least its weights, plus the runtime's own structures
+INSTANCE_OVERHEAD = 8 * 2**20  # a runtime session's own memory (ONNX Runtime: 7-12 MiB measured here)
 MAX_REMEMBERED = 4096  # measured costs kept (model, version); bounded for months of reloads
+ROOM_WAIT_S = 10.0  # a load waits this long for loads in progress / busy models before giving up
+ROOM_POLL_S = 0.05
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -73,6 +78,11 @@ def rss_bytes() -> int:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
+
+
+def floor_bytes(version_dir: Path, instances: int) -> int:
+    """The least a version with `instances` instances is taken to cost."""
+    return (int(files_bytes(version_dir) * FILE_FACTOR) + INSTANCE_OVERHEAD) * max(1, instances)
 
 
 def files_bytes(folder: Path, limit: int = 10_000) -> int:
@@ -136,6 +146,7 @@ class Residency:
         self._charges: dict[int, Charge] = {}  # id(served model) -> charge
         self._pending: set[Charge] = set()  # reserved, loading
         self._lock: asyncio.Lock | None = None
+        self.room_wait_s = ROOM_WAIT_S
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def touch(self, name: str) -> None:
@@ -166,7 +177,7 @@ class Residency:
         known = self._costs.get((name, version))
         if known is not None:
             return known
-        return int(files_bytes(version_dir) * FILE_FACTOR) * max(1, instances)
+        return floor_bytes(version_dir, instances)
 
     # -- reserve / settle / release ----------------------------------------------------------------
     async def reserve(
@@ -190,19 +201,29 @@ class Residency:
     ) -> None:  # fmt: skip
         assert self.budget_bytes is not None
         tried: set[str] = set()
+        deadline = time.monotonic() + self.room_wait_s
         while True:
             need = self.used() + nbytes - self.budget_bytes
             resident = {n: b for n, b in self.resident().items() if n != name and n not in tried}
             victims = choose_victims(resident, self.last_used, need, lambda n: self._can_go(n, evictable))
             if victims is None:
-                raise self._exhausted(name, nbytes, evictable)
+                # Loads in progress (not evictable yet) or busy models may free their claim soon.
+                waitable = self._pending or any(n not in self.pinned for n in resident)
+                if not waitable or time.monotonic() >= deadline or nbytes > self.budget_bytes:
+                    raise self._exhausted(name, nbytes, evictable)
+                await asyncio.sleep(ROOM_POLL_S)
+                continue
             if not victims:
                 return
             victim = victims[0]
             tried.add(victim)  # bounded: each resident model is tried at most once
             log.info("memory budget: unloading %s (least recently used, %.1f MiB) to load %s (%.1f MiB)",
                      victim, resident[victim] / MIB, name, nbytes / MIB)  # fmt: skip
-            await evict(victim)
+            try:
+                await evict(victim)
+            except Exception:
+                log.exception("memory budget: unloading %s failed", victim)
+                continue
             self.evictions[victim] += 1
 
     def _can_go(self, name: str, evictable: Callable[[str], bool]) -> bool:
