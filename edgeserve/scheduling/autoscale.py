@@ -103,7 +103,8 @@ def rule_for(config: Any, configured: int, cpus: int) -> ScaleRule | None:
 def instance_threads(scheduler: Any) -> int:
     """CPU threads one instance of the model uses (1 when the backend does not say)."""
     instances = instance_pool.live_instances(scheduler) if isinstance(scheduler, Scheduler) else []
-    return max(1, int(getattr(instances[0], "threads", 0) or 1)) if instances else 1
+    threads = getattr(instances[0], "threads", 1) if instances else 1
+    return threads if isinstance(threads, int) and threads > 0 else 1
 
 
 def instance_count(scheduler: Any) -> int:
