@@ -91,14 +91,17 @@ class _Watchdog:
     def _run(self) -> None:
         while True:
             time.sleep(WATCHDOG_INTERVAL_S)
-            with self._lock:
-                schedulers = list(self._schedulers)
-            now = time.monotonic_ns()
-            for scheduler in schedulers:
-                try:
-                    scheduler.check_running(now)
-                except Exception:  # pragma: no cover - a bug here must not stop the watchdog
-                    log.exception("watchdog check of %s failed", scheduler.model_name)
+            self._check()  # its locals go with it: no strong reference to a retired scheduler stays
+
+    def _check(self) -> None:
+        with self._lock:
+            schedulers = list(self._schedulers)
+        now = time.monotonic_ns()
+        for scheduler in schedulers:
+            try:
+                scheduler.check_running(now)
+            except Exception:  # pragma: no cover - a bug here must not stop the watchdog
+                log.exception("watchdog check of %s failed", scheduler.model_name)
 
 
 _WATCHDOG = _Watchdog()

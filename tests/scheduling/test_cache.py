@@ -193,3 +193,29 @@ def test_concurrent_distinct_inputs_never_mix() -> None:
     stats = model.stats.to_dict()["inference_stats"]
     assert stats["cache_hit"]["count"] + stats["cache_miss"]["count"] == 8 * 300
     assert stats["cache_hit"]["count"] >= 8 * (300 - 40)
+
+
+def test_a_closed_scheduler_is_freed_with_its_entries(model_paths: dict[str, Any]) -> None:
+    """The hang watchdog must not keep a retired scheduler (and its stats, the cache's key owner)."""
+    import time
+    import weakref
+
+    from sched_helpers import load_instance
+
+    from edgeserve.scheduling.scheduler import Scheduler
+
+    config = make_config('name: "mlp"\nmax_batch_size: 8\nresponse_cache { enable: true }')
+    cache = ResponseCache(1 << 20)
+    model = Model(name="mlp", config=config, stats=ModelStats("mlp", 1))
+    scheduler = Scheduler("mlp", 1, config, [load_instance(model_paths["mlp"], config)], model.stats)
+    scheduler.start()
+    _run(cache, model, _inputs(1.0, 16), lambda x: {"OUTPUT0": x["INPUT0"][:, :4]})
+    assert cache.counters().entries == 1
+    time.sleep(0.2)  # the watchdog has looked at it a few times
+    scheduler.close()
+    alive = weakref.ref(scheduler)
+    del scheduler, model
+    deadline = time.monotonic() + 2
+    while (alive() is not None or cache.counters().entries) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive() is None and cache.counters().entries == 0

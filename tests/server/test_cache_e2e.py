@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp / "models"
     write_model(repo, "mlp_cached", "mlp", config=CACHED)
     write_model(repo, "mlp_plain", "mlp", config=MLP)
+    write_model(repo, "mlp_gone", "mlp", config=CACHED)
     write_model(repo, "big", "identity", config=IDENTITY, shape=["N", BIG])
     env = {"EDGESERVE_RUNTIME_RACE_BUDGET_S": "0", "EDGESERVE_SERVER_CACHE_MB": "1"}
     running = start_server(repo, tmp, env=env)
@@ -210,3 +212,21 @@ def test_zmq_hits(server: RunningServer, reference: ort.InferenceSession) -> Non
                 client.infer("mlp_cached", {"INPUT0": data}).as_numpy("OUTPUT0"), expected
             )
     assert _inference_stats(server, "mlp_cached")["inference_stats"]["cache_hit"]["count"] == before + 3
+
+
+def test_unload_frees_the_entries(server: RunningServer) -> None:
+    def entries() -> int:
+        found = re.search(r"^nv_cache_num_entries (\S+)", _get(server, "/metrics"), re.M)
+        assert found is not None
+        return int(float(found.group(1)))
+
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        start = entries()
+        for seed in range(3):
+            _infer(client, httpclient, "mlp_gone", _row(seed))
+        assert entries() == start + 3
+        client.unload_model("mlp_gone")
+    deadline = time.monotonic() + 10
+    while entries() != start and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert entries() == start
