@@ -141,7 +141,7 @@ def test_ocr_over_http_grpc_zeromq_and_shm(ocr_server: Any) -> None:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from edgeserve.client import ZmqClient
+    from edgeserve.client import ClientError, ZmqClient
 
     frame = render()
     seen: dict[str, str] = {}
@@ -174,6 +174,11 @@ def test_ocr_over_http_grpc_zeromq_and_shm(ocr_server: Any) -> None:
         # nothing to read: empty outputs through every step (zero crops skip the cls/rec models)
         blank = client.infer("ocr", {"IMAGE": np.full((120, 200, 3), 255, np.uint8)})
         assert blank.as_numpy("TEXT").shape == (0,) and blank.as_numpy("BOXES").shape == (0, 4, 2)
+        # a step failing mid-request (here the first, on an empty frame) fails it with the step named
+        with pytest.raises(ClientError) as failed:
+            client.infer("ocr", {"IMAGE": np.zeros((0, 8, 3), np.uint8)})
+        assert failed.value.status == "INVALID_ARG"
+        assert "ensemble 'ocr' step 0 'ocr_pre': " in str(failed.value) and "H x W x 3" in str(failed.value)
     assert len(set(seen.values())) == 1, seen  # the same string whatever the frontend
 
     with urllib.request.urlopen(f"{ocr_server.base}/v2/models/stats", timeout=10) as reply:
@@ -181,6 +186,7 @@ def test_ocr_over_http_grpc_zeromq_and_shm(ocr_server: Any) -> None:
 
         stats = {s["name"]: s for s in json.loads(reply.read())["model_stats"]}
     assert stats["ocr"]["inference_stats"]["success"]["count"] == 7
+    assert stats["ocr"]["inference_stats"]["fail"]["count"] == 1
     assert [s["model"] for s in stats["ocr"]["ensemble_steps"]] == [
         "ocr_pre", "ppocr_det", "ocr_boxes", "ppocr_cls", "ocr_rotate", "ppocr_rec", "ocr_decode"
     ]  # fmt: skip
