@@ -214,7 +214,8 @@ def _measure(
     try:
         server.load(json_format.MessageToJson(config, preserving_proto_field_name=True))
     except BenchError as exc:
-        return {**record, "status": "failed", "error": f"load: {exc}", "seconds": time.monotonic() - started}
+        seconds = round(time.monotonic() - started, 3)
+        return {**record, "status": "failed", "error": f"load: {exc}", "seconds": seconds}
     record["load_s"] = round(time.monotonic() - started, 3)
 
     async def run() -> dict[str, Any]:
@@ -273,6 +274,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
     results = out_dir / "results.jsonl"
     if options.fresh:
         results.unlink(missing_ok=True)
+        for old in out_dir.glob("reference-*.npz"):
+            old.unlink()
     context = {
         "model_sha256": model_sha256(model_dir),
         "device": device_fingerprint(),
@@ -341,6 +344,10 @@ def tune(options: TuneOptions, say: Progress) -> int:
                 **_measure(server, base, candidate, options, reference, deadline, say),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
+            if time.monotonic() >= deadline - options.settings.window_s:  # its sweep was cut short
+                stopped = f"--max-seconds {options.max_seconds:g} reached"
+                say(f"{candidate.label}: cut by the time limit; not recorded (measured again next run)")
+                break
             append_record(results, record)
             records[key] = record
             measured += 1
