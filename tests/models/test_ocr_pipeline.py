@@ -10,7 +10,9 @@ scalable default (Pillow >= 10.1), so nothing comes from the system.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,10 +183,14 @@ def test_ocr_over_http_grpc_zeromq_and_shm(ocr_server: Any) -> None:
         assert "ensemble 'ocr' step 0 'ocr_pre': " in str(failed.value) and "H x W x 3" in str(failed.value)
     assert len(set(seen.values())) == 1, seen  # the same string whatever the frontend
 
-    with urllib.request.urlopen(f"{ocr_server.base}/v2/models/stats", timeout=10) as reply:
-        import json
-
-        stats = {s["name"]: s for s in json.loads(reply.read())["model_stats"]}
+    # a step model records its statistics just after answering: give the last ones a moment
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"{ocr_server.base}/v2/models/stats", timeout=10) as reply:
+            stats = {s["name"]: s for s in json.loads(reply.read())["model_stats"]}
+        if stats["ocr_decode"]["inference_stats"]["success"]["count"] >= 7 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert stats["ocr"]["inference_stats"]["success"]["count"] == 7
     assert stats["ocr"]["inference_stats"]["fail"]["count"] == 1
     assert [s["model"] for s in stats["ocr"]["ensemble_steps"]] == [

@@ -124,6 +124,16 @@ def _request(
     return InferRequest(model, inputs=inputs, outputs=wanted, timeout_us=timeout_us)
 
 
+async def _idle(plane: DataPlane, *models: str) -> None:
+    """Wait until the models' schedulers are idle: a scheduler records a batch's statistics just
+    after it answers the batch's jobs, so the ensemble's answer can come first."""
+    import asyncio
+
+    for model in models:
+        scheduler = plane.repository.get(model).scheduler
+        assert await asyncio.to_thread(scheduler.wait_idle, 10.0)  # type: ignore[attr-defined]
+
+
 def _outputs(response: Any) -> dict[str, Any]:
     return {o.name: o.data for o in response.outputs}
 
@@ -142,6 +152,7 @@ async def test_dag_outputs_parallel_steps_and_statistics(repo_dir: Path, make_pl
     only = _outputs(await plane.infer(_request("ens", ["TWO_B"], IN0=a, IN1=b, WORDS=words)))
     assert list(only) == ["TWO_B"]
 
+    await _idle(plane, "add_sub", "text")
     stats = {(s["name"], s["version"]): s for s in plane.statistics()["model_stats"]}
     assert stats[("ens", "1")]["inference_stats"]["success"]["count"] == 2
     assert stats[("add_sub", "1")]["inference_stats"]["success"]["count"] == 4  # two steps per request
@@ -175,6 +186,7 @@ async def test_concurrent_requests_batch_in_the_step_models(repo_dir: Path, make
         out = _outputs(response)
         np.testing.assert_allclose(out["TWO_A"], 2 * a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out["TWO_B"], 2 * b, rtol=1e-5, atol=1e-5)
+    await _idle(plane, "add_sub")
     add_sub = next(s for s in plane.statistics("add_sub")["model_stats"])
     assert add_sub["inference_count"] == 48
     assert add_sub["execution_count"] <= 48  # steps of different requests may share a batch
@@ -200,6 +212,7 @@ ensemble_scheduling { step [
     with pytest.raises(InferenceError) as failed:
         await plane.infer(_request("bad", X=x, Y=y))
     assert failed.value.message.startswith("ensemble 'bad' step 1 'broken': ")
+    await _idle(plane, "add_sub", "broken")
     stats = {s["name"]: s for s in plane.statistics()["model_stats"]}
     assert stats["bad"]["inference_stats"]["fail"]["count"] == 1
     steps = stats["bad"]["ensemble_steps"]
@@ -246,6 +259,7 @@ ensemble_scheduling { step [
     x = np.arange(20, dtype=np.float32).reshape(5, 4)
     out = _outputs(await plane.infer(_request("split", X=x)))
     np.testing.assert_allclose(out["Y"], 2 * x)
+    await _idle(plane, "small")
     small = plane.statistics("small")["model_stats"][0]
     assert small["inference_count"] == 5 and small["execution_count"] == 3  # 2 + 2 + 1 (max_batch_size 2)
     empty = _outputs(await plane.infer(_request("split", X=np.zeros((0, 4), np.float32))))
@@ -313,3 +327,32 @@ ensemble_scheduling {{ step [
     assert "ensembles form a cycle: loop_a -> loop_b -> loop_a" in cycle.value.message
     entry = next(e for e in plane.repository_index() if e["name"] == "loop_a")
     assert entry["state"] == "UNAVAILABLE" and "cycle" in entry["reason"]
+
+
+async def test_unloading_a_step_model_under_load_answers_every_request(
+    repo_dir: Path, make_plane: Plane
+) -> None:
+    import asyncio
+
+    plane = await make_plane(repo_dir)
+    x = np.ones((1, 4), np.float32)
+    words = np.array([b"w"], dtype=np.object_)
+
+    async def one() -> str:
+        try:
+            await plane.infer(_request("ens", IN0=x, IN1=x, WORDS=words))
+        except InferenceError as exc:
+            assert exc.status is Status.UNAVAILABLE, exc.message
+            return "unavailable"
+        return "ok"
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(40)]
+    await asyncio.sleep(0)
+    await plane.unload_model("add_sub")  # queued steps finish (drain), later ones are refused
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert set(results) <= {"ok", "unavailable"} and len(results) == 40
+    with pytest.raises(InferenceError) as refused:
+        await plane.infer(_request("ens", IN0=x, IN1=x, WORDS=words))
+    assert refused.value.status is Status.UNAVAILABLE
+    stats = plane.statistics("ens")["model_stats"][0]["inference_stats"]
+    assert stats["success"]["count"] + stats["fail"]["count"] == 40
