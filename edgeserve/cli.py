@@ -214,12 +214,9 @@ def _models(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(index, indent=2))
         else:
-            print(f"{'MODEL':24} {'VERSION':8} {'STATE':12} REASON")
-            for entry in index:
-                print(
-                    f"{entry['name']:24} {entry.get('version', ''):8} {entry.get('state', ''):12} "
-                    f"{entry.get('reason', '')}"
-                )
+            from edgeserve.repository.residency_cli import print_index
+
+            print_index(index, base)
         return 0
     if not args.name:
         raise SystemExit(f"edgeserve: models {args.action} needs a model name")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -56,6 +58,12 @@ def budget_from(settings: Any, selector: Any) -> tuple[int | None, str]:
     reason = f"device memory budget {total / MIB:.0f} MiB ({planner.hw.budget.memory_reason}, less the "
     reason += f"profile's headroom) less the server's own {baseline / MIB:.0f} MiB"
     return max(0, total - baseline), reason
+
+
+def malloc_trim() -> None:
+    """glibc keeps freed heap pages; after an unload, hand them back to the system (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def effective_cpus(selector: Any) -> int:
@@ -124,11 +132,14 @@ class MemoryBudget:
             self.residency.cancel(charge)
             raise
         self._pending_prepared[id(prepared)] = charge
+        await self.residency.trim(name, self.evictable, self.evict)  # it cost more than estimated
         return prepared
 
     def _measured(self, charge: Charge, version_dir: Path, fn: Callable[..., T], *args: Any) -> T:
+        malloc_trim()  # both figures without freed-but-kept heap: what the model holds, not the garbage
         modules, before = len(sys.modules), rss_bytes()
         result = fn(*args)
+        malloc_trim()
         growth = rss_bytes() - before
         if len(sys.modules) > modules:  # it imported a runtime: that memory is the server's, not the model's
             growth = 0
@@ -171,6 +182,7 @@ class MemoryBudget:
     async def evict(self, name: str) -> None:
         await self.repo.unload(name)
         self.residency.evicted.add(name)
+        await asyncio.to_thread(malloc_trim)  # give the freed heap back, so RSS follows the budget
 
     def unloaded(self, name: str) -> None:
         """An explicit unload: the model stays unloaded (no reload by its next request)."""

@@ -37,7 +37,7 @@ log = logging.getLogger("edgeserve.repository.residency")
 MIB = 2**20
 EVICTED_REASON = "unloaded: memory budget (LRU)"
 FIRST_USE_REASON = "not loaded: load on first use"
-FILE_FACTOR = 1.5  # a loaded model holds at least its weights, plus the runtime's own structures
+FILE_FACTOR = 2.0  # weights + their prepacked copy (ONNX Runtime MLAS prepacks MatMul weights)
 INSTANCE_OVERHEAD = 8 * 2**20  # a runtime session's own memory (ONNX Runtime: 7-12 MiB measured here)
 MAX_REMEMBERED = 4096  # measured costs kept (model, version); bounded for months of reloads
 ROOM_WAIT_S = 10.0  # a load waits this long for loads in progress / busy models before giving up
@@ -225,6 +225,33 @@ class Residency:
                 log.exception("memory budget: unloading %s failed", victim)
                 continue
             self.evictions[victim] += 1
+
+    async def trim(
+        self, name: str, evictable: Callable[[str], bool], evict: Callable[[str], Awaitable[None]]
+    ) -> None:
+        """After a load measured more than its estimate: evict LRU models (never `name`) until the
+        resident models fit the budget again, as far as idle unpinned models allow."""
+        if self.budget_bytes is None or self.used() <= self.budget_bytes:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            tried: set[str] = {name}
+            while self.used() > self.budget_bytes:
+                resident = {n: b for n, b in self.resident().items() if n not in tried}
+                need = self.used() - self.budget_bytes
+                victims = choose_victims(resident, self.last_used, need, lambda n: self._can_go(n, evictable))
+                if not victims:
+                    log.warning("memory budget: models hold %.1f MiB of %.1f MiB; none can unload now",
+                                self.used() / MIB, self.budget_bytes / MIB)  # fmt: skip
+                    return
+                tried.add(victims[0])
+                try:
+                    await evict(victims[0])
+                except Exception:
+                    log.exception("memory budget: unloading %s failed", victims[0])
+                    continue
+                self.evictions[victims[0]] += 1
 
     def _can_go(self, name: str, evictable: Callable[[str], bool]) -> bool:
         return name not in self.pinned and evictable(name)

@@ -1,4 +1,4 @@
-"""The memory budget in a real `ModelRepository` with real ONNX models (about 15-18 MiB each once
+"""The memory budget in a real `ModelRepository` with real ONNX models (about 18 MiB each once
 loaded, the budget fits two): LRU eviction through the drained unload path, reload on demand, load on
 first use, pinned and busy models kept, RESOURCE_EXHAUSTED when nothing can go, the index reasons."""
 
@@ -9,38 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
-from onnx import numpy_helper
-from onnx_models import write_model
 from repo_helpers import infer, make_settings
+from residency_helpers import BUDGET_MB, make_models, param, reference
 
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository.manager import ModelRepository
 from edgeserve.repository.residency import EVICTED_REASON, FIRST_USE_REASON, MIB
-
-HIDDEN = 60_000  # ~5 MB of weights per model
-BUDGET_MB = 40  # two of them fit, three do not
-
-
-def _param(key: str) -> str:
-    return f'parameters {{ key: "{key}" value {{ string_value: "true" }} }}\n'
-
-
-def make_models(root: Path, names: str, configs: dict[str, str] | None = None) -> Path:
-    repo = root / "models"
-    for seed, name in enumerate(names):
-        write_model(repo, name, "mlp", hidden=HIDDEN, seed=seed, config=(configs or {}).get(name))
-    return repo
-
-
-def reference(repo: Path, name: str, x: np.ndarray) -> np.ndarray:
-    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(repo / name / "1" / "model.onnx"))
-               .graph.initializer}  # fmt: skip
-    hidden = np.maximum(x @ weights["w1"] + weights["b1"], 0)
-    logits = hidden @ weights["w2"] + weights["b2"]
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return np.asarray(e / e.sum(axis=-1, keepdims=True))
 
 
 async def check_answer(repository: ModelRepository, repo: Path, name: str) -> None:
@@ -105,7 +80,7 @@ async def test_past_the_budget_the_least_recently_used_model_unloads_and_reloads
 
 
 async def test_load_on_first_use_waits_for_the_first_request(tmp_path: Path, budget_repo: Any) -> None:
-    repo = make_models(tmp_path, "ab", {"b": _param("load_on_first_use")})
+    repo = make_models(tmp_path, "ab", {"b": param("load_on_first_use")})
     repository = await budget_repo(repo, ["*"])
     assert repository.is_ready("a") and not repository.is_ready("b")
     assert state(repository, "b") == ("UNAVAILABLE", FIRST_USE_REASON)
@@ -121,7 +96,7 @@ async def test_load_on_first_use_waits_for_the_first_request(tmp_path: Path, bud
 async def test_pinned_and_busy_models_stay_and_nothing_fits_is_resource_exhausted(
     tmp_path: Path, budget_repo: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    repo = make_models(tmp_path, "abcd", {"a": _param("pinned")})
+    repo = make_models(tmp_path, "abcd", {"a": param("pinned")})
     repository = await budget_repo(repo)
     residency = repository.budget.residency
     await repository.load("a")
@@ -143,7 +118,7 @@ async def test_pinned_and_busy_models_stay_and_nothing_fits_is_resource_exhauste
 
 
 async def test_on_demand_load_failure_answers_unavailable(tmp_path: Path, budget_repo: Any) -> None:
-    repo = make_models(tmp_path, "a", {"a": _param("load_on_first_use")})
+    repo = make_models(tmp_path, "a", {"a": param("load_on_first_use")})
     (repo / "a" / "1" / "model.onnx").write_bytes(b"not an onnx model")
     repository = await budget_repo(repo, ["*"])
     loading = repository.load_on_demand("a", "", 30.0)
