@@ -104,7 +104,7 @@ def render(records: Sequence[Mapping[str, Any]], budget_ms: float) -> tuple[str,
                 f"{label:40} {'over':9} {'-':>12} {lowest.concurrency:5d} {lowest.p99_ms:8.2f}  {acc}"
             )
         elif mine is None:
-            why = "" if status == "ok" else str(record.get("error", ""))[:60]
+            why = "" if status in ("ok", "rejected") else str(record.get("error", ""))[:60]
             lines.append(f"{record['label']:40} {status:9} {'-':>12} {'-':>5} {'-':>8}  {acc} {why}".rstrip())
         else:
             lines.append(
