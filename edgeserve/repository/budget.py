@@ -220,7 +220,13 @@ class MemoryBudget:
         if not self.repo.is_ready(name):
             log.info("model %s: loading for a request (%s)", name,
                      "load on first use" if name in self.residency.first_use else EVICTED_REASON)  # fmt: skip
-            await self.repo.load(name)
+            try:
+                await self.repo.load(name)
+            except BaseException:
+                model = self.repo._models.get(name)
+                if model is not None:
+                    model.wanted = False  # a failed load on demand does not make the server unready
+                raise
 
     # -- what the index shows ----------------------------------------------------------------------
     def reason(self, name: str, state: str, reason: str) -> tuple[str, str]:
