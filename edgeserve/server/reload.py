@@ -76,7 +76,8 @@ async def _apply_model_list(server: Server, old: set[str], new: set[str]) -> Non
     if server.settings.server.model_control_mode == "none" and old == new:
         return
     serving = {e["name"] for e in server.repository.index() if e.get("state") in ("READY", "LOADING")}
-    for name in sorted(new - serving):
+    on_demand = server.repository.budget.residency.on_demand  # loaded by their next request instead
+    for name in sorted(n for n in new - serving if not on_demand(n)):
         try:
             await server.repository.load(name)
             log.info("reload: loaded %s", name)
