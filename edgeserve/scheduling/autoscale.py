@@ -100,11 +100,14 @@ def rule_for(config: Any, configured: int, cpus: int) -> ScaleRule | None:
     )
 
 
-def instance_threads(scheduler: Any) -> int:
-    """CPU threads one instance of the model uses (1 when the backend does not say)."""
+def instance_threads(scheduler: Any, cpus: int) -> int:
+    """CPU threads one instance of the model uses: its `threads` (0 = the runtime's default: all
+    `cpus`), 1 when the backend does not say."""
     instances = instance_pool.live_instances(scheduler) if isinstance(scheduler, Scheduler) else []
     threads = getattr(instances[0], "threads", 1) if instances else 1
-    return threads if isinstance(threads, int) and threads > 0 else 1
+    if not isinstance(threads, int) or threads < 0:
+        return 1
+    return threads if threads > 0 else cpus
 
 
 def instance_count(scheduler: Any) -> int:
@@ -147,7 +150,9 @@ class Autoscaler:
         return [s for versions in list(self.budget.repo._served.values()) for s in versions.values()]
 
     def threads_in_use(self) -> int:
-        return sum(instance_count(s.scheduler) * instance_threads(s.scheduler) for s in self._served())
+        return sum(
+            instance_count(s.scheduler) * instance_threads(s.scheduler, self.cpus) for s in self._served()
+        )
 
     async def step(self) -> None:
         """Sample every opted-in model once and make at most one change per model."""
@@ -178,7 +183,7 @@ class Autoscaler:
             del self._states[key]
 
     async def _grow(self, served: Any, scheduler: Scheduler, count: int) -> bool:
-        per_thread = instance_threads(scheduler)
+        per_thread = instance_threads(scheduler, self.cpus)
         if self.threads_in_use() + per_thread > self.cpus:
             return False  # the CPU budget is spent
         residency = self.budget.residency

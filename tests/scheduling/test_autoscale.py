@@ -164,3 +164,27 @@ async def test_autoscaler_grows_under_a_queue_and_shrinks_when_idle(make_schedul
     await scaler.step()
     assert instance_pool.active_count(scheduler) == 1  # the configured count is the minimum
     assert sum(i.closed for i in made) == 2 and scaler.changes == 4
+
+
+async def test_no_instance_past_the_cpu_budget(make_scheduler: SchedulerFactory) -> None:
+    made: list[GatedInstance] = []
+
+    def factory() -> GatedInstance:  # pragma: no cover - must not be called
+        made.append(GatedInstance(gated[0].inner))
+        return made[-1]
+
+    scheduler, gated = make_scheduler("mlp", BATCHING + OPT_IN, instances=1, open_gate=False,
+                                      instance_factory=factory)  # fmt: skip
+    clock = Clock()
+    scaler = Autoscaler(FakeBudget(FakeServed("mlp", 1, scheduler.config, scheduler)), cpus=1, clock=clock)
+    jobs = [make_job(mlp_input(4, seed=i)) for i in range(4)]
+    for job, _ in jobs:
+        scheduler.submit(job)
+    gated[0].wait_entered()
+    for _ in range(5):
+        await scaler.step()
+        clock.now += 1.5
+    assert instance_pool.active_count(scheduler) == 1 and made == []  # 1 instance x 1 thread = 1 CPU
+    gated[0].gate.set()
+    for _, result in jobs:
+        assert result.outputs()["OUTPUT0"].shape == (4, 4)
