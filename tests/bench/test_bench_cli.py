@@ -27,10 +27,8 @@ FAST = ["--warmup-s", "0.2", "--window-s", "0.3", "--max-windows", "3", "--max-s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("bench")
-    repo = tmp / "repo"
-    (repo / "mlp").mkdir(parents=True)
-    (repo / "mlp" / "1").symlink_to(ROOT / "models" / "mlp" / "1")
-    (repo / "mlp" / "config.pbtxt").write_text((ROOT / "models" / "mlp" / "config.pbtxt").read_text())
+    repo = tmp / "repo"  # the sample MLP (its builder and config) and a dynamic-shape conv
+    write_model(repo, "mlp", "mlp", config=(ROOT / "models" / "mlp" / "config.pbtxt").read_text())
     write_model(repo, "conv", "conv")
     running = start_server(
         repo, tmp, args=["--load-model", "mlp", "--load-model", "conv", "--log-level", "WARNING"]

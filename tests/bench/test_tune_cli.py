@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from es_server import ROOT, start_server
+from onnx_models import write_model
 
 from edgeserve.cli import main
 
@@ -19,11 +20,14 @@ def test_tune_writes_a_loadable_config_and_resumes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "tune"
+    samples = tmp_path / "samples"  # the sample MLP (its builder and config)
+    config = (ROOT / "models" / "mlp" / "config.pbtxt").read_text()
+    model_dir = write_model(samples, "mlp", "mlp", config=config)
     args = [
         "tune",
         "mlp",
         "--model-repository",
-        str(ROOT / "models"),
+        str(samples),
         "--latency-budget-ms",
         "1000",
         "--out-dir",
@@ -54,7 +58,7 @@ def test_tune_writes_a_loadable_config_and_resumes(
     # the written config serves in edgeserve
     repo = tmp_path / "repo"
     (repo / "mlp").mkdir(parents=True)
-    (repo / "mlp" / "1").symlink_to(ROOT / "models" / "mlp" / "1")
+    (repo / "mlp" / "1").symlink_to(model_dir / "1")
     (repo / "mlp" / "config.pbtxt").write_text((out / "config.pbtxt").read_text())
     server = start_server(repo, tmp_path, args=["--load-model", "mlp", "--log-level", "WARNING"])
     try:
@@ -73,4 +77,5 @@ def test_tune_writes_a_loadable_config_and_resumes(
 def test_tune_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", "nothing", "--model-repository", str(tmp_path), "--latency-budget-ms", "5"]) == 2
     assert "edgeserve tune: model 'nothing'" in capsys.readouterr().err
-    assert main(["tune", "mlp", "--model-repository", str(ROOT / "models"), "--latency-budget-ms", "0"]) == 2
+    write_model(tmp_path, "mlp", "mlp")
+    assert main(["tune", "mlp", "--model-repository", str(tmp_path), "--latency-budget-ms", "0"]) == 2
