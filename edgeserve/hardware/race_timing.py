@@ -4,9 +4,9 @@
    one untimed call per scenario (first calls allocate), then two timed rounds (up to ten for a fast
    model, within 20 ms: microsecond calls are noisy). A candidate is not compiled when the budget
    left would not also time what is already warm for MIN_ROUNDS rounds.
-   One whose warm-up score is more than PRUNE x the best so far is dropped at once ("clearly
-   slower"): the budget goes to candidates that can still win, and the other layouts of a dropped
-   option are not tried.
+   One whose best warm-up sample is more than PRUNE x the best candidate's median is dropped at once
+   ("clearly slower"): the budget goes to candidates that can still win, and the other layouts of
+   a dropped option are not tried.
 2. Interleaved rounds, who goes first rotating (A B C, B C A, ...), each turn after a 2 ms idle gap
    (OpenVINO's and ONNX Runtime's worker threads keep spinning a while after a call, and would tax
    whoever comes next: in a server only the winner runs), until the budget is spent (at least
@@ -40,7 +40,7 @@ GAP_S = 0.002  # idle time before each candidate's turn: another runtime's spinn
 SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
 
 
-@dataclass
+@dataclass(eq=False)  # identity: an entrant is one candidate being timed
 class Entrant:
     row: Row
     option: PlanOption
@@ -50,7 +50,8 @@ class Entrant:
     instances: list[Any] = dataclasses.field(default_factory=list)
     pool: ThreadPoolExecutor | None = None
     estimate_s: float = 0.0  # one round of every scenario (the better warm-up round)
-    warm_score: float = 0.0  # the warm-up's ms per inference (geometric mean over the scenarios)
+    warm_score: float = 0.0  # the warm-up's ms per inference (medians; geometric mean over the scenarios)
+    warm_best: float = 0.0  # the same from each scenario's fastest warm-up sample
     samples: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
@@ -82,7 +83,7 @@ class Stopwatch:
     def time(self, entrants: list[Entrant]) -> tuple[list[Entrant], int]:
         """Warm up and time `entrants` (rows are filled in); returns (the timed ones, rounds): none when
         fewer than two could be warmed up and timed in the budget, one when it beat every other
-        candidate by PRUNE x at warm-up."""
+        candidate by PRUNE x at warm-up (scored on its warm-up rounds)."""
         self.start = time.monotonic()
         log.info("model %s: racing %d candidates within %gs: %s", self.name, len(entrants), self.budget_s,
                  ", ".join(e.row.label() for e in entrants))  # fmt: skip
@@ -114,11 +115,17 @@ class Stopwatch:
             cut.row.reason = f"not timed: {cut.estimate_s * 1e3:.1f} ms per round does not fit the budget"
             close(cut)
         dropped = any("clearly slower at warm-up" in e.row.reason for e in entrants)
-        if not ready or (len(ready) == 1 and not dropped):
+        settled = all(e in ready or e.row.status in (SKIPPED, FAILED) for e in entrants)
+        if len(ready) == 1 and dropped and settled:
+            # every other candidate was measured and lost by PRUNE x (or cannot run): the warm-up
+            # rounds are enough to call it
+            _score(ready[0], self.scenarios, WARM_ROUNDS)
+            return ready, WARM_ROUNDS
+        if len(ready) < 2:
             return [], 0  # nothing, or only one candidate, could be warmed up in time: no race
         if (MIN_ROUNDS - WARM_ROUNDS) * sum(e.estimate_s for e in ready) > self.left():
             return [], 0
-        rounds = self._rounds(ready, MIN_ROUNDS if len(ready) == 1 else self.max_rounds)
+        rounds = self._rounds(ready, self.max_rounds)
         for e in ready:
             _score(e, self.scenarios, rounds)
         return ready, rounds
@@ -164,7 +171,11 @@ class Stopwatch:
             rounds: list[float] = []
             e.samples = {s.name: [] for s in self.scenarios}
             time.sleep(GAP_S)
-            while len(rounds) < WARM_ROUNDS or (len(rounds) < WARM_MAX and sum(rounds) < WARM_S):
+            while (
+                not rounds
+                or (len(rounds) < WARM_ROUNDS and self.left() > 0)
+                or (len(rounds) < WARM_MAX and sum(rounds) < WARM_S)
+            ):  # a second round only within the budget: a slow model must not overrun it twice
                 t1 = time.monotonic()
                 for s in self.scenarios:
                     e.samples[s.name].append(run_once(e, s, self.feeds[s.batch]))
@@ -175,16 +186,18 @@ class Stopwatch:
             return False
         e.estimate_s = statistics.median(rounds)
         warm = {s.name: statistics.median(e.samples[s.name]) / 1e6 for s in self.scenarios}
-        per_item = [warm[s.name] / _items(e, s) for s in self.scenarios]
-        e.warm_score = math.exp(sum(math.log(max(x, 1e-9)) for x in per_item) / len(per_item))
+        e.warm_score = _geomean([warm[s.name] / _items(e, s) for s in self.scenarios])
+        e.warm_best = _geomean([min(e.samples[s.name]) / 1e6 / _items(e, s) for s in self.scenarios])
         e.row.ms = warm  # until timed
         return True
 
     def _prune(self, entrants: list[Entrant], pruned: set[PlanOption]) -> None:
+        """Drop a candidate whose best warm-up sample (noise only ever adds time: a spike on a shared
+        box must not drop the fastest) is PRUNE x slower than the best candidate's median."""
         warm = [e for e in entrants if e.instances]
         best = min((e.warm_score for e in warm), default=0.0)
         for e in warm:
-            if best > 0 and e.warm_score > self.prune * best:
+            if best > 0 and e.warm_best > self.prune * best:
                 e.row.status = SKIPPED
                 e.row.reason = (
                     f"clearly slower at warm-up ({e.warm_score / best:.1f}x the best): not timed further"
@@ -211,6 +224,10 @@ class Stopwatch:
             rounds += 1
         log.info("model %s: %d rounds timed", self.name, rounds)
         return rounds
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(x, 1e-9)) for x in values) / len(values))
 
 
 def _items(e: Entrant, s: Scenario) -> int:
