@@ -84,16 +84,7 @@ def prepare(peer: str, venv_dir: Path, install: bool) -> tuple[str | None, str]:
         return mlserver_peer.prepare(venv_dir, install)
     if peer == "ray":
         return ray_peer.prepare(venv_dir, install)
-    from peers import ensure_venv, runtime_pin
-
-    packages = [
-        f"nvidia-pytriton=={pytriton_peer.PYTRITON_VERSION}",
-        runtime_pin("onnxruntime"),
-        runtime_pin("openvino"),
-        "psutil",
-    ]  # its model runs edgeserve instances
-    check = "import pytriton, onnxruntime, openvino, numpy, psutil"
-    return ensure_venv(venv_dir / "pytriton-venv", packages, check, install, system_site=True)
+    return pytriton_peer.pytriton_python(venv_dir / "pytriton-venv", install)
 
 
 def in_namespace(argv: list[str]) -> int:

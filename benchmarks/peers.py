@@ -56,7 +56,7 @@ def ensure_venv(
     if python.exists() and works():
         return str(python), ""
     if not install:
-        return None, f"no working venv at {venv} (`{check}` fails) and --no-install given"
+        return None, f"no working venv at {venv} (`{check}` fails) and installing is off"
     progress(f"installing {' '.join(packages)} into a throwaway venv at {venv} (once) ...")
     try:
         venv.parent.mkdir(parents=True, exist_ok=True)

@@ -29,42 +29,22 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, InProcess, Workload, free_port, progress, read_config
+from common import ROOT, InProcess, Workload, free_port, read_config
 
 PYTRITON_VERSION = "0.7.0"
 DEFAULT_VENV = Path.home() / ".cache" / "edgeserve-bench" / "pytriton-venv"
 
 
 def pytriton_python(venv: Path, install: bool) -> tuple[str | None, str]:
-    """(python of a venv where `import pytriton` works, or None; why not)."""
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", "import pytriton, onnxruntime, openvino, numpy"]
-    if python.exists() and subprocess.run(check, capture_output=True, timeout=120).returncode == 0:
-        return str(python), ""
-    if not install:
-        return None, f"no PyTriton venv at {venv} and --no-pytriton-install given"
-    progress(f"installing nvidia-pytriton=={PYTRITON_VERSION} into a throwaway venv at {venv} (once) ...")
-    try:
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        pip = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"nvidia-pytriton=={PYTRITON_VERSION}"],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    except (subprocess.SubprocessError, OSError) as exc:
-        return None, f"creating the venv failed: {exc}"
-    if pip.returncode != 0:
-        return None, f"pip install nvidia-pytriton=={PYTRITON_VERSION} failed: {pip.stderr.strip()[-300:]}"
-    if subprocess.run(check, capture_output=True, timeout=120).returncode != 0:
-        return None, f"nvidia-pytriton installed but `{check[-1]}` fails in its venv"
-    return str(python), ""
+    """(python of a venv where `import pytriton` and edgeserve's runtimes work, or None; why not).
+    Created on first use with --system-site-packages; the runtimes are pinned to the versions this
+    interpreter runs (the base interpreter has none of them)."""
+    from peers import ensure_venv, runtime_pin
+
+    packages = [f"nvidia-pytriton=={PYTRITON_VERSION}", runtime_pin("onnxruntime"), runtime_pin("openvino"),
+                "psutil"]  # fmt: skip
+    check = "import pytriton, onnxruntime, openvino, numpy, psutil"
+    return ensure_venv(venv, packages, check, install, system_site=True)
 
 
 def peer_spec(repository: Path, work: Workload, inproc: InProcess) -> dict[str, Any]:
