@@ -210,7 +210,7 @@ class MemoryBudget:
                                    else None)  # fmt: skip
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # distinct types before Python 3.11
             raise unavailable(f"model '{name}' is loading (load on first use) and did not serve within "
                               f"{timeout_s:g} s; retry") from None  # fmt: skip
         except InferenceError as exc:

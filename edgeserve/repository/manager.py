@@ -68,13 +68,12 @@ class ModelRepository:
         self._closing = False
         self.budget = MemoryBudget(self)  # memory budget, LRU eviction, load on first use, autoscale
         self.load_on_demand = self.budget.load_on_demand
+        self.touch = self.budget.residency.touch  # the data plane marks a model used (LRU)
 
     # -- lookups (event loop thread; no awaits, so each sees one consistent served map) ------------
     def get(self, name: str, version: str = "") -> ServedModel:
         versions = self._served.get(name)
         model = self._models.get(name)
-        if versions:
-            self.budget.residency.touch(name)
         if version:
             try:
                 number = int(version)

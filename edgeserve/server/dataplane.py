@@ -117,6 +117,7 @@ class DataPlane:
         self.live_flag = True
         self.shutting_down = False
         self._labels: dict[tuple[str, str], list[str] | None] = {}
+        self._touch: Callable[[str], None] | None = getattr(repository, "touch", None)  # LRU residency
         self._log_settings = LogSettings()
 
     # -- health and metadata ------------------------------------------------------------------
@@ -284,6 +285,8 @@ class DataPlane:
         try:
             served = self.repository.get(request.model_name, request.model_version)
             label = served.name
+            if self._touch is not None:
+                self._touch(label)
             for tensor in request.inputs:
                 if tensor.shm is not None:
                     if tensor.data is not None:

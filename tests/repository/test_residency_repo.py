@@ -20,6 +20,7 @@ from edgeserve.repository.residency import EVICTED_REASON, FIRST_USE_REASON, MIB
 
 async def check_answer(repository: ModelRepository, repo: Path, name: str) -> None:
     x = np.random.default_rng(7).standard_normal((2, 16)).astype(np.float32)
+    repository.touch(name)  # what the data plane does for each request
     out = await infer(repository.get(name), {"INPUT0": x})
     np.testing.assert_allclose(out["OUTPUT0"], reference(repo, name, x), rtol=1e-4, atol=1e-5)
 
@@ -127,3 +128,15 @@ async def test_on_demand_load_failure_answers_unavailable(tmp_path: Path, budget
         await asyncio.wrap_future(loading)
     assert caught.value.status is Status.UNAVAILABLE
     assert "could not be loaded" in caught.value.message
+
+
+async def test_readiness_and_metadata_checks_do_not_count_as_use(tmp_path: Path, budget_repo: Any) -> None:
+    repo = make_models(tmp_path, "abc")
+    repository = await budget_repo(repo)
+    await repository.load("a")
+    await repository.load("b")
+    for _ in range(3):  # a health checker polling: not a use of a
+        assert repository.all_ready() and repository.is_ready("a")
+        repository.config("a")
+    await repository.load("c")
+    assert sorted(repository.budget.residency.resident()) == ["b", "c"]  # a was the least recently used
