@@ -122,6 +122,7 @@ class MemoryBudget:
         a worker thread within `slots`, measuring what it cost."""
         self.residency.note_flags(name, param_true(raw_config, "load_on_first_use"),
                                   param_true(raw_config, "pinned"))  # fmt: skip
+        self.residency.held_off.discard(name)
         counts = [int(g.count) for g in getattr(raw_config, "instance_group", [])]
         estimate = self.residency.estimate(name, version, version_dir, max(1, sum(counts)))
         charge = await self.residency.reserve(name, version, estimate, self.evictable, self.evict)
@@ -137,10 +138,10 @@ class MemoryBudget:
 
     def _measured(self, charge: Charge, version_dir: Path, fn: Callable[..., T], *args: Any) -> T:
         malloc_trim()  # both figures without freed-but-kept heap: what the model holds, not the garbage
-        modules, before = len(sys.modules), rss_bytes()
+        modules, before = len(sys.modules), rss_bytes(children=True)
         result = fn(*args)
         malloc_trim()
-        growth = rss_bytes() - before
+        growth = rss_bytes(children=True) - before
         if len(sys.modules) > modules:  # it imported a runtime: that memory is the server's, not the model's
             growth = 0
         instances = len(getattr(result, "instances", ()) or ()) or 1
@@ -182,11 +183,13 @@ class MemoryBudget:
     async def evict(self, name: str) -> None:
         await self.repo.unload(name)
         self.residency.evicted.add(name)
+        self.residency.held_off.discard(name)  # unload() took it for the operator's
         await asyncio.to_thread(malloc_trim)  # give the freed heap back, so RSS follows the budget
 
     def unloaded(self, name: str) -> None:
-        """An explicit unload: the model stays unloaded (no reload by its next request)."""
+        """An explicit unload: the model stays unloaded (no load on demand) until loaded again."""
         self.residency.evicted.discard(name)
+        self.residency.held_off.add(name)
 
     # -- load on first use -------------------------------------------------------------------------
     def load_on_demand(

@@ -69,15 +69,27 @@ def model_flags(model_dir: Path) -> tuple[bool, bool]:
     return param_true(config, "load_on_first_use"), param_true(config, "pinned")
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc/self/statm; psutil elsewhere)."""
+def rss_bytes(children: bool = False) -> int:
+    """This process's resident set size (Linux /proc/self/statm; psutil elsewhere), plus its child
+    processes' with `children` (Python models run their instances in worker processes)."""
     try:
         with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            total = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import psutil
+        total = 0
+    if total and not children:
+        return total
+    import psutil
 
-        return int(psutil.Process().memory_info().rss)
+    me = psutil.Process()
+    total = total or int(me.memory_info().rss)
+    if children:
+        for child in me.children(recursive=True)[:256]:
+            try:
+                total += int(child.memory_info().rss)
+            except psutil.Error:
+                continue
+    return total
 
 
 def floor_bytes(version_dir: Path, instances: int) -> int:
@@ -141,6 +153,7 @@ class Residency:
         self.pinned: set[str] = set()
         self.first_use: set[str] = set()  # load_on_first_use models
         self.evicted: set[str] = set()  # unloaded for memory; reloaded by their next request
+        self.held_off: set[str] = set()  # unloaded through the API: no load on demand until loaded again
         self.evictions: Counter[str] = Counter()
         self._costs: dict[tuple[str, int], int] = {}
         self._charges: dict[int, Charge] = {}  # id(served model) -> charge
@@ -164,7 +177,7 @@ class Residency:
 
     def on_demand(self, name: str) -> bool:
         """True when a request for `name` (not loaded) should load it."""
-        return name in self.first_use or name in self.evicted
+        return (name in self.first_use or name in self.evicted) and name not in self.held_off
 
     def note_flags(self, name: str, first_use: bool, pinned: bool) -> None:
         for flag, names in ((first_use, self.first_use), (pinned, self.pinned)):

@@ -92,6 +92,11 @@ async def test_load_on_first_use_waits_for_the_first_request(tmp_path: Path, bud
     await asyncio.gather(asyncio.wrap_future(first), asyncio.wrap_future(second))
     await check_answer(repository, repo, "b")
     assert repository.load_on_demand("a", "", 1.0) is None  # a plain model: never loaded on demand
+    await repository.unload("b")  # the operator's unload holds even for a load-on-first-use model
+    assert repository.load_on_demand("b", "", 1.0) is None
+    await repository.load("b")
+    await repository.unload("b", unload_dependents=False)
+    assert state(repository, "b") == ("UNAVAILABLE", "unloaded")
 
 
 async def test_pinned_and_busy_models_stay_and_nothing_fits_is_resource_exhausted(
