@@ -85,6 +85,7 @@ class MemoryBudget:
         )
         self._loads: dict[str, asyncio.Task[None]] = {}  # on-demand loads in progress
         self._pending_prepared: dict[int, Charge] = {}  # id(prepared version) -> its charge
+        self._evicting: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collector = _Collector(self)
         self.autoscaler: Any = None  # scheduling.autoscale.Autoscaler, started with the repository
@@ -181,15 +182,19 @@ class MemoryBudget:
         return True
 
     async def evict(self, name: str) -> None:
-        await self.repo.unload(name)
-        self.residency.evicted.add(name)
-        self.residency.held_off.discard(name)  # unload() took it for the operator's
+        self.residency.evicted.add(name)  # from now on a request for it waits for its reload
+        self._evicting.add(name)
+        try:
+            await self.repo.unload(name)
+        finally:
+            self._evicting.discard(name)
         await asyncio.to_thread(malloc_trim)  # give the freed heap back, so RSS follows the budget
 
     def unloaded(self, name: str) -> None:
         """An explicit unload: the model stays unloaded (no load on demand) until loaded again."""
-        self.residency.evicted.discard(name)
-        self.residency.held_off.add(name)
+        if name not in self._evicting:
+            self.residency.evicted.discard(name)
+            self.residency.held_off.add(name)
 
     # -- load on first use -------------------------------------------------------------------------
     def load_on_demand(

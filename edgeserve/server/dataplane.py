@@ -370,6 +370,8 @@ class DataPlane:
         except InferenceError as exc:
             for lease in leases:
                 lease.release()
+            if on_demand and self._load_first(exc, request, first_on_done, on_done):
+                return False  # its model was being unloaded for memory: runs once loaded again
             on_done(exc)
         return False
 
@@ -389,6 +391,9 @@ class DataPlane:
         def loaded(future: concurrent.futures.Future[None]) -> None:
             failure = unavailable("model load cancelled") if future.cancelled() else future.exception()
             if failure is None:
+                for tensor in request.inputs:  # shm inputs are resolved again
+                    if tensor.shm is not None:
+                        tensor.data = None
                 self.submit(request, retry_done, admitted=True, on_demand=False)
             else:
                 on_done(failure if isinstance(failure, InferenceError) else internal(str(failure)))
