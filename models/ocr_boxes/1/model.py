@@ -245,20 +245,25 @@ def crop_geometry(box: np.ndarray) -> tuple[np.ndarray, int, int]:
 def sample_quad(image: np.ndarray, quad: np.ndarray, crop_w: int, crop_h: int, out_w: int) -> np.ndarray:
     """The quad resampled to CROP_H x out_w (bilinear), channels first, as float32 0..255."""
     img_h, img_w = image.shape[:2]
-    u = ((np.arange(out_w) + 0.5) * crop_w / out_w - 0.5) / max(crop_w, 1)
-    v = ((np.arange(CROP_H) + 0.5) * crop_h / CROP_H - 0.5) / max(crop_h, 1)
+    f32 = np.float32
+    u = ((np.arange(out_w, dtype=f32) + 0.5) * crop_w / out_w - 0.5) / max(crop_w, 1)
+    v = ((np.arange(CROP_H, dtype=f32) + 0.5) * crop_h / CROP_H - 0.5) / max(crop_h, 1)
     s, t = np.clip(u, 0, 1)[None, :], np.clip(v, 0, 1)[:, None]
-    p0, p1, p2, p3 = quad
+    p0, p1, p2, p3 = quad.astype(f32)
     x = (1 - s) * (1 - t) * p0[0] + s * (1 - t) * p1[0] + s * t * p2[0] + (1 - s) * t * p3[0]
     y = (1 - s) * (1 - t) * p0[1] + s * (1 - t) * p1[1] + s * t * p2[1] + (1 - s) * t * p3[1]
-    x, y = np.clip(x, 0, img_w - 1), np.clip(y, 0, img_h - 1)
-    x0, y0 = np.floor(x).astype(np.intp), np.floor(y).astype(np.intp)
-    x1, y1 = np.minimum(x0 + 1, img_w - 1), np.minimum(y0 + 1, img_h - 1)
+    np.clip(x, 0, img_w - 1, out=x)
+    np.clip(y, 0, img_h - 1, out=y)
+    x0, y0 = x.astype(np.intp), y.astype(np.intp)  # floor: both are >= 0
     fx, fy = (x - x0)[..., None], (y - y0)[..., None]
-    f32 = np.float32
-    top = image[y0, x0].astype(f32) * (1 - fx) + image[y0, x1].astype(f32) * fx  # gathers, then converts
-    bottom = image[y1, x0].astype(f32) * (1 - fx) + image[y1, x1].astype(f32) * fx
-    return np.transpose(top * (1 - fy) + bottom * fy, (2, 0, 1))
+    x1, y1 = np.minimum(x0 + 1, img_w - 1), np.minimum(y0 + 1, img_h - 1)
+    flat = image.reshape(-1, image.shape[2])  # one flat gather per neighbour
+    row0, row1 = y0 * img_w, y1 * img_w
+    a, b = flat[row0 + x0].astype(f32), flat[row0 + x1].astype(f32)
+    c, d = flat[row1 + x0].astype(f32), flat[row1 + x1].astype(f32)
+    top = a + (b - a) * fx
+    bottom = c + (d - c) * fx
+    return np.transpose(top + (bottom - top) * fy, (2, 0, 1))
 
 
 def crops(image: np.ndarray, boxes: np.ndarray, bgr: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
