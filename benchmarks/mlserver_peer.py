@@ -6,7 +6,8 @@ Runtime version edgeserve runs). Adaptive batching is configured like edgeserve'
 `parallel_workers` = the instance count (MLServer's inference worker processes, each with one session).
 
 MLServer speaks KServe V2 over HTTP and gRPC; it has no Triton binary-data extension (HTTP tensors go
-as JSON) and no ModelStreamInfer for a plain model, so it gets the gRPC unary and HTTP JSON callers.
+as JSON), and its ModelStreamInfer feeds a whole stream to one `predict_stream` call (token streaming),
+not one request per message, so it gets the gRPC unary and HTTP JSON callers.
 """
 
 from __future__ import annotations
