@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import tritonclient.grpc as grpcclient
 from es_server import ROOT, start_server
 from onnx_models import write_model
 from residency_helpers import BUDGET_MB, make_models, param, reference
@@ -85,16 +86,24 @@ def test_round_robin_over_more_models_than_fit_stays_under_the_budget(tmp_path: 
         assert ready == ["d", "e"] and index["base"]["state"] == "READY", index  # the two most recent
         assert evicted == ["a", "b", "c"], index
         assert all(index[n]["state"] == "UNAVAILABLE" for n in evicted)
+        client = grpcclient.InferenceServerClient(server.grpc_url)  # an evicted model, over gRPC
+        tensor_in = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor_in.set_data_from_numpy(x)
+        got = client.infer("a", [tensor_in]).as_numpy("OUTPUT0")
+        np.testing.assert_allclose(got, reference(repo, "a", x), rtol=1e-4, atol=1e-5)
+        client.close()
+        index = {e["name"]: e for e in post(server.base + "/v2/repository/index", {})}
+        assert index["a"]["state"] == "READY" and index["d"]["reason"] == EVICTED_REASON, index
         figures = metrics(server.base)
         assert figures['edgeserve_model_resident{model="e"}'] == 1.0
-        assert figures['edgeserve_model_resident{model="a"}'] == 0.0
+        assert figures['edgeserve_model_resident{model="d"}'] == 0.0
         assert figures['edgeserve_evictions_total{model="a"}'] >= 2
-        assert figures['edgeserve_model_instances{model="d"}'] == 1.0
+        assert figures['edgeserve_model_instances{model="e"}'] == 1.0
 
         command = [sys.executable, "-m", "edgeserve", "models", "list", "--url", server.base]
         listing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
         lines = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
-        assert EVICTED_REASON in lines["a"] and "READY" in lines["e"], listing.stdout
+        assert EVICTED_REASON in lines["d"] and "READY" in lines["e"], listing.stdout
         assert "MiB" in lines["e"], listing.stdout
     finally:
         assert server.stop() == 0, server.log()
