@@ -66,9 +66,7 @@ from peer_clients import CALLERS, one_call
 from peer_report import render, targets
 from peers import VENV_DIR, PeerProcess, describe, ort_spec
 
-EDGESERVE = ("gRPC unary", "gRPC stream", "HTTP", "ZeroMQ", "ZeroMQ + shm")
-PYTRITON = ("gRPC unary", "gRPC stream", "HTTP")
-PEERS = ("pytriton", "mlserver", "ray")
+PEERS = ("pytriton", "mlserver", "ray")  # measured in this order, after edgeserve
 
 
 class Side:
