@@ -30,9 +30,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     repo = tmp / "repo"  # the sample MLP (its builder and config) and a dynamic-shape conv
     write_model(repo, "mlp", "mlp", config=(ROOT / "models" / "mlp" / "config.pbtxt").read_text())
     write_model(repo, "conv", "conv")
-    running = start_server(
-        repo, tmp, args=["--load-model", "mlp", "--load-model", "conv", "--log-level", "WARNING"]
-    )
+    write_model(repo, "strings", "identity", datatype="BYTES")
+    write_model(repo, "add_sub", "add_sub")
+    running = start_server(repo, tmp, args=["--load-model", "*", "--log-level", "WARNING"])
     yield running
     running.stop()
 
@@ -260,3 +260,37 @@ def test_max_seconds_bounds_the_run(
     assert 1 <= len(document["points"]) < 4
     assert "time limit" in text
     assert sum(p["seconds"] for p in document["points"]) < 3.0
+
+
+@pytest.mark.parametrize("protocol", ["http", "http-json", "grpc", "zmq-shm"])
+def test_bytes_inputs(
+    server: RunningServer, protocol: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "strings",
+        "-i",
+        protocol,
+        *_url(server, protocol),
+        "--shape",
+        "INPUT0:3",
+        "--concurrency",
+        "1",
+        *FAST,
+    ]
+    code, document, text = _bench(args, tmp_path, capsys)
+    assert code == 0, text
+    _sane(document["points"][0])
+
+
+def test_two_inputs_from_named_files(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    (data / "INPUT1").mkdir(parents=True)
+    np.save(data / "INPUT0.npy", np.ones(16, np.float32))  # one item: the batch dimension is added
+    for i in range(3):
+        np.save(data / "INPUT1" / f"{i}.npy", np.full((1, 16), i, np.float32))
+    args = ["add_sub", "-u", server.grpc_url, "--input-data", str(data), "--concurrency", "2", *FAST]
+    code, document, text = _bench(args, tmp_path, capsys)
+    assert code == 0, text
+    _sane(document["points"][0])
