@@ -28,6 +28,7 @@ from typing import Any
 THREAD_KEYS = {"onnxruntime": "intra_op_thread_count", "openvino": "INFERENCE_NUM_THREADS"}
 RUNTIME_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino"}
 QUEUE_DELAYS_US = (0, 500, 2000)
+INT8_FILENAME = "model_int8.onnx"  # an --int8-model candidate's artifact, sent with the load request
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Candidate:
     max_batch_size: int = -1  # -1 = as configured
     dynamic_batching: bool = True
     queue_delay_us: int = -1  # -1 = as configured
+    model: str = ""  # "" = the model's own artifact; "int8:<sha256 prefix>" = the --int8-model file
 
     @property
     def baseline(self) -> bool:
@@ -48,7 +50,8 @@ class Candidate:
     def label(self) -> str:
         if self.baseline:
             return "as configured"
-        text = f"{self.backend} {self.precision} {self.instances}x{self.threads}t"
+        kind = "int8-model" if self.model else self.precision
+        text = f"{self.backend} {kind} {self.instances}x{self.threads}t"
         if self.max_batch_size > 0:
             text += f" mbs{self.max_batch_size}"
             if not self.dynamic_batching:
@@ -115,6 +118,7 @@ def search(
     base_max_batch: int,
     score: Score,
     cores: int | None = None,
+    extra_models: Sequence[str] = (),
 ) -> Iterator[Candidate]:
     """The candidates in order. `score(c)` is read after `c` was yielded (so measured by then)."""
     cores = cores or os.cpu_count() or 1
@@ -122,6 +126,8 @@ def search(
     runtimes = [
         Candidate(b, p, 1, cores, batch, True, -1) for b in backends for p in precisions_for(b, precisions)
     ]
+    # a quantized model runs as it is (its int8 ops are in the graph): fp32 is the runtime's setting
+    runtimes += [Candidate(b, "fp32", 1, cores, batch, True, -1, m) for m in extra_models for b in backends]
     yield from runtimes
     yield Candidate()
 
@@ -163,6 +169,8 @@ def apply(base: Any, candidate: Candidate) -> Any:
     config.backend = candidate.backend
     config.platform = ""
     config.parameters["precision"].string_value = candidate.precision
+    if candidate.model:
+        config.default_model_filename = INT8_FILENAME
     for key in THREAD_KEYS.values():
         if key in config.parameters:
             del config.parameters[key]

@@ -177,6 +177,13 @@ def add_commands(sub: Any) -> None:
         help="lower precisions: max error / output range vs fp32 (default 0.02)",
     )
     tune.add_argument("--fresh", action="store_true", help="ignore earlier results in --out-dir")
+    tune.add_argument(
+        "--int8-model",
+        type=Path,
+        metavar="FILE.onnx",
+        help="a quantized ONNX made elsewhere (e.g. onnxruntime.quantization): one more candidate per "
+        "backend, accepted only past the accuracy check",
+    )
     _common(tune)
     tune.set_defaults(func=tune_command)
 

@@ -1,12 +1,13 @@
 """`edgeserve tune MODEL --latency-budget-ms X`: the device's Model Analyzer.
 
 Starts `edgeserve serve` on loopback (tune_server.py), walks the candidates (candidates.py), loads each
-through the repository API, checks its outputs against an fp32 reference (error over the output's
-range, and cosine similarity, per output), measures a short concurrency sweep with the bench engine
-and appends the result to `<out-dir>/results.jsonl` at once. A rerun skips candidates already there
-(same model bytes, device, protocol and sweep); `--fresh` starts over. Bounded by `--max-seconds`
-and `--max-candidates`. Prints the candidates, the throughput / p99 frontier and the best config
-within the budget, written as config.pbtxt.
+through the repository API, checks its outputs against an fp32 reference (tune_check.py), measures a
+short concurrency sweep with the bench engine and appends the result to `<out-dir>/results.jsonl` at
+once. `--int8-model` adds a quantized ONNX made elsewhere as one more candidate per backend, sent with
+the load request (its `file:` parameters) and held to the same accuracy check. A rerun skips
+candidates already there (same model bytes, device, protocol and sweep); `--fresh` starts over.
+Bounded by `--max-seconds` and `--max-candidates`. Prints the candidates, the throughput / p99
+frontier and the best config within the budget, written as config.pbtxt.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
-import platform
+import shutil
 import signal
 import threading
 import time
@@ -25,21 +25,33 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from edgeserve.bench.candidates import Candidate, apply, available_backends, cpu_precisions, search
+from edgeserve.bench.candidates import (
+    INT8_FILENAME,
+    Candidate,
+    apply,
+    available_backends,
+    cpu_precisions,
+    search,
+)
 from edgeserve.bench.errors import BenchError, RequestError
-from edgeserve.bench.inputs import ModelInfo, parse_shape_flags, resolve_shapes
+from edgeserve.bench.inputs import ModelInfo, parse_shape_flags
 from edgeserve.bench.load import BenchConfig, Settings, run_bench
 from edgeserve.bench.stats import Point
-from edgeserve.bench.tune_report import append_record, points_of, read_records, render, score, write_config
+from edgeserve.bench.tune_check import Reference, compare, outputs
+from edgeserve.bench.tune_report import (
+    append_record,
+    device_fingerprint,
+    model_sha256,
+    points_of,
+    read_records,
+    render,
+    score,
+    write_config,
+)
 from edgeserve.bench.tune_server import TuneServer, resolve_model
 
 Progress = Callable[[str], None]
 MIN_CANDIDATE_S = 5.0  # a candidate is not started with less time than this left
-ACCURACY_SAMPLES = 4
-Outputs = list[dict[str, "npt.NDArray[Any]"]]
 
 
 @dataclass
@@ -57,6 +69,7 @@ class TuneOptions:
     max_candidates: int = 0
     tolerance: float = 0.02
     fresh: bool = False
+    int8_model: Path | None = None  # a quantized ONNX made elsewhere: one more candidate per backend
     batch_size: int = 1
     shapes: Sequence[str] = ()
     input_data: Sequence[str] = ("random",)
@@ -83,6 +96,7 @@ class TuneOptions:
             max_candidates=args.max_candidates,
             tolerance=args.accuracy_tolerance,
             fresh=args.fresh,
+            int8_model=args.int8_model,
             batch_size=args.batch_size,
             shapes=args.shape,
             input_data=args.input_data or ["random"],
@@ -92,98 +106,6 @@ class TuneOptions:
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def model_sha256(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "config.pbtxt"):
-        digest.update(str(path.relative_to(folder)).encode() + b"\0")
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def device_fingerprint() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.node()}|{platform.machine()}|{model}|{os.cpu_count()}"
-
-
-def compare(reference: Outputs, got: Outputs) -> dict[str, float]:
-    """Worst error over the output's scale, lowest cosine similarity and top-1 agreement (on the last
-    axis), over samples and outputs. The scale of an output is its range over every reference sample,
-    or its largest magnitude when that is larger: a softmax of two near-equal classes (range ~0) or a
-    near-zero map does not blow the figure up."""
-    scales: dict[str, float] = {}
-    for sample in reference:
-        for name, ref in sample.items():
-            a = ref.astype(np.float64)
-            if a.size:
-                scale = max(float(a.max() - a.min()), float(np.abs(a).max()))
-                scales[name] = max(scales.get(name, 0.0), scale)
-    worst, cosine, agree, total = 0.0, 1.0, 0, 0
-    for ref_sample, got_sample in zip(reference, got, strict=True):
-        for name, ref in ref_sample.items():
-            if name not in got_sample or got_sample[name].shape != ref.shape:
-                return {"max_err_over_range": float("inf"), "cosine_min": 0.0, "top1_agreement": 0.0}
-            a = ref.astype(np.float64)
-            b = got_sample[name].astype(np.float64)
-            worst = max(worst, float(np.abs(a - b).max(initial=0.0)) / max(scales.get(name, 0.0), 1e-6))
-            norm = float(np.linalg.norm(a) * np.linalg.norm(b))
-            dot = float(a.ravel() @ b.ravel())
-            cosine = min(cosine, dot / norm if norm > 0 else (1.0 if np.array_equal(a, b) else 0.0))
-            if a.ndim and a.shape[-1] > 1:
-                agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-                total += int(a.size // a.shape[-1])
-    return {
-        "max_err_over_range": worst,
-        "cosine_min": cosine,
-        "top1_agreement": agree / total if total else 1.0,
-    }
-
-
-class _Reference:
-    """The fp32 outputs every lower-precision candidate is held to (kept in the out dir)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.outputs: Outputs | None = None
-        if path.is_file():
-            with np.load(path, allow_pickle=False) as data:
-                count = 1 + max((int(k.split("/", 1)[0]) for k in data.files), default=-1)
-                self.outputs = [{} for _ in range(count)]
-                for key in data.files:
-                    index, name = key.split("/", 1)
-                    self.outputs[int(index)][name] = data[key]
-
-    def save(self, outputs: Outputs) -> None:
-        self.outputs = outputs
-        arrays = {f"{i}/{name}": array for i, sample in enumerate(outputs) for name, array in sample.items()}
-        with open(self.path, "wb") as handle:
-            np.savez(handle, **arrays)  # type: ignore[arg-type]
-
-
-async def _outputs(server: TuneServer, info: ModelInfo, options: TuneOptions) -> Outputs:
-    from edgeserve.bench.inputs import make_samples
-    from edgeserve.bench.transports import HttpTransport
-
-    one_shapes = resolve_shapes(info, 1, parse_shape_flags(options.shapes))
-    samples = make_samples(info, one_shapes, list(options.input_data), options.settings.seed + 1)
-    transport = HttpTransport(
-        server.url("http"), info, samples[:ACCURACY_SAMPLES], options.settings.timeout_s
-    )
-    await transport.open(1)
-    try:
-        return [await transport.outputs(i) for i in range(len(transport.samples))]
-    finally:
-        await transport.close()
 
 
 async def _model_info(server: TuneServer, name: str) -> ModelInfo:
@@ -201,18 +123,20 @@ def _measure(
     base: Any,
     candidate: Candidate,
     options: TuneOptions,
-    reference: _Reference,
+    reference: Reference,
     deadline: float,
     say: Progress,
+    files: dict[str, bytes] | None = None,
 ) -> dict[str, Any]:
-    """Load, check and measure one candidate: its record (status ok | failed | rejected)."""
+    """Load, check and measure one candidate: its record (status ok | failed | rejected); `files`:
+    the artifact to serve it from instead of the model's own (an --int8-model candidate)."""
     from google.protobuf import json_format
 
     config = apply(base, candidate)
     record: dict[str, Any] = {"label": candidate.label, "candidate": asdict(candidate), "points": []}
     started = time.monotonic()
     try:
-        server.load(json_format.MessageToJson(config, preserving_proto_field_name=True))
+        server.load(json_format.MessageToJson(config, preserving_proto_field_name=True), files)
     except BenchError as exc:
         seconds = round(time.monotonic() - started, 3)
         return {**record, "status": "failed", "error": f"load: {exc}", "seconds": seconds}
@@ -220,14 +144,21 @@ def _measure(
 
     async def run() -> dict[str, Any]:
         info = await _model_info(server, base.name)
-        outputs = await _outputs(server, info, options)
-        if reference.outputs is None and candidate.precision == "fp32":
-            reference.save(outputs)
+        got = await outputs(
+            server.url("http"),
+            info,
+            options.shapes,
+            options.input_data,
+            options.settings.seed + 1,
+            options.settings.timeout_s,
+        )
+        if reference.outputs is None and candidate.precision == "fp32" and not candidate.model:
+            reference.save(got)
             accuracy: dict[str, Any] = {"note": "the fp32 reference"}
         elif reference.outputs is None:
             accuracy = {"note": "no fp32 reference: not checked"}
         else:
-            accuracy = compare(reference.outputs, outputs)
+            accuracy = compare(reference.outputs, got)
             if accuracy["max_err_over_range"] > options.tolerance:
                 say(
                     f"{candidate.label}: rejected: error {accuracy['max_err_over_range']:.3g} "
@@ -287,7 +218,7 @@ def tune(options: TuneOptions, say: Progress) -> int:
         "window_s": options.settings.window_s,
     }
     context_id = hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()[:12]
-    reference = _Reference(out_dir / f"reference-{context_id}.npz")
+    reference = Reference(out_dir / f"reference-{context_id}.npz")
     records = read_records(results)
     deadline = time.monotonic() + options.max_seconds
     version_dir = max(
@@ -295,6 +226,17 @@ def tune(options: TuneOptions, say: Progress) -> int:
     )
     backends = list(options.backends or available_backends(version_dir))
     precisions = list(options.precisions or cpu_precisions())
+    extra: list[str] = []
+    int8_bytes = b""
+    if options.int8_model is not None:
+        if not options.int8_model.is_file() or options.int8_model.suffix != ".onnx":
+            raise BenchError(f"--int8-model {options.int8_model}: not an .onnx file")
+        int8_bytes = options.int8_model.read_bytes()
+        extra.append("int8:" + hashlib.sha256(int8_bytes).hexdigest()[:16])
+
+    def files(candidate: Candidate) -> dict[str, bytes] | None:
+        return {f"{version_dir.name}/{INT8_FILENAME}": int8_bytes} if candidate.model else None
+
     if not backends:
         raise BenchError(
             f"no backend to try for {model_dir}: install onnxruntime or openvino, or pass --backends"
@@ -322,7 +264,7 @@ def tune(options: TuneOptions, say: Progress) -> int:
             model_dir, json_format.ParseDict(server.config(), mc.ModelConfig(), ignore_unknown_fields=True)
         )
         rank = lambda c: score(records.get(c.key(context)), options.budget_ms)  # noqa: E731
-        for candidate in search(backends, precisions, base.max_batch_size, rank):
+        for candidate in search(backends, precisions, base.max_batch_size, rank, extra_models=extra):
             key = candidate.key(context)
             if key in records:
                 skipped += 1
@@ -341,7 +283,7 @@ def tune(options: TuneOptions, say: Progress) -> int:
             say(f"candidate {measured + skipped + 1}: {candidate.label}")
             record = {
                 "key": key,
-                **_measure(server, base, candidate, options, reference, deadline, say),
+                **_measure(server, base, candidate, options, reference, deadline, say, files(candidate)),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             if time.monotonic() >= deadline - options.settings.window_s:  # its sweep was cut short
@@ -372,6 +314,10 @@ def tune(options: TuneOptions, say: Progress) -> int:
     config = apply(base, winner)
     output = options.output or out_dir / "config.pbtxt"
     write_config(output, config, best, options.budget_ms, options.protocol)
+    if winner.model and options.int8_model is not None:
+        shutil.copyfile(options.int8_model, output.parent / INT8_FILENAME)
+        print(f"the winner serves the INT8 model: copy {output.parent / INT8_FILENAME} next to model.onnx "
+              f"in {version_dir} with this config.pbtxt")  # fmt: skip
     print(
         f"best within {options.budget_ms:g} ms: {best.label} at concurrency {best.concurrency}: "
         f"{best.throughput:.1f} infer/s, p99 {best.p99_ms:.2f} ms -> {output}"

@@ -4,13 +4,38 @@ throughput against p99, the best point within the budget, and the winning config
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import os
+import platform
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+def model_sha256(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "config.pbtxt"):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def device_fingerprint() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}|{platform.machine()}|{model}|{os.cpu_count()}"
 
 
 @dataclass(frozen=True)

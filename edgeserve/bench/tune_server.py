@@ -152,9 +152,15 @@ class TuneServer:
         except (urllib.error.URLError, OSError) as exc:
             raise BenchError(f"the tune server did not answer: {exc}\n{self.log_tail()}") from None
 
-    def load(self, config_json: str | None) -> None:
-        """Load (or reload) the model, with this config instead of config.pbtxt when given."""
-        body: dict[str, Any] = {"parameters": {"config": config_json}} if config_json else {}
+    def load(self, config_json: str | None, files: dict[str, bytes] | None = None) -> None:
+        """Load (or reload) the model, with this config instead of config.pbtxt when given, and served
+        from `files` ("1/model_int8.onnx" -> bytes) alone when given (Triton's load_model(files=))."""
+        import base64
+
+        params: dict[str, Any] = {"config": config_json} if config_json else {}
+        for path, data in (files or {}).items():
+            params[f"file:{path}"] = base64.b64encode(data).decode()
+        body: dict[str, Any] = {"parameters": params} if params else {}
         self._post(f"/v2/repository/models/{self.name}/load", body)
 
     def config(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from edgeserve.bench.inputs import (
     resolve_shapes,
 )
 from edgeserve.bench.stats import Counters, Window, stable
-from edgeserve.bench.tune import compare
+from edgeserve.bench.tune_check import compare
 from edgeserve.bench.tune_report import Measured, best_within, frontier
 
 

@@ -79,3 +79,32 @@ def test_tune_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "edgeserve tune: model 'nothing'" in capsys.readouterr().err
     write_model(tmp_path, "mlp", "mlp")
     assert main(["tune", "mlp", "--model-repository", str(tmp_path), "--latency-budget-ms", "0"]) == 2
+
+
+def test_int8_model_candidate_is_checked_and_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quantized model made elsewhere (ONNX Runtime dynamic quantization here) joins the search,
+    served from the file sent with the load request, held to the fp32 reference."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    samples = tmp_path / "samples"
+    model_dir = write_model(
+        samples, "mlp", "mlp", config=(ROOT / "models" / "mlp" / "config.pbtxt").read_text()
+    )
+    int8 = tmp_path / "mlp_int8.onnx"
+    quantize_dynamic(str(model_dir / "1" / "model.onnx"), str(int8), weight_type=QuantType.QInt8)
+    out = tmp_path / "tune"
+    args = ["tune", "mlp", "--model-repository", str(samples), "--latency-budget-ms", "1000", "--out-dir",
+            str(out), "--backends", "onnxruntime", "--precisions", "fp32", "--int8-model", str(int8),
+            "--max-candidates", "2", *FAST]  # fmt: skip
+    assert main(args) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in records] == ["onnxruntime fp32 1x2t mbs8", "onnxruntime int8-model 1x2t mbs8"]
+    int8_record = records[1]
+    assert int8_record["status"] in ("ok", "rejected"), int8_record
+    accuracy = int8_record["accuracy"]
+    assert 0 < accuracy["max_err_over_range"] < 0.5 and accuracy["cosine_min"] > 0.9
+    if int8_record["status"] == "ok":
+        assert int8_record["points"]
+    assert "int8-model" in capsys.readouterr().out
