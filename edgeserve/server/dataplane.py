@@ -138,6 +138,21 @@ class DataPlane:
     def model_config(self, name: str, version: str = "") -> ModelConfig:
         return self.repository.config(name, version)
 
+    async def config_for_request(self, name: str, version: str = "") -> ModelConfig:
+        """The config a frontend needs to decode a request (raw binary HTTP bodies): a
+        load-on-first-use or budget-evicted model is loaded first, as `submit` would."""
+        try:
+            return self.model_config(name, version)
+        except InferenceError as exc:
+            start = getattr(self.repository, "load_on_demand", None)
+            if start is None or exc.status not in (Status.UNAVAILABLE, Status.NOT_FOUND):
+                raise
+            loading = start(name, version, 0.0)
+            if loading is None:
+                raise
+        await asyncio.wrap_future(loading)
+        return self.model_config(name, version)
+
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         served = self.repository.get(name, version)
         config = served.config

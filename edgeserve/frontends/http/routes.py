@@ -198,7 +198,7 @@ class Routes:
             header_length = codec.parse_header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
             if header_length == 0:
                 infer_request = codec.decode_raw_request(
-                    name, version, body, self.dataplane.model_config(name, version)
+                    name, version, body, await self.dataplane.config_for_request(name, version)
                 )
                 binary_default = True
             else:
