@@ -107,3 +107,28 @@ def test_round_robin_over_more_models_than_fit_stays_under_the_budget(tmp_path: 
         assert "MiB" in lines["e"], listing.stdout
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_raw_binary_request_loads_a_first_use_model(tmp_path: Path) -> None:
+    # a raw body (Inference-Header-Content-Length: 0) is decoded with the model's config: the model
+    # must be loaded before decoding, not only before queueing
+    ort = 'backend: "onnxruntime"\n'
+    repo = make_models(tmp_path, "a", {"a": ort + param("load_on_first_use")})
+    server = start_server(repo, tmp_path, env={"EDGESERVE_RUNTIME_CPU_THREADS": "1",
+                                               "EDGESERVE_RUNTIME_RACE_BUDGET_S": "0"})  # fmt: skip
+    try:
+        x = np.random.default_rng(5).standard_normal((1, 16)).astype(np.float32)
+        request = urllib.request.Request(
+            f"{server.base}/v2/models/a/infer", x.tobytes(), {"Inference-Header-Content-Length": "0"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            header_length = int(response.headers["Inference-Header-Content-Length"])
+            raw = response.read()
+        header = json.loads(raw[:header_length])
+        assert header["outputs"][0]["shape"] == [1, 4]
+        got = np.frombuffer(raw[header_length:], dtype=np.float32).reshape(1, 4)
+        np.testing.assert_allclose(got, reference(repo, "a", x), rtol=1e-4, atol=1e-5)
+        index = {e["name"]: e for e in post(server.base + "/v2/repository/index", {})}
+        assert index["a"]["state"] == "READY"
+    finally:
+        server.stop()
