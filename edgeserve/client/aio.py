@@ -206,6 +206,10 @@ class AsyncZmqClient:
         except zmq.Again:
             self._pending.pop(req_id, None)
             timer.cancel()
+            if future.done():  # expired while the send waited: the error below says it, not asyncio
+                future.exception()
+            else:
+                future.cancel()
             if pending is not None:
                 pending.release_slots()
             raise ClientError(
