@@ -107,11 +107,12 @@ def _race_model(args: argparse.Namespace, settings: Settings, planner: Planner) 
     print(f"profile:  {planner.profile.name} — {planner.profile.description} [{planner.profile.source}]")
     _print_plan(plan)
     if race is None:
-        why = (
-            "race_budget_s is 0"
-            if budget <= 0
-            else "pinned backend, an accelerator's choice, or a single candidate: nothing to race"
-        )
+        if planner.guard is None:
+            why = "the probed root is not this machine"
+        elif budget <= 0:
+            why = "runtime.race_budget_s is 0"
+        else:
+            why = "a pinned backend, an accelerator's choice, or a single candidate: nothing to race"
         print(f"  race: not run ({why}); the profile's order decides")
         return 0
     when = "cached" if race.cached else f"{race.seconds:.1f}s"

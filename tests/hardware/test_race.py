@@ -210,3 +210,26 @@ def test_a_cached_lower_precision_winner_is_judged_again(model: Path, tmp_path: 
     again = _race(_selector(tmp_path), model)
     assert again is not None and not again.cached
     assert again.chosen is None or again.chosen.precision != "bf16"
+
+
+def test_race_budget_setting_is_validated(tmp_path: Path) -> None:
+    from edgeserve.config import ConfigError, load_settings
+
+    good = tmp_path / "good.toml"
+    good.write_text("[runtime]\nrace_budget_s = 0\n")
+    assert load_settings(good).runtime.race_budget_s == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nrace_budget_s = -1\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: runtime.race_budget_s: must be 0"):
+        load_settings(bad)
+
+
+def test_detect_model_on_a_fixture_root_does_not_race(model: Path, tmp_path: Path) -> None:
+    env = {"EDGESERVE_SERVER_STATE_DIR": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-m", "edgeserve", "detect", "--root", str(ROOT / "devices/fixtures/x86-cpu"),
+         "--model", str(model)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "race: not run (the probed root is not this machine)" in result.stdout
