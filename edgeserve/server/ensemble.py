@@ -157,6 +157,8 @@ class _Run:
         self.job = job
         self.plan = owner.plan
         self.tensors: Arrays = dict(job.inputs)
+        # optional ensemble inputs this request left out: their readers run without them
+        self.absent = {name for name in self.plan.optional if name not in self.tensors}
         self.started: set[int] = set()
         self.running = 0
         self.finished = False
@@ -175,7 +177,9 @@ class _Run:
             ready: list[Step] = []
             for index in self.plan.order:
                 step = self.plan.steps[index]
-                if index not in self.started and all(t in self.tensors for t in step.inputs.values()):
+                if index not in self.started and all(
+                    t in self.tensors or t in self.absent for t in step.inputs.values()
+                ):
                     self.started.add(index)
                     ready.append(step)
             self.running += len(ready)
@@ -262,11 +266,13 @@ class _Run:
         specs = validation.compiled(served.config).inputs
         arrays: Arrays = {}
         for key, name in step.inputs.items():
+            if name in self.absent:
+                continue  # the step model must take it as optional (its checks say so otherwise)
             array = self.tensors[name]
             dtype = specs[key].dtype
             arrays[key] = array.astype(dtype) if dtype is not None and array.dtype != dtype else array
-        if served.config.max_batch_size <= 0:
-            return arrays, 1
+        if served.config.max_batch_size <= 0 or not arrays:
+            return arrays, 1  # (no inputs at all: the model's own checks name what is missing)
         rows = {int(a.shape[0]) if a.ndim else -1 for a in arrays.values()}
         if len(rows) != 1:
             raise InferenceError(Status.INVALID_ARG, "its inputs have different batch sizes: "

@@ -44,6 +44,7 @@ class EnsemblePlan:
     order: tuple[int, ...]  # step indices in a topological order
     # ensemble tensor -> indices of the steps that read it
     consumers: dict[str, tuple[int, ...]]
+    optional: frozenset[str] = frozenset()  # ensemble inputs a request may leave out
 
     @property
     def composing(self) -> tuple[str, ...]:
@@ -162,6 +163,7 @@ def build_plan(config: Any, where: str, name: str, lookup: ConfigLookup) -> Ense
         outputs=tuple(t.name for t in config.output),
         order=order,
         consumers={k: tuple(v) for k, v in consumers.items()},
+        optional=frozenset(t.name for t in config.input if t.optional),
     )
 
 

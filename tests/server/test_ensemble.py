@@ -356,3 +356,21 @@ async def test_unloading_a_step_model_under_load_answers_every_request(
     assert refused.value.status is Status.UNAVAILABLE
     stats = plane.statistics("ens")["model_stats"][0]["inference_stats"]
     assert stats["success"]["count"] + stats["fail"]["count"] == 40
+
+
+async def test_optional_ensemble_inputs_left_out(repo_dir: Path, make_plane: Plane) -> None:
+    optional = ENSEMBLE.replace('"ens"', '"opt"').replace(
+        '{ name: "WORDS" data_type: TYPE_STRING dims: [ -1 ] }',
+        '{ name: "WORDS" data_type: TYPE_STRING dims: [ -1 ] optional: true }',
+    )
+    _ensemble(repo_dir, "opt", optional)
+    plane = await make_plane(repo_dir)
+    x = np.ones((1, 4), np.float32)
+    words = np.array([b"w"], dtype=np.object_)
+    out = _outputs(await plane.infer(_request("opt", IN0=x, IN1=x, WORDS=words)))
+    assert list(out["WORDS_OUT"]) == [b"w"]
+    # left out: the step reading it runs without it, and its model (whose input is required) says so
+    with pytest.raises(InferenceError) as missing:
+        await plane.infer(_request("opt", IN0=x, IN1=x))
+    assert missing.value.status is Status.INVALID_ARG
+    assert missing.value.message.startswith("ensemble 'opt' step 2 'text': expected 1 inputs but got 0")
