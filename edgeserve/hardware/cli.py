@@ -143,17 +143,26 @@ def detect_command(args: argparse.Namespace) -> int:
     repository = Path(getattr(args, "model_repository", None) or settings.server.model_repository)
 
     plans: list[ModelPlan] = []
+    races: dict[str, Any] = {}  # model -> the cached race (the whole repository is not raced here)
     errors: list[dict[str, str]] = []
     for name, version_dir, config, error in _models(repository):
         if error is not None or version_dir is None:
             errors.append({"model": name, "error": error or "no version"})
             continue
+        where = str(repository / name / "config.pbtxt")
         try:
-            plans.append(
-                planner.plan_model(name, version_dir, config, str(repository / name / "config.pbtxt"))
-            )
+            plans.append(planner.plan_model(name, version_dir, config, where))
         except InferenceError as exc:
             errors.append({"model": name, "error": exc.message})
+            continue
+        if guard is not None and settings.runtime.race_budget_s > 0:
+            from edgeserve.hardware.race import Racer
+            from edgeserve.hardware.race_result import RaceCache
+
+            racer = Racer(planner, RaceCache(default_cache_dir(settings)), settings.runtime.race_budget_s)
+            cached = racer.run(plans[-1], name, version_dir, config, where, cached_only=True)
+            if cached is not None:
+                races[plans[-1].model] = cached
 
     threads, threads_why = planner.threads()
     if getattr(args, "json", False):
@@ -167,6 +176,7 @@ def detect_command(args: argparse.Namespace) -> int:
             "profile": _profile_dict(profile), "threads": {"count": threads, "reason": threads_why},
             "memory_budget_bytes": planner.memory_budget(), "accuracy_guard": guard is not None,
             "model_repository": str(repository), "models": [p.to_dict() for p in plans], "errors": errors,
+            "races": {name: race.to_dict() for name, race in races.items()},
         }  # fmt: skip
         print(json.dumps(out, indent=2, default=str))
         return 0
@@ -186,6 +196,8 @@ def detect_command(args: argparse.Namespace) -> int:
     print(f"models in {repository}:" if plans or errors else f"models: none found in {repository}")
     for plan in plans:
         _print_plan(plan)
+        if plan.model in races:
+            print(f"      race     {races[plan.model].summary()} (edgeserve detect --model for the table)")
     for problem in errors:
         print(f"  {problem['model']}: ERROR {problem['error']}")
     return 0

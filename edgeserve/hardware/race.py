@@ -116,9 +116,11 @@ class Racer:
 
     # -- the race --------------------------------------------------------------------------------
     def run(
-        self, plan: ModelPlan, name: str, version_dir: Path, config: Any, where: str = "", fresh: bool = False
-    ) -> RaceResult | None:
-        """The race's result (cached unless `fresh`), or None when there is nothing to race."""
+        self, plan: ModelPlan, name: str, version_dir: Path, config: Any, where: str = "",
+        fresh: bool = False, cached_only: bool = False,
+    ) -> RaceResult | None:  # fmt: skip
+        """The race's result (cached unless `fresh`), or None when there is nothing to race (or, with
+        `cached_only`, nothing in the cache)."""
         if self.budget_s <= 0 or plan.chosen is None or plan.pins.backend:
             return None
         if plan.chosen.option.backend not in RACED_BACKENDS or plan.chosen.option.device != "CPU":
@@ -145,6 +147,8 @@ class Racer:
             ):
                 log.info("model %s: race result from the cache: %s", name, cached.summary())
                 return cached
+        if cached_only:
+            return None
         with _RACING:
             result = self._race(name, entrants, scenarios, feeds, completed)
         result.rows.extend(rejected)

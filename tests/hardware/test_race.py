@@ -187,6 +187,13 @@ def test_detect_model_prints_the_race_table(model: Path, tmp_path: Path) -> None
     assert winner["score_ms"] == min(r["score_ms"] for r in timed)
     assert {r["status"] for r in rows} <= {TIMED, REJECTED, OVER_BUDGET, "failed", "skipped"}
     assert data["plan"]["chosen"]["backend"] in ("onnxruntime", "openvino")
+    # plain `detect` shows the cached race of each model (and races nothing itself)
+    plain = subprocess.run(
+        [sys.executable, "-m", "edgeserve", "detect", "--model-repository", str(model.parent)],
+        capture_output=True, text=True, cwd=ROOT, timeout=180, env=env,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert "race     raced: " in plain.stdout and "; cached)" in plain.stdout
 
 
 @pytest.mark.skipif(not probe_hardware("/").cpu.bf16, reason="this CPU has no native bf16")
