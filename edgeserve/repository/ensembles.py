@@ -18,7 +18,7 @@ from edgeserve.repository.config import parse_pbtxt, validate
 from edgeserve.repository.layout import CONFIG_FILE
 from edgeserve.repository.served import ServedModel
 from edgeserve.server import validation
-from edgeserve.server.ensemble import EnsembleScheduler, EnsembleStats, Resolver
+from edgeserve.server.ensemble import EnsembleScheduler, EnsembleStats, LoadOnDemand, Resolver
 from edgeserve.server.ensemble_graph import ENSEMBLE_PLATFORM, build_plan, composing_models, is_ensemble
 
 if TYPE_CHECKING:
@@ -89,10 +89,12 @@ def dependents(served: Mapping[str, Mapping[int, ServedModel]], name: str) -> li
                    if any(model == name for model, _ in s.depends_on)})  # fmt: skip
 
 
-def dependency_problem(served: ServedModel, is_ready: Callable[[str, str], bool]) -> str | None:
-    """Why an ensemble cannot serve now (a composing model not ready), or None."""
+def dependency_problem(served: ServedModel, is_ready: Callable[[str, str], bool],
+                       on_demand: Callable[[str], bool] | None = None) -> str | None:  # fmt: skip
+    """Why an ensemble cannot serve now (a composing model not ready, and not one that its next
+    request loads: load on first use, or unloaded for the memory budget), or None."""
     for model, version in served.depends_on:
-        if not is_ready(model, version):
+        if not is_ready(model, version) and not (on_demand is not None and on_demand(model)):
             which = f"version {version} of " if version else ""
             return (f"ensemble '{served.name}' is not ready: {which}composing model '{model}' is not "
                     "ready; load it to serve the ensemble again")  # fmt: skip
@@ -100,8 +102,11 @@ def dependency_problem(served: ServedModel, is_ready: Callable[[str, str], bool]
 
 
 def build_ensemble(name: str, model_dir: Path, version: int, raw_config: Any, where: str,
-                   resolve: Resolver) -> ServedModel:  # fmt: skip
-    """Validate an ensemble config against its loaded step models and serve it (event loop thread)."""
+                   resolve: Resolver, touch: Callable[[str], None] | None = None,
+                   load_on_demand: LoadOnDemand | None = None) -> ServedModel:  # fmt: skip
+    """Validate an ensemble config against its loaded step models and serve it (event loop thread).
+    `touch` marks a step model used (memory-budget LRU); `load_on_demand` loads a step model that
+    loads on first use or was unloaded for the budget (the repository's, as the data plane uses)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     config = mc.ModelConfig()
@@ -126,7 +131,7 @@ def build_ensemble(name: str, model_dir: Path, version: int, raw_config: Any, wh
     return ServedModel(
         name=name, version=version, config=config, io=ModelIO(specs(config.input), specs(config.output)),
         model_dir=model_dir, platform=ENSEMBLE_PLATFORM, backend_name=ENSEMBLE_PLATFORM,
-        scheduler=EnsembleScheduler(plan, config, stats, resolve), stats=stats,
+        scheduler=EnsembleScheduler(plan, config, stats, resolve, touch, load_on_demand), stats=stats,
         depends_on=tuple(dict.fromkeys((s.model_name, s.model_version) for s in plan.steps)),
         choice_reason="ensemble: its steps run on their own models' schedulers",
     )  # fmt: skip

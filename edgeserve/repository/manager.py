@@ -99,7 +99,7 @@ class ModelRepository:
     def _serving(self, served: ServedModel) -> ServedModel:
         """`served`, unless it is an ensemble one of whose composing models does not serve now."""
         if served.depends_on:
-            problem = ensembles.dependency_problem(served, self.is_ready)
+            problem = ensembles.dependency_problem(served, self.is_ready, self.budget.residency.on_demand)
             if problem is not None:
                 raise unavailable(problem)
         return served
@@ -149,7 +149,9 @@ class ModelRepository:
                 reason = error if error and status.state == UNAVAILABLE else status.reason
                 served = self._served.get(name, {}).get(version)
                 if status.state == READY and served is not None and served.depends_on:
-                    problem = ensembles.dependency_problem(served, self.is_ready)
+                    problem = ensembles.dependency_problem(
+                        served, self.is_ready, self.budget.residency.on_demand
+                    )
                     if problem is not None:
                         if ready_only:
                             continue
@@ -389,7 +391,8 @@ class ModelRepository:
         if is_ensemble(raw_config):
             log.info("model %s version %d loading (ensemble)", name, version)
             try:
-                return ensembles.build_ensemble(name, source, version, raw_config, where, self.get)
+                return ensembles.build_ensemble(name, source, version, raw_config, where, self.get,
+                                                self.touch, self.load_on_demand)  # fmt: skip
             except InferenceError as exc:
                 log.error("model %s version %d failed: %s", name, version, exc.message)
                 raise

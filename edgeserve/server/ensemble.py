@@ -17,6 +17,7 @@ count is data-dependent); a step with zero rows answers empty outputs without ca
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -41,6 +42,9 @@ log = logging.getLogger("edgeserve.ensemble")
 
 # (model name, version "" = latest) -> the ready served version; raises InferenceError otherwise.
 Resolver = Callable[[str, str], "ServedModelLike"]
+# (model, version, wait s) -> a future done when a step model that loads on demand serves, or None
+# when it is not such a model (the repository's load_on_demand, as the data plane uses it).
+LoadOnDemand = Callable[[str, str, float], "concurrent.futures.Future[None] | None"]
 
 
 @dataclass(slots=True)
@@ -80,11 +84,15 @@ class EnsembleStats(ModelStats):
 class EnsembleScheduler:
     """Stands where a model's Scheduler stands (`SchedulerLike`, plus drain/close for the repository)."""
 
-    def __init__(self, plan: EnsemblePlan, config: Any, stats: EnsembleStats, resolve: Resolver) -> None:
+    def __init__(self, plan: EnsemblePlan, config: Any, stats: EnsembleStats, resolve: Resolver,
+                 touch: Callable[[str], None] | None = None,
+                 load_on_demand: LoadOnDemand | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.config = config
         self.stats = stats
         self.resolve = resolve
+        self.touch = touch  # a step counts as a use of its model (memory-budget LRU)
+        self.load_on_demand = load_on_demand
         self.model_name = plan.name
         self._lock = threading.Lock()
         self._runs: set[_Run] = set()
@@ -226,10 +234,12 @@ class _Run:
             self.owner._finished(self)
 
     # -- one step ---------------------------------------------------------------------------------
-    def _submit(self, step: Step) -> None:
-        started = time.monotonic_ns()
+    def _submit(self, step: Step, started: int = 0, may_load: bool = True) -> None:
+        started = started or time.monotonic_ns()
         try:
-            served = self.owner.resolve(step.model_name, step.model_version)
+            served = self._resolve(step, started, may_load)
+            if served is None:
+                return  # loading on demand: submitted again when it serves
             inputs, rows = self._step_inputs(step, served)
             remaining_us = 0
             if self.deadline_ns:
@@ -259,6 +269,32 @@ class _Run:
                 served.scheduler.submit(job)
         except BaseException as exc:
             self._step_done(step, started, exc)
+
+    def _resolve(self, step: Step, started: int, may_load: bool) -> ServedModelLike | None:
+        """The step's model; None when it is being loaded for this step (load on first use, or
+        unloaded for the memory budget): `_submit` runs again once it serves."""
+        owner = self.owner
+        try:
+            served = owner.resolve(step.model_name, step.model_version)
+        except InferenceError as exc:
+            if exc.status is not Status.UNAVAILABLE or owner.load_on_demand is None or not may_load:
+                raise
+            wait_s = max(0.0, (self.deadline_ns - time.monotonic_ns()) / 1e9) if self.deadline_ns else 0.0
+            loading = owner.load_on_demand(step.model_name, step.model_version, wait_s)
+            if loading is None:
+                raise
+            loading.add_done_callback(lambda done: self._loaded(step, started, done))
+            return None
+        if owner.touch is not None:
+            owner.touch(step.model_name)
+        return served
+
+    def _loaded(self, step: Step, started: int, done: concurrent.futures.Future[None]) -> None:
+        error = done.exception()
+        if error is not None:
+            self._step_done(step, started, error)
+        else:
+            self._submit(step, started, may_load=False)  # once: a model unloaded again fails the step
 
     def _step_inputs(self, step: Step, served: ServedModelLike) -> tuple[Arrays, int]:
         """The step's inputs, cast to its model's declared data types where a producer returned

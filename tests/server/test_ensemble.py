@@ -374,3 +374,18 @@ async def test_optional_ensemble_inputs_left_out(repo_dir: Path, make_plane: Pla
         await plane.infer(_request("opt", IN0=x, IN1=x))
     assert missing.value.status is Status.INVALID_ARG
     assert missing.value.message.startswith("ensemble 'opt' step 2 'text': expected 1 inputs but got 0")
+
+
+async def test_a_step_model_unloaded_for_the_memory_budget_is_loaded_again_by_the_ensemble(
+    repo_dir: Path, make_plane: Plane
+) -> None:
+    plane = await make_plane(repo_dir)
+    repository = plane.repository
+    await repository.budget.evict("text")  # as the budget does (it spares an ensemble's steps itself)
+    assert not plane.model_ready("text") and plane.model_ready("ens")  # its next request loads it
+    x = np.ones((1, 4), np.float32)
+    out = _outputs(await plane.infer(_request("ens", IN0=x, IN1=x, WORDS=np.array([b"w"], dtype=np.object_))))
+    assert list(out["WORDS_OUT"]) == [b"w"] and plane.model_ready("text")
+    assert repository.budget.residency.last_used.get("add_sub", 0) > 0  # steps count as uses (LRU)
+    await plane.unload_model("text")  # an explicit unload is not undone by the ensemble
+    assert not plane.model_ready("ens")
