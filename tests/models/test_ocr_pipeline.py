@@ -109,6 +109,32 @@ def test_boxes_decode_and_rotate_in_process() -> None:
     assert result["TEXT"].tolist() == [b"AB A"] and result["BOXES_OUT"].shape == (1, 4, 2)
 
 
+@pytest.mark.parametrize("angle", [0, 20, 90, 180])
+def test_turned_lines_in_process(angle: int) -> None:
+    """The pipeline's steps chained by hand on onnxruntime: a line turned 20 degrees (a rotated box),
+    90 (vertical: the crop is turned a quarter) and 180 (the classifier flags it) reads the same."""
+    missing = [str(p.relative_to(ROOT)) for p in NEEDED if not p.exists()]
+    if missing:
+        pytest.skip(f"sample models missing ({', '.join(missing)}): run `edgeserve samples`")
+    from PIL import Image, ImageDraw, ImageFont
+
+    ort = pytest.importorskip("onnxruntime")
+    pre, boxes, rotate, decode = (_step(n) for n in ("ocr_pre", "ocr_boxes", "ocr_rotate", "ocr_decode"))
+    det, cls, rec = (ort.InferenceSession(str(MODELS / m / "1" / "model.onnx"))
+                     for m in ("ppocr_det", "ppocr_cls", "ppocr_rec"))  # fmt: skip
+    image = Image.new("RGB", (640, 480), "white")
+    ImageDraw.Draw(image).text((120, 200), "ROTATED 42", fill="black", font=ImageFont.load_default(size=48))
+    frame = np.asarray(image.rotate(angle, fillcolor="white"))
+    x = pre.preprocess(frame)
+    found = boxes.extract(det.run(None, {"x": x["DET_INPUT"]})[0], frame, x["SHAPE"])
+    probs = cls.run(None, {"x": found["CLS_CROPS"]})[0]
+    upright = rotate.rotate(found["REC_CROPS"], found["REC_WIDTHS"], probs)
+    characters = decode.load_characters(MODELS / "ocr_decode" / "1" / "ppocr_keys.txt")
+    out = decode.finish(rec.run(None, {"x": upright})[0], found["BOXES"], characters)
+    assert _texts(out["TEXT"]) == ["ROTATED 42"]
+    assert out["SCORES"][0] > 0.9
+
+
 # -- end to end through a running server --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ocr_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
