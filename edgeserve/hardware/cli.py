@@ -145,7 +145,11 @@ def detect_command(args: argparse.Namespace) -> int:
     plans: list[ModelPlan] = []
     races: dict[str, Any] = {}  # model -> the cached race (the whole repository is not raced here)
     errors: list[dict[str, str]] = []
+    ensembles: dict[str, list[str]] = {}  # an ensemble has no backend: its steps run on their own plans
     for name, version_dir, config, error in _models(repository):
+        if error is None and config is not None and config.platform == "ensemble":
+            ensembles[name] = [step.model_name for step in config.ensemble_scheduling.step]
+            continue
         if error is not None or version_dir is None:
             errors.append({"model": name, "error": error or "no version"})
             continue
@@ -176,6 +180,7 @@ def detect_command(args: argparse.Namespace) -> int:
             "profile": _profile_dict(profile), "threads": {"count": threads, "reason": threads_why},
             "memory_budget_bytes": planner.memory_budget(), "accuracy_guard": guard is not None,
             "model_repository": str(repository), "models": [p.to_dict() for p in plans], "errors": errors,
+            "ensembles": ensembles,
             "races": {name: race.to_dict() for name, race in races.items()},
         }  # fmt: skip
         print(json.dumps(out, indent=2, default=str))
@@ -193,11 +198,15 @@ def detect_command(args: argparse.Namespace) -> int:
         print(
             "accuracy: the guard for lower precisions runs on the device at load (probe root is not this box)"
         )
-    print(f"models in {repository}:" if plans or errors else f"models: none found in {repository}")
+    found = plans or errors or ensembles
+    print(f"models in {repository}:" if found else f"models: none found in {repository}")
     for plan in plans:
         _print_plan(plan)
         if plan.model in races:
             print(f"      race     {races[plan.model].summary()} (edgeserve detect --model for the table)")
+    for name, steps in ensembles.items():
+        chain = " -> ".join(steps)
+        print(f"  {name}: ensemble of {len(steps)} steps ({chain}); each step runs on its model's plan")
     for problem in errors:
         print(f"  {problem['model']}: ERROR {problem['error']}")
     return 0

@@ -55,3 +55,26 @@ def test_detect_human(tmp_path: Path) -> None:
 def test_detect_bad_root(tmp_path: Path) -> None:
     result = _detect("--root", str(tmp_path / "missing"))
     assert result.returncode == 2 and "is not a folder" in result.stderr
+
+
+def test_detect_lists_an_ensemble_with_its_steps(tmp_path: Path) -> None:
+    repo = make_repository(tmp_path)
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 0\n'
+        'input [{ name: "IN" data_type: TYPE_FP32 dims: [4] }]\n'
+        'output [{ name: "OUT" data_type: TYPE_FP32 dims: [4] }]\n'
+        "ensemble_scheduling { step [\n"
+        '  { model_name: "tiny" model_version: -1 input_map { key: "x" value: "IN" }'
+        ' output_map { key: "y" value: "MID" } },\n'
+        '  { model_name: "big" model_version: -1 input_map { key: "x" value: "MID" }'
+        ' output_map { key: "y" value: "OUT" } } ] }\n'
+    )
+    human = _detect("--root", str(FIXTURES / "x86-cpu"), "--model-repository", str(repo))
+    assert human.returncode == 0, human.stderr
+    assert "pipeline: ensemble of 2 steps (tiny -> big)" in human.stdout
+    assert "ERROR" not in human.stdout
+    data = json.loads(
+        _detect("--root", str(FIXTURES / "x86-cpu"), "--model-repository", str(repo), "--json").stdout
+    )
+    assert data["ensembles"] == {"pipeline": ["tiny", "big"]} and data["errors"] == []
