@@ -60,27 +60,8 @@ def preprocess(image: np.ndarray, bgr: bool = False, limit: int = LIMIT_SIDE_LEN
     }
 
 
-def keep_freed_memory() -> None:
-    """Let this worker process keep the memory it frees (glibc only; elsewhere a no-op).
-
-    A frame-sized array is allocated and freed several times per call; with glibc's defaults the
-    freed memory goes back to the kernel and every call page-faults it in again: 5-8x slower here
-    (2 ms -> 16 ms per 640x480 frame). The worker is this model's own process, so the setting is too.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: frame-sized arrays come from the heap
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: and stay mapped once freed
-    except (OSError, AttributeError):
-        pass
-
-
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
-        keep_freed_memory()
         parameters = json.loads(args["model_config"]).get("parameters", {})
 
         def param(key: str, default: str) -> str:
