@@ -40,31 +40,11 @@ WEIGHTS = 8
 
 
 def build_repository(root: Path, layers: int = LAYERS) -> Path:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from tests.onnx_models import build_matmul_chain
 
-    rng = np.random.default_rng(0)
-    nodes, inits, prev = [], [], "x"
-    # a few weight matrices shared by every layer: a slow model stays a small file
-    for i in range(WEIGHTS):
-        w = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
-    for i in range(layers):
-        out = "y" if i == layers - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [prev, f"w{i % WEIGHTS}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
-        prev = out
-    graph = helper.make_graph(
-        nodes, "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", DIM])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", DIM])],
-        inits,
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
     repo = root / "models"
-    (repo / MODEL / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / MODEL / "1" / "model.onnx"))
+    # a few weight matrices shared by every layer: a slow model stays a small file
+    build_matmul_chain(repo / MODEL / "1" / "model.onnx", layers, DIM, weights=WEIGHTS)
     (repo / MODEL / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching {}\n'
         "instance_group [{ kind: KIND_CPU, count: 1 }]\n"

@@ -15,6 +15,7 @@ __all__ = [
     "build_bf16_identity",
     "build_conv_dynamic_hw",
     "build_identity",
+    "build_matmul_chain",
     "build_mlp",
     "write_model",
 ]
@@ -111,6 +112,32 @@ def build_conv_dynamic_hw(path: Path, channels: int = 3, out_channels: int = 4, 
     return _save(graph, path)
 
 
+def build_matmul_chain(path: Path, layers: int, dim: int = 256, weights: int = 0, seed: int = 0) -> Path:
+    """x [N, dim] -> y [N, dim] through `layers` MatMul+Tanh: milliseconds per row on one thread, so a
+    flood overloads it. `weights` > 0: that many matrices shared by every layer (a slow model stays a
+    small file); 0: one per layer."""
+    rng = np.random.default_rng(seed)
+    count = weights if weights > 0 else layers
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32), f"w{i}")
+        for i in range(count)
+    ]
+    nodes, prev = [], "x"
+    for i in range(layers):
+        out = "y" if i == layers - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [prev, f"w{i % count}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
+        prev = out
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", dim])],
+        inits,
+    )
+    return _save(graph, path)
+
+
 def write_model(
     repo: Path, name: str, builder: str = "mlp", version: int = 1, config: str | None = None, **kwargs: object
 ) -> Path:
@@ -120,6 +147,7 @@ def write_model(
         "add_sub": build_add_sub,
         "identity": build_identity,
         "conv": build_conv_dynamic_hw,
+        "chain": build_matmul_chain,
     }
     model_dir = repo / name
     builders[builder](model_dir / str(version) / "model.onnx", **kwargs)  # type: ignore[operator]

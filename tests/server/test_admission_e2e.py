@@ -11,11 +11,10 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from es_server import RunningServer, ServerFactory
-from onnx import TensorProto, helper, numpy_helper
+from onnx_models import build_matmul_chain
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,27 +29,8 @@ QUEUE_FULL = "Exceeds maximum queue size"
 
 def _slow_repo(tmp_path: Path) -> Path:
     """A MatMul+Tanh chain: milliseconds per row on one thread, so a flood overloads it."""
-    rng = np.random.default_rng(0)
-    nodes, inits, prev = [], [], "x"
-    for i in range(LAYERS):
-        w = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
-        out = "y" if i == LAYERS - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", DIM])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", DIM])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
     repo = tmp_path / "repo"
-    (repo / "slow" / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / "slow" / "1" / "model.onnx"))
+    build_matmul_chain(repo / "slow" / "1" / "model.onnx", LAYERS, DIM, weights=0)
     (repo / "slow" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 1\ninstance_group [{ kind: KIND_CPU, count: 1 }]\n'
     )

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from es_server import RunningServer, ServerFactory
-from onnx import TensorProto, helper, numpy_helper
+from onnx_models import build_matmul_chain
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,27 +29,8 @@ TRIES = 200
 
 
 def _slow_repo(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    weights = [(rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32) for _ in range(4)]
-    inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)]
-    nodes, prev = [], "x"
-    for i in range(LAYERS):
-        out = "y" if i == LAYERS - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [prev, f"w{i % 4}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
-        prev = out
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", DIM])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", DIM])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
     repo = tmp_path / "repo"
-    (repo / "slow" / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / "slow" / "1" / "model.onnx"))
+    build_matmul_chain(repo / "slow" / "1" / "model.onnx", LAYERS, DIM, weights=4)
     (repo / "slow" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 1\n'
         "dynamic_batching { default_queue_policy { max_queue_size: 2 } }\n"
