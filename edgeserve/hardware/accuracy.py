@@ -11,13 +11,11 @@ again; a changed tolerance re-judges the cached figures without re-running.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from edgeserve.fsutil import write_json_atomic
 from edgeserve.hardware import fidelity
 from edgeserve.hardware.inputs import ModelInputs
 from edgeserve.hardware.plan import GuardResult, PlanOption
@@ -194,18 +193,10 @@ class AccuracyGuard:
     def _store(self, file: Path | None, entries: dict[str, Any]) -> None:
         if file is None:
             return
-        tmp = ""
-        try:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(entries, fh, indent=1, sort_keys=True)
-            os.replace(tmp, file)
+        try:  # a full disk leaves no half-written temporary file behind (write_json_atomic)
+            write_json_atomic(file, entries)
         except OSError as exc:
             log.warning("cannot cache the accuracy check in %s: %s", file.parent, exc)
-            if tmp:  # a full disk must not also collect half-written temporary files
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     def measure(
         self,

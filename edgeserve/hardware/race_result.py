@@ -7,14 +7,13 @@ corrupt or unwritable file only means the model is raced again: never a failed l
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from edgeserve.fsutil import write_json_atomic
 
 log = logging.getLogger("edgeserve.hardware.race")
 
@@ -165,15 +164,7 @@ class RaceCache:
             return
         entries = self._entries(file)
         entries[key] = result.to_dict()
-        tmp = ""
         try:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(entries, fh, indent=1, sort_keys=True)
-            os.replace(tmp, file)
+            write_json_atomic(file, entries)
         except OSError as exc:  # a full disk costs a race at the next start, nothing more
             log.warning("cannot cache the race result in %s: %s", file.parent, exc)
-            if tmp:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
