@@ -62,6 +62,9 @@ class HttpSection:
     # A request's headers (and a started body) must arrive within this: a slowloris peer is closed.
     header_timeout_s: float = 10.0
     keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
+    # Run a request on the event loop itself when its model's recent compute time is under this and
+    # an instance is idle (two thread hand-offs saved; the loop waits that long); 0 = always hand off.
+    inline_max_us: int = 100
 
 
 @dataclass
@@ -74,6 +77,7 @@ class GrpcSection:
     stream_idle_timeout_s: float = 300.0  # a ModelStreamInfer stream with nothing in flight is ended
     connection_idle_timeout_s: float = 900.0  # a connection with no RPC this long is closed (GOAWAY)
     keepalive_s: float = 60.0  # ping period: a half-open connection is found within this + 20 s
+    inline_max_us: int = 100  # as [http] inline_max_us (ModelInfer and ModelStreamInfer)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -211,8 +215,11 @@ class Settings:
         self._validate_limits(fail)
         if bool(self.grpc.tls_cert) != bool(self.grpc.tls_key):
             fail("grpc.tls_cert", "tls_cert and tls_key must be set together")
-        if self.zmq.inline_max_us < 0:
-            fail("zmq.inline_max_us", "must be 0 (always hand requests to a worker) or a time in µs")
+        inline_limits = {"http": self.http.inline_max_us, "grpc": self.grpc.inline_max_us}
+        inline_limits["zmq"] = self.zmq.inline_max_us
+        for name, inline_us in inline_limits.items():
+            if inline_us < 0:
+                fail(f"{name}.inline_max_us", "must be 0 (always hand requests to a worker) or a time in µs")
         if not 0 <= self.zmq.spin_us <= MAX_SPIN_US:
             fail("zmq.spin_us", f"must be 0 (never spin) up to {MAX_SPIN_US} µs")
         if self.runtime.cpu_threads < 0:

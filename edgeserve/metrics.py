@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -104,6 +104,9 @@ class ModelCollector(Collector):
                                       labels=_MODEL_LABELS)  # fmt: skip
         backlog = GaugeMetricFamily("edgeserve_sequence_backlog", "Sequences waiting for a batch slot",
                                     labels=_MODEL_LABELS)  # fmt: skip
+        inline = CounterMetricFamily("edgeserve_inline_runs",
+                                     "Requests a frontend ran itself (its thread or event loop), with no "
+                                     "hand-off to a worker", labels=_MODEL_LABELS)  # fmt: skip
         histograms = {
             "request": HistogramMetricFamily("edgeserve_request_duration_seconds",
                                              "Latency of successful requests, arrival to response ready",
@@ -142,6 +145,7 @@ class ModelCollector(Collector):
                 counters[fail].add_sample(fail, {**labels, "reason": reason}, snap.fail_by_reason[reason])
             scheduler = getattr(item, "scheduler", None)
             pending.add_metric([labels["model"], labels["version"]], getattr(scheduler, "pending_count", 0))
+            inline.add_metric([labels["model"], labels["version"]], getattr(scheduler, "inline_runs", 0))
             if scheduler is not None and hasattr(scheduler, "active_sequences"):  # a sequence batcher
                 sequences.add_metric([labels["model"], labels["version"]], scheduler.active_sequences)
                 backlog.add_metric([labels["model"], labels["version"]], scheduler.backlog)
@@ -152,6 +156,7 @@ class ModelCollector(Collector):
         yield pending
         yield sequences
         yield backlog
+        yield inline
         yield from histograms.values()
 
 

@@ -32,7 +32,9 @@ SMALL_MODEL_NS = 300_000  # per call at batch 1; above it the plan's threads are
 SIZE_RUNS = 3  # enough to tell a small model from a large one
 PROBE_RUNS = 20
 PROBE_GAP_S = 0.0005
-SINGLE_THREAD_GAIN = 0.9  # one thread must be at least 10% faster to be chosen
+# A small model keeps its thread pool only when that is at least 10% faster than one thread: the pool's
+# wake-ups and spinning cost CPU that the frontends of a small box need, for little or no gain.
+POOL_GAIN = 0.9
 
 # ORT type strings -> protocol datatypes. BF16 is left out on purpose: the ORT Python API cannot
 # hand bfloat16 tensors to or from numpy.
@@ -311,7 +313,8 @@ class OnnxRuntimeBackend:
     def _tune_threads(
         self, model_path: Path, session: Any, threads: int, options: BackendOptions, io: ModelIO
     ) -> tuple[Any, int, str | None]:
-        """Time the session, and for a small model a one-thread session too; keep the faster."""
+        """Time the session, and for a small model a one-thread session too; one thread unless the pool
+        is clearly faster."""
         feed = probe_feed(io)
         if feed is None or (os.cpu_count() or 1) < 2:
             return session, threads, None
@@ -327,9 +330,9 @@ class OnnxRuntimeBackend:
             return session, threads, None
         pool = f"{threads} threads" if threads else "the default threads"
         timings = f"{single_ns / 1e3:.0f} us per call with 1 thread, {pool_ns / 1e3:.0f} us with {pool}"
-        if single_ns < pool_ns * SINGLE_THREAD_GAIN:
-            return single, 1, f"1 intra-op thread for this small model ({timings})"
-        return session, threads, f"kept {pool} ({timings})"
+        if pool_ns < single_ns * POOL_GAIN:
+            return session, threads, f"kept {pool} ({timings})"
+        return single, 1, f"1 intra-op thread for this small model ({timings})"
 
 
 def probe_feed(io: ModelIO) -> dict[str, Array] | None:

@@ -10,10 +10,13 @@ timed-out REJECT job fails promptly.
 Copies: a batch of one job hands the job's arrays to the backend as they are; a batch of several
 concatenates each input once into the batch buffer. Outputs go back to each job as row views.
 
-Inline runs: a frontend on its own thread (ZeroMQ) may run a job itself with `try_run_inline` when
-a worker would do exactly that at once anyway (queue empty, an instance idle, no batching delay)
-and the model's recent compute time is short. That saves the hand-off to the worker thread, the
-largest single cost of a small model's round trip on a 2-vCPU box. The instance is claimed for the
+Inline runs: a frontend may run a job itself with `try_run_inline` (the ZeroMQ thread for models up
+to milliseconds, the event loop for HTTP and gRPC up to tens of µs) when the queue is empty, an
+instance is idle and the model's recent compute time is short: when it batches with a window, the
+window is short (<= 1 ms: it only catches requests arriving together) and the run is shorter still,
+so the job is answered before that batch would have started; a longer window is respected. That saves the
+hand-offs to the worker thread and back, the largest single cost of a small model's round trip on a
+2-vCPU box. The instance is claimed for the
 run, so its worker leaves the queue to the other workers until the claim ends.
 
 Accounting: every request that reaches `submit` ends in exactly one `job.done` call and one stats
@@ -63,6 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.scheduler")
 
 _NS_PER_S = 1_000_000_000
+# The longest batching window an inline run may skip (try_run_inline).
+INLINE_WINDOW_MAX_NS = 1_000_000
 
 # A batch running longer than this marks its instance hung (answered, replaced). Model config
 # parameter `hang_timeout_s` overrides it per model (see repository/served.py).
@@ -150,6 +155,7 @@ class Scheduler:
         self._running: set[int] = set()  # instances whose worker executes a batch
         self._claimed: set[int] = set()  # instances running an inline job on a frontend's thread
         self.compute_ewma_ns = 0  # recent compute time per batch; 0 = none measured yet
+        self.inline_runs = 0  # jobs run by `try_run_inline` (under the lock)
         self.job_cost_ewma_ns = 0  # recent compute time per job (batch time / jobs in it)
         self._max_wait_ns = int(max_queue_wait_s * _NS_PER_S)
         # Soft queue cap (queue.py): never below a couple of full batches per instance.
@@ -225,11 +231,20 @@ class Scheduler:
         return True
 
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
-        """Run `job` on the calling thread if nothing is queued, an instance is idle, the model does
-        not wait for a batch to fill, and its recent compute time is under `max_compute_ns` (the
-        caller is blocked that long). False: nothing happened, `submit` it instead."""
+        """Run `job` on the calling thread if nothing is queued, an instance is idle, and the model's
+        recent compute time is under `max_compute_ns` (the caller is blocked that long) and, if it
+        batches with a window, under that window of at most INLINE_WINDOW_MAX_NS. False: nothing
+        happened, `submit` it instead."""
         ewma = self.compute_ewma_ns
-        if self._delay_ns or not 0 < ewma <= max_compute_ns:
+        limit = max_compute_ns
+        if self._delay_ns:
+            # A short window only catches requests that arrive together: a run that ends before it
+            # would expire answers sooner than that batch could. A long one trades latency for batch
+            # size on purpose (Triton's contract): respected.
+            if self._delay_ns > INLINE_WINDOW_MAX_NS:
+                return False
+            limit = min(limit, self._delay_ns)
+        if not 0 < ewma <= limit:
             return False
         with self._lock:
             if not self._accepting or self._queue or not self._threads:
@@ -240,6 +255,7 @@ class Scheduler:
                 return False
             self._claimed.add(index)
             self._executing += 1
+            self.inline_runs += 1
             generation = self._generation[index]
             instance = self._instances[index]
         now = time.monotonic_ns()

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from edgeserve import __version__
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
@@ -50,6 +50,23 @@ EXTENSIONS: tuple[str, ...] = (
 )
 
 ResponseCallback = Callable[["InferResponse | InferenceError"], None]
+_T = TypeVar("_T")
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[_T], None]) -> Callable[[_T], None]:
+    """`callback` run on `loop`'s thread: directly when called there (an inline run, an immediate
+    refusal), else through `call_soon_threadsafe` (a worker thread). RuntimeError when the loop is
+    closed (the server is gone and nobody waits)."""
+    here = threading.get_ident()
+
+    def call(result: _T) -> None:
+        if threading.get_ident() == here:
+            callback(result)
+        else:
+            loop.call_soon_threadsafe(callback, result)
+
+    return call
+
 
 # Admission (`[server] max_inflight` = 0): the server takes this many times what its models' queues
 # hold (their wait-based soft caps, plus a batch per instance) in flight at once, across frontends,
@@ -246,7 +263,10 @@ class DataPlane:
             raise unavailable(QUEUE_FULL_MESSAGE)
 
     # -- inference --------------------------------------------------------------------------------
-    async def infer(self, request: InferRequest, *, admitted: bool = False) -> InferResponse:
+    async def infer(
+        self, request: InferRequest, *, admitted: bool = False, inline_max_ns: int = 0
+    ) -> InferResponse:
+        """`inline_max_ns`: as `submit`'s, on the event loop: keep it to tens of µs (the loop waits)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResponse] = loop.create_future()
 
@@ -257,10 +277,9 @@ class DataPlane:
                 else:
                     future.set_result(result)
 
-        def on_done(result: InferResponse | InferenceError) -> None:
-            loop.call_soon_threadsafe(resolve, result)
-
-        self.submit(request, on_done, admitted=admitted)
+        self.submit(request, on_loop(loop, resolve), admitted=admitted, inline_max_ns=inline_max_ns)
+        if future.done():  # ran inline, or refused before queueing: no suspension
+            return future.result()
         return await future
 
     def submit(
@@ -275,8 +294,9 @@ class DataPlane:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
         before queueing) right here, with the response or an InferenceError.
 
-        `inline_max_ns` > 0 (a frontend with its own thread, never the event loop): run the request
-        right here when an instance is idle and the model's recent compute time is under it.
+        `inline_max_ns` > 0: run the request right here when an instance is idle and the model's
+        recent compute time is under it (`Scheduler.try_run_inline`). A frontend on its own thread
+        may allow milliseconds; one on the event loop only tens of µs, as the loop waits meanwhile.
         Returns True when it ran here.
 
         `on_demand`: a request for a model that is not loaded but loads on first use (or was unloaded

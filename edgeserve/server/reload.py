@@ -58,6 +58,8 @@ async def reload_settings(server: Server, load: Callable[[], Settings]) -> list[
     current.shm.max_regions = shm.max_regions = new.shm.max_regions
     current.zmq.max_inflight_per_client = new.zmq.max_inflight_per_client
     current.zmq.inline_max_us = new.zmq.inline_max_us
+    current.http.inline_max_us = new.http.inline_max_us
+    current.grpc.inline_max_us = new.grpc.inline_max_us
     for frontend in server.frontends:
         apply = getattr(frontend, "apply_limits", None)
         if apply is not None:

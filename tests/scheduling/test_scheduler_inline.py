@@ -12,7 +12,10 @@ from sched_helpers import WAIT_S, make_job, mlp_input
 from edgeserve.scheduling.scheduler import Scheduler
 
 BATCHING = "max_batch_size: 8\ndynamic_batching { }\n"
-DELAYED = "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 100 }\n"
+
+def delayed(window_us: int) -> str:
+    return f"max_batch_size: 8\ndynamic_batching {{ max_queue_delay_microseconds: {window_us} }}\n"
+
 GENEROUS_NS = 10_000_000_000  # any compute time qualifies
 
 
@@ -58,12 +61,33 @@ def test_declines_a_model_slower_than_the_limit(make_scheduler):
     assert result.calls == 0
 
 
-def test_declines_when_the_batcher_would_wait_for_more(make_scheduler):
-    scheduler, _ = make_scheduler("mlp", DELAYED)
+def test_declines_a_batching_model_slower_than_its_batching_window(make_scheduler):
+    scheduler, _ = make_scheduler("mlp", delayed(20))
+    measured(scheduler)
+    scheduler.compute_ewma_ns = 50_000  # scripted: a run takes longer than the 20 µs window
+    job, result = make_job(mlp_input())
+    assert not scheduler.try_run_inline(job, GENEROUS_NS)
+    assert result.calls == 0 and scheduler.inline_runs == 0
+
+
+def test_respects_a_long_batching_window(make_scheduler):
+    """A window over 1 ms trades latency for batch size on purpose: the batcher waits, as in Triton."""
+    scheduler, _ = make_scheduler("mlp", delayed(600_000))
     measured(scheduler)
     job, result = make_job(mlp_input())
     assert not scheduler.try_run_inline(job, GENEROUS_NS)
-    assert result.calls == 0
+    assert result.calls == 0 and scheduler.inline_runs == 0
+
+
+def test_runs_a_batching_model_faster_than_its_short_window(make_scheduler, reference):
+    """A run shorter than a short window answers before a batch of that window would start."""
+    scheduler, _ = make_scheduler("mlp", delayed(1000))
+    measured(scheduler)
+    scheduler.compute_ewma_ns = 50_000  # scripted: runs take 50 µs (a clock is never asserted on)
+    job, result = make_job(mlp_input(seed=5))
+    assert scheduler.try_run_inline(job, GENEROUS_NS)
+    assert result.calls == 1 and scheduler.inline_runs == 1
+    np.testing.assert_allclose(result.outputs()["OUTPUT0"], reference("mlp", job.inputs)["OUTPUT0"], rtol=1e-5)
 
 
 def test_declines_while_the_only_instance_is_busy_or_jobs_wait(make_scheduler):

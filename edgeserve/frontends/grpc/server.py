@@ -136,9 +136,14 @@ class GrpcFrontend:
             idle_timeout_s=self.settings.stream_idle_timeout_s,
         )  # fmt: skip
         self.health = HealthService(dataplane)
+        self.apply_limits(settings)
         self.server: grpc.aio.Server | None = None
         self.port: int = 0
         self.address = ""
+
+    def apply_limits(self, settings: Settings) -> None:
+        """At start and on SIGHUP."""
+        self.servicer.inline_max_ns = self.stream.inline_max_ns = max(0, settings.grpc.inline_max_us) * 1000
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}

@@ -89,6 +89,7 @@ class InferenceServicer:
         self.dataplane = dataplane
         self.policy = policy
         self.max_message_bytes = max_message_bytes
+        self.inline_max_ns = 0  # set by the frontend ([grpc] inline_max_us)
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: Any, context: Context) -> Any:
@@ -144,7 +145,7 @@ class InferenceServicer:
         except BaseException:
             self.dataplane.release()
             raise
-        response = await self.dataplane.infer(infer_request, admitted=True)
+        response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
         return codec.encode_response(response, self.max_message_bytes)
 
     # -- repository -----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from edgeserve.frontends.grpc.servicer import grpc_code
 from edgeserve.protocol.errors import InferenceError, internal
 from edgeserve.protocol.inference import InferResponse
 from edgeserve.scheduling.job import client_scope
+from edgeserve.server.dataplane import on_loop
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import DataPlane
@@ -80,6 +81,7 @@ class StreamHandler:
         self.max_message_bytes = max_message_bytes
         self.max_inflight = max_inflight
         self.open_streams = 0  # for tests and stats
+        self.inline_max_ns = 0  # set by the frontend ([grpc] inline_max_us)
 
     async def handle(self, request_iterator: Any, context: Context) -> None:
         try:
@@ -103,10 +105,15 @@ class StreamHandler:
             answers.put_nowait((meta, result))
 
         def make_callback(meta: _Meta) -> Any:
+            def answer(result: InferResponse | InferenceError) -> None:
+                deliver(meta, result)
+
+            deliver_here = on_loop(loop, answer)
+
             def on_done(result: InferResponse | InferenceError) -> None:
                 # RuntimeError: the loop is closed, the server is gone and nobody waits for an answer
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(deliver, meta, result)
+                    deliver_here(result)
 
             return on_done
 
@@ -139,7 +146,9 @@ class StreamHandler:
                         deliver(meta, internal(f"internal error decoding the request: {exc}"))
                         continue
                     try:
-                        self.dataplane.submit(request, make_callback(meta), admitted=True)
+                        self.dataplane.submit(
+                            request, make_callback(meta), admitted=True, inline_max_ns=self.inline_max_ns
+                        )
                     except Exception as exc:  # submit answers through the callback; this is a bug path
                         log.exception("submitting stream request %s failed", msg.id)
                         deliver(meta, internal(f"internal error submitting the request: {exc}"))

@@ -126,6 +126,7 @@ class Routes:
     def __init__(self, dataplane: DataPlane, max_input_bytes: int) -> None:
         self.dataplane = dataplane
         self.max_input_bytes = max_input_bytes
+        self.inline_max_ns = 0  # set by the frontend ([http] inline_max_us)
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -206,7 +207,7 @@ class Routes:
         except BaseException:
             self.dataplane.release()
             raise
-        response = await self.dataplane.infer(infer_request, admitted=True)
+        response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
         chunks, json_length = codec.encode_response(response, infer_request, binary_default)
         headers: dict[str, str] = {}
         if json_length is None:

@@ -244,9 +244,14 @@ class ConnectionGuard:
 GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("edgeserve_connection_guard", ConnectionGuard)
 
 
+ROUTES_KEY: web.AppKey[Routes] = web.AppKey("edgeserve_routes", Routes)
+
+
 def build_app(dataplane: DataPlane, max_input_bytes: int) -> web.Application:
     app = web.Application(client_max_size=max_input_bytes, middlewares=[error_middleware])
-    Routes(dataplane, max_input_bytes).register(app)
+    routes = Routes(dataplane, max_input_bytes)
+    routes.register(app)
+    app[ROUTES_KEY] = routes
     return app
 
 
@@ -268,7 +273,12 @@ class HttpFrontend:
             http.max_connections, http.max_connections_per_client, http.header_timeout_s
         )
         self.app[GUARD_KEY] = self.guard
+        self.apply_limits(settings)
         self._runner: web.AppRunner | None = None
+
+    def apply_limits(self, settings: Settings) -> None:
+        """At start and on SIGHUP."""
+        self.app[ROUTES_KEY].inline_max_ns = max(0, settings.http.inline_max_us) * 1000
 
     async def start(self) -> None:
         # Decompression is ours (bounded by max_input_bytes); access logging costs too much per request.
