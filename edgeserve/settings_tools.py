@@ -26,6 +26,8 @@ LIVE_SETTINGS = frozenset(
         "shm.max_regions",
         "zmq.max_inflight_per_client",
         "zmq.inline_max_us",
+        "http.inline_max_us",
+        "grpc.inline_max_us",
         "supervisor.*",
         "ota.*",
         "fleet.*",  # the supervisor reconnects its agent; the server has nothing to do with it

@@ -38,6 +38,8 @@ def test_file_env_and_cli_layering(tmp_path: Path) -> None:
         ('[server]\nmodel_control_mode = "poll"\n', "server.model_control_mode"),
         ('[grpc]\ntls_cert = "/a.pem"\n', "tls_cert and tls_key must be set together"),
         ("[zmq]\ninline_max_us = -1\n", "zmq.inline_max_us: must be 0"),
+        ("[http]\ninline_max_us = -5\n", "http.inline_max_us: must be 0"),
+        ("[grpc]\ninline_max_us = -5\n", "grpc.inline_max_us: must be 0"),
         ("[zmq]\nspin_us = -5\n", "zmq.spin_us: must be 0 (never spin) up to 10000"),
         ("[zmq]\nspin_us = 20000\n", "zmq.spin_us: must be 0 (never spin) up to 10000"),
         ("[http\n", "not valid TOML"),
