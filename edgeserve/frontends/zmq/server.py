@@ -43,6 +43,7 @@ log = logging.getLogger("edgeserve.zmq")
 
 PROBE_DELAYS_S = (0.0, 0.2)  # check region owners right after a disconnect, and once more
 SWEEP_S = 5.0  # forget idle clients that own nothing
+BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait (as [http] inline_max_us)
 
 
 class _Peer:
@@ -214,9 +215,15 @@ class ZmqFrontend:
                 decoded.release()
             self._post(peer, reply)
 
-        # Inline only while no other request waits: under load the workers (and the batcher) do better.
+        # While other requests wait, only a tiny model runs here: for a longer one the workers (and the
+        # batcher) do better, and those requests would wait for it; a tiny one costs less than the
+        # hand-off to a worker and back would.
         router = self._router
-        inline = self.inline_max_ns if router is not None and not router.input_waiting() else 0
+        inline = 0
+        if router is not None:
+            inline = (
+                min(self.inline_max_ns, BUSY_INLINE_MAX_NS) if router.input_waiting() else self.inline_max_ns
+            )
         token = CURRENT_CLIENT.set(peer.owner)  # fair shares of a full queue, per client socket
         try:
             if self.dataplane.submit(decoded.request, on_done, inline_max_ns=inline, admitted=True):
