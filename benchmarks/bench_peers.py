@@ -49,6 +49,7 @@ import mlserver_peer
 import pytriton_peer
 import ray_peer
 from bench_grpc import TreeMeter
+from client_pool import ClientPool
 from common import (
     ROOT,
     WORKLOADS,
@@ -190,7 +191,10 @@ def remote(
     clients: int,
     seconds: float,
     meter: TreeMeter | None,
+    pool: ClientPool | None = None,
 ) -> Result:
+    if pool is not None:
+        return pool.run(label, transport, side.addresses[transport], work, x, clients, seconds, meter)
     caller = CALLERS[transport](side.addresses[transport], work, x, clients)
     return run_async(
         label,
@@ -210,8 +214,12 @@ def measure(
     sides: list[Side],
     inprocs: dict[str, InProcess],
     report: dict[str, Any],
+    pool: ClientPool | None = None,
 ) -> None:
-    meter = TreeMeter({"bench": (os.getpid(), False), **{s.name: (s.pid, True) for s in sides}})
+    generators = {"bench": (os.getpid(), False)}
+    for i, pid in enumerate(pool.pids if pool is not None else []):
+        generators[f"bench:{i}"] = (pid, False)  # the client processes: the load generator too
+    meter = TreeMeter({**generators, **{s.name: (s.pid, True) for s in sides}})
     for work in works:
         inproc = inprocs[work.model]
         x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
@@ -241,8 +249,8 @@ def measure(
                 runs.setdefault(("in-process", ""), []).append(r)
                 progress(f"{tag}: in-process {r.throughput:.0f}/s")
                 for side, transport in plan:
-                    remote("warmup", side, transport, work, x, clients, args.warmup, None)
-                    r = remote(side.name, side, transport, work, x, clients, args.seconds, meter)
+                    remote("warmup", side, transport, work, x, clients, args.warmup, None, pool)
+                    r = remote(side.name, side, transport, work, x, clients, args.seconds, meter, pool)
                     runs.setdefault((side.name, transport), []).append(r)
                     progress(f"{tag}: {side.name} {transport} {r.throughput:.0f}/s, errors {r.errors}")
             for (name, transport), results in runs.items():
@@ -259,9 +267,9 @@ def measure(
                         "requests": len(r.latencies_s),
                         "errors": r.errors,
                         "first_error": r.first_error[:160],
-                        "cpu_bench": r.cpu.get("bench", 0.0),
+                        "cpu_bench": sum(v for k, v in r.cpu.items() if k in generators),
                         "cpu_server": r.cpu.get(name, 0.0),
-                        "cpu_others": sum(v for k, v in r.cpu.items() if k not in ("bench", name)),
+                        "cpu_others": sum(v for k, v in r.cpu.items() if k not in generators and k != name),
                         "rounds_rps": [round(x.throughput, 1) for x in results],
                     }
                 )
@@ -285,6 +293,13 @@ def parse() -> argparse.Namespace:
         choices=("auto", "off"),
         default="auto",
         help="auto: measure in a new network namespace when Ray runs; off: never (no Ray)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=0,
+        help="drive every remote row from this many client processes (the clients spread over them); "
+        "0 = one event loop in this process",
     )
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -335,10 +350,15 @@ def main() -> int:
     with bench_repository("onnxruntime", [w.model for w in works], args.model_repository) as repository:
         sides: list[Side] = []
         inprocs: dict[str, InProcess] = {}
+        pool = ClientPool(args.client_processes) if args.client_processes > 0 else None
+        if pool is not None:
+            report["client_processes"] = args.client_processes
         try:
             sides, inprocs = start_sides(args, works, repository, pythons, report)
-            measure(args, works, sides, inprocs, report)
+            measure(args, works, sides, inprocs, report, pool)
         finally:
+            if pool is not None:
+                pool.close()
             for side in reversed(sides):
                 progress(f"stopping {side.name}")
                 side.stop()

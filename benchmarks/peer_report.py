@@ -74,8 +74,16 @@ def render(report: dict[str, Any]) -> str:
         if name not in PEERS:
             lines.append(f"- {name}: left out: {why}")
     args = report["args"]
+    procs = report.get("client_processes")
+    clients = (
+        f"Remote rows driven from {procs} client processes (the N clients spread over them, one event "
+        "loop each; the same callers for every side). "
+        if procs
+        else "Remote rows driven from one event loop in the benchmark process. "
+    )
     lines += [
         "",
+        clients +
         f"{args.get('seconds')} s per phase after {args.get('warmup')} s of warm-up, "
         f"{args.get('rounds')} interleaved round(s), median round kept; whole run {report.get('seconds')} s. "
         "CPU = share of all cores: this load generator / the measured server's process tree / the "
