@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlserver_peer
@@ -75,6 +77,40 @@ class Side:
 
     def __init__(self, name: str, pid: int, addresses: dict[str, str], stop: Any) -> None:
         self.name, self.pid, self.addresses, self.stop = name, pid, addresses, stop
+        self.paused: list[psutil.Process] = []
+
+    def pause(self) -> None:
+        """SIGSTOP to its whole tree while another side is measured: an idle server's timers and
+        helper processes (Ray's above all) then take no CPU and cause no wake-ups in that phase."""
+        if self.paused:
+            return
+        try:
+            root = psutil.Process(self.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.suspend()
+                self.paused.append(process)
+
+    def resume(self) -> None:
+        for process in reversed(self.paused):
+            with contextlib.suppress(psutil.Error):
+                process.resume()
+        self.paused = []
+
+
+def only_running(sides: list[Side], running: Side | None, enabled: bool) -> None:
+    """Resume `running` (None: every side paused, for the in-process phases), pause the others."""
+    if not enabled:
+        return
+    for side in sides:
+        if side is not running:
+            side.pause()
+    if running is not None:
+        running.resume()
+        time.sleep(0.2)  # let a resumed server catch up with its timers before the phase
 
 
 # -- the venvs (outside the namespace: pip needs the network) -----------------------------------------
@@ -244,15 +280,19 @@ def measure(
             runs: dict[tuple[str, str], list[Result]] = {}
             for rnd in range(args.rounds):  # A B C .. A B C: noise hits every phase alike
                 tag = f"{work.model} x{clients}, round {rnd + 1}/{args.rounds}"
+                only_running(sides, None, args.pause_idle)
                 run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
                 r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)  # type: ignore[arg-type]
                 runs.setdefault(("in-process", ""), []).append(r)
                 progress(f"{tag}: in-process {r.throughput:.0f}/s")
                 for side, transport in plan:
+                    only_running(sides, side, args.pause_idle)
                     remote("warmup", side, transport, work, x, clients, args.warmup, None, pool)
                     r = remote(side.name, side, transport, work, x, clients, args.seconds, meter, pool)
                     runs.setdefault((side.name, transport), []).append(r)
                     progress(f"{tag}: {side.name} {transport} {r.throughput:.0f}/s, errors {r.errors}")
+            for side in sides:
+                side.resume()
             for (name, transport), results in runs.items():
                 r = sorted(results, key=lambda r: r.throughput)[len(results) // 2]  # the median round
                 report["rows"].append(
@@ -300,6 +340,12 @@ def parse() -> argparse.Namespace:
         default=0,
         help="drive every remote row from this many client processes (the clients spread over them); "
         "0 = one event loop in this process",
+    )
+    parser.add_argument(
+        "--no-pause-idle",
+        dest="pause_idle",
+        action="store_false",
+        help="leave the servers not being measured running (default: paused with SIGSTOP meanwhile)",
     )
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -353,10 +399,13 @@ def main() -> int:
         pool = ClientPool(args.client_processes) if args.client_processes > 0 else None
         if pool is not None:
             report["client_processes"] = args.client_processes
+        report["paused_idle"] = args.pause_idle
         try:
             sides, inprocs = start_sides(args, works, repository, pythons, report)
             measure(args, works, sides, inprocs, report, pool)
         finally:
+            for side in sides:
+                side.resume()
             if pool is not None:
                 pool.close()
             for side in reversed(sides):

@@ -11,6 +11,7 @@ latencies. The parent measures CPU from the start to the last answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -129,10 +130,8 @@ class ClientPool:
 
     def close(self) -> None:
         for link in self.links:
-            try:
+            with contextlib.suppress(OSError):
                 link.send(None)
-            except OSError:
-                pass
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():

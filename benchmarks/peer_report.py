@@ -83,11 +83,15 @@ def render(report: dict[str, Any]) -> str:
     )
     lines += [
         "",
-        clients +
-        f"{args.get('seconds')} s per phase after {args.get('warmup')} s of warm-up, "
+        clients + f"{args.get('seconds')} s per phase after {args.get('warmup')} s of warm-up, "
         f"{args.get('rounds')} interleaved round(s), median round kept; whole run {report.get('seconds')} s. "
         "CPU = share of all cores: this load generator / the measured server's process tree / the "
-        "other servers (idle) together.",
+        "other servers (idle) together."
+        + (
+            " The servers not being measured were paused (SIGSTOP to their process trees) meanwhile."
+            if report.get("paused_idle")
+            else ""
+        ),
         "",
     ]
     lines += [

@@ -104,8 +104,16 @@ def _run(args: argparse.Namespace) -> int:
     return Supervisor(loader, _serve_flags(args), _config_path(args), _overrides(args)).run()
 
 
+# gRPC core's EventEngine endpoints hand every read and write to threads of their own; the classic
+# polling endpoints do the I/O on grpc.aio's poller thread. Measured here (2 vCPU, 8 clients, a tiny
+# model, gRPC unary): ~10% less server CPU per RPC and 6-10% more RPCs/s. Set before gRPC starts;
+# a GRPC_EXPERIMENTS already in the environment wins.
+GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
+
+
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
     from edgeserve.server.app import Server, StartupError

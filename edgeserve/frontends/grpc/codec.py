@@ -261,6 +261,9 @@ def to_infer_request(decoded: wire.DecodedInfer) -> InferRequest:
     if msg.outputs:
         outputs: list[RequestedOutput] = []
         for out in msg.outputs:
+            if not out.parameters:  # the usual case: a name only
+                outputs.append(RequestedOutput(out.name, None, 0, None, {}))
+                continue
             params, shm, classification = tensor_parameters(out.parameters, f"output '{out.name}'", True)
             outputs.append(RequestedOutput(out.name, shm, classification, None, params))
         request.outputs = outputs

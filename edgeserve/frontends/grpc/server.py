@@ -28,7 +28,7 @@ from edgeserve.frontends.grpc.health import HealthService
 from edgeserve.frontends.grpc.servicer import InferenceServicer, guarded
 from edgeserve.frontends.grpc.stream import StreamHandler, peer_client
 from edgeserve.frontends.limits import request_limit
-from edgeserve.scheduling.job import client_scope
+from edgeserve.scheduling.job import CURRENT_CLIENT
 
 if TYPE_CHECKING:
     from edgeserve.config import Settings
@@ -116,8 +116,12 @@ def _with_client(handler: Callable[..., Any]) -> Callable[..., Any]:
     """Tag the RPC's jobs with the peer's address (fair shares of a full model queue)."""
 
     async def call(request: Any, context: Any) -> Any:
-        with client_scope(peer_client(context)):
+        # CURRENT_CLIENT directly, not client_scope(): a generator context manager per RPC costs ~2 µs
+        token = CURRENT_CLIENT.set(peer_client(context))
+        try:
             return await handler(request, context)
+        finally:
+            CURRENT_CLIENT.reset(token)
 
     return call
 
