@@ -1,4 +1,9 @@
-"""asyncio ZeroMQ client: `await client.infer(...)`, or `await client.submit(...)` for pipelining."""
+"""asyncio ZeroMQ client: `await client.infer(...)`, or `await client.submit(...)` for pipelining.
+
+The socket is a plain (non-asyncio) DEALER watched with `loop.add_reader` on its ZMQ_FD: sends are
+non-blocking calls and replies are drained by one callback, with none of zmq.asyncio's per-message
+futures (a quarter of the client's CPU on a small model's round trip). ZMQ_FD is edge-triggered:
+after every send the socket's EVENTS are checked for replies that arrived meanwhile."""
 
 from __future__ import annotations
 
@@ -7,17 +12,29 @@ import contextlib
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 
 from edgeserve.client import _core
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
-from edgeserve.client.zmq_client import _LATE_MAX, DEFAULT_ENDPOINT
+from edgeserve.client.zmq_client import _EVENTS, _LATE_MAX, _POLLIN, DEFAULT_ENDPOINT
 from edgeserve.frontends.zmq import wire
+
+_SEND_RETRY_S = 0.001
+
+
+class _PlainContext:
+    """Makes `dealer_socket` create a plain zmq.Socket whatever the context's class (a zmq.asyncio
+    context would make asyncio sockets)."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self._ctx = ctx
+
+    def socket(self, kind: int) -> zmq.Socket[Any]:
+        return zmq.Socket(self._ctx, kind)
 
 
 class AsyncZmqClient:
@@ -29,20 +46,22 @@ class AsyncZmqClient:
         timeout: float = 10.0,
         *,
         copy_inputs: bool = True,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context[Any] | None = None,
         identity: bytes | None = None,
     ) -> None:
+        """`context`: any zmq.Context (a zmq.asyncio one too: the socket made here is a plain one)."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
-        self._ctx = context or zmq.asyncio.Context.instance()
-        sock: zmq.asyncio.Socket = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
-        self._sock: zmq.asyncio.Socket | None = sock
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(
+            _PlainContext(self._ctx), endpoint, self.identity, timeout
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the reader is installed
         self._next_id = 1
         self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}
         self._late: dict[int, Pending] = {}
-        self._reader: asyncio.Task[None] | None = None
         self._rings: list[FrameRing] = []
         self._registrations = _core.Registrations()
 
@@ -155,11 +174,10 @@ class AsyncZmqClient:
             if not future.done():
                 future.set_exception(ClientError("UNAVAILABLE", "the client was closed"))
         self._pending.clear()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
+        if self._loop is not None:
+            with contextlib.suppress(Exception):  # a closed loop has nothing to remove
+                self._loop.remove_reader(cast(int, self._sock.getsockopt(zmq.FD)))
+            self._loop = None
         self._sock.close(linger=0)
         self._sock = None
         for ring in self._rings:
@@ -192,8 +210,9 @@ class AsyncZmqClient:
                 pending.release_slots()
             raise ClientError("UNAVAILABLE", "the client is closed")
         loop = asyncio.get_running_loop()
-        if self._reader is None:
-            self._reader = loop.create_task(self._read_loop())
+        if self._loop is None:
+            loop.add_reader(cast(int, sock.getsockopt(zmq.FD)), self._on_events)
+            self._loop = loop
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         future: asyncio.Future[Any] = loop.create_future()
         seconds = self.timeout if timeout is None else timeout
@@ -202,7 +221,7 @@ class AsyncZmqClient:
         if pending is not None:
             pending.sent_at = time.perf_counter()
         try:
-            await sock.send_multipart(frames, copy=False)
+            await self._send_frames(sock, frames, time.monotonic() + seconds)
         except zmq.Again:
             self._pending.pop(req_id, None)
             timer.cancel()
@@ -218,15 +237,35 @@ class AsyncZmqClient:
             ) from None
         return future
 
-    async def _read_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    async def _send_frames(self, sock: zmq.Socket[Any], frames: list[Any], deadline: float) -> None:
+        """Non-blocking send; while the socket cannot take it (no server yet: IMMEDIATE, or its
+        high-water mark), retried every millisecond until `deadline`, then zmq.Again."""
         while True:
             try:
-                msg = await sock.recv_multipart(copy=False)
-            except zmq.ZMQError:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if time.monotonic() >= deadline or self._sock is not sock:
+                    raise
+                await asyncio.sleep(_SEND_RETRY_S)
+                continue
+            if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:  # the send may have eaten the FD's edge
+                asyncio.get_running_loop().call_soon(self._on_events)
+            return
+
+    def _on_events(self) -> None:
+        """Every reply waiting on the socket, dispatched (the reader callback of ZMQ_FD)."""
+        sock = self._sock
+        while sock is not None:
+            try:
+                if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                    return
+                msg = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed meanwhile
                 return
             self._dispatch(msg)
+            sock = self._sock
 
     def _dispatch(self, msg: list[Any]) -> None:
         try:

@@ -116,6 +116,84 @@ def test_async_client_round_trip_and_pipelining(server: RunningFrontend) -> None
     asyncio.run(main())
 
 
+def test_async_clients_sharing_a_loop_lose_no_reply(server: RunningFrontend) -> None:
+    """Eight clients on one event loop, four requests in flight each, interleaved with ring inputs:
+    replies arrive while other sockets send (ZMQ_FD is edge-triggered); every one comes back, to its
+    own request."""
+
+    async def one_client(k: int) -> None:
+        async with AsyncZmqClient(server.endpoint, timeout=10.0) as client:
+            ring = await client.create_ring(slots=4, slot_size=64)
+            for start in range(0, 200, 4):
+                futures = []
+                for i in range(start, start + 4):
+                    value = np.full((1, 3), k * 1000 + i, np.int64)
+                    if i % 2:
+                        futures.append(await client.submit("id_int64", {"INPUT0": value}))
+                    else:
+                        slot = ring.acquire()
+                        futures.append(await client.submit("id_int64", {"INPUT0": slot.write(value)}))
+                results = await asyncio.gather(*futures)
+                got = [int(r.as_numpy("OUTPUT0")[0, 0]) for r in results]
+                assert got == [k * 1000 + i for i in range(start, start + 4)]
+            assert ring.free == 4
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(one_client(k) for k in range(8))), 120)
+
+    asyncio.run(main())
+
+
+def test_async_client_without_a_server_is_unavailable_after_its_timeout(tmp_path: Any) -> None:
+    async def main() -> None:
+        client = AsyncZmqClient(f"ipc://{tmp_path}/nobody.zmq", timeout=0.3)
+        started = time.monotonic()
+        try:
+            with pytest.raises(ClientError) as info:
+                await client.infer("m", {"INPUT0": np.ones((1, 4), np.float32)})
+        finally:
+            await client.close()
+        assert info.value.status == "UNAVAILABLE" and "cannot reach edgeserve" in info.value.message
+        assert time.monotonic() - started < 10  # bounded by the timeout, not hung
+
+    asyncio.run(main())
+
+
+def test_async_client_created_before_the_server_binds_gets_its_answer(server: RunningFrontend) -> None:
+    """IMMEDIATE: nothing is queued before the connection is up; the send is retried until it is."""
+    endpoint = f"ipc:///tmp/edgeserve-late-{uuid.uuid4().hex[:8]}.zmq"
+
+    async def main() -> None:
+        async with AsyncZmqClient(endpoint, timeout=10.0) as client:
+            request = asyncio.ensure_future(
+                client.infer("id_int64", {"INPUT0": np.full((1, 3), 7, np.int64)})
+            )
+            await asyncio.sleep(0.3)
+            assert not request.done()
+            relay = zmq.Context.instance().socket(zmq.ROUTER)
+            relay.bind(endpoint)  # a one-message relay to the real server
+            backend = zmq.Context.instance().socket(zmq.DEALER)
+            backend.connect(server.endpoint)
+            try:
+                deadline = time.monotonic() + 10
+                while not relay.poll(10):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                ident, *frames = relay.recv_multipart()
+                backend.send_multipart(frames)
+                while not backend.poll(10):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                relay.send_multipart([ident, *backend.recv_multipart()])
+                result = await asyncio.wait_for(request, 10)
+                assert int(result.as_numpy("OUTPUT0")[0, 0]) == 7
+            finally:
+                relay.close(linger=0)
+                backend.close(linger=0)
+
+    asyncio.run(main())
+
+
 def test_req_socket_works_one_at_a_time(server: RunningFrontend) -> None:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.connect(server.endpoint)
