@@ -43,7 +43,8 @@ class Duration:
 
     def add(self, ns: int, count: int = 1) -> None:
         self.count += count
-        self.ns += max(0, ns)
+        if ns > 0:  # a branch, not max(): this runs ~10 times per request
+            self.ns += ns
 
     def as_dict(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -58,7 +59,8 @@ class Histogram:
     sum_ns: int = 0
 
     def observe(self, ns: int) -> None:
-        ns = max(0, ns)
+        if ns < 0:
+            ns = 0
         self.counts[bisect.bisect_left(_BUCKETS_NS, ns)] += 1
         self.sum_ns += ns
 
