@@ -10,7 +10,8 @@
 2. Interleaved rounds, who goes first rotating (A B C, B C A, ...), each turn after a 2 ms idle gap
    (OpenVINO's and ONNX Runtime's worker threads keep spinning a while after a call, and would tax
    whoever comes next: in a server only the winner runs), until the budget is spent (at least
-   MIN_ROUNDS rounds counting the warm-up ones, at most max_rounds); medians of each scenario.
+   MIN_ROUNDS rounds counting the warm-up ones, at most max_rounds, or CHEAP_MAX_ROUNDS while the
+   rounds so far took under CHEAP_ROUNDS_S); medians of each scenario.
 Times come from perf_counter_ns (monotonic).
 """
 
@@ -38,6 +39,9 @@ WARM_S, WARM_MAX = 0.02, 10  # a fast model gets more warm-up rounds (up to 20 m
 PRUNE = 2.0  # a candidate this many times slower than the best at warm-up is not timed further
 GAP_S = 0.002  # idle time before each candidate's turn: another runtime's spinning threads settle
 SMALL_S = 1e-3  # 1 intra-op thread (beside all of them) is raced only for models faster than this
+# Rounds that cheap go on past max_rounds (up to CHEAP_MAX_ROUNDS, within CHEAP_ROUNDS_S of rounds):
+# medians of microsecond calls need more samples, and a load spends a fraction of a second on them.
+CHEAP_ROUNDS_S, CHEAP_MAX_ROUNDS = 0.5, 60
 
 
 @dataclass(eq=False)  # identity: an entrant is one candidate being timed
@@ -211,7 +215,7 @@ class Stopwatch:
                  max(0.0, self.left()))  # fmt: skip
         durations: list[float] = []
         rounds = WARM_ROUNDS
-        while rounds < most:
+        while rounds < most or (rounds < CHEAP_MAX_ROUNDS and sum(durations) < CHEAP_ROUNDS_S):
             if rounds >= MIN_ROUNDS and statistics.median(durations) > self.left():
                 break
             t0 = time.monotonic()
