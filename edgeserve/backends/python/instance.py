@@ -128,6 +128,8 @@ class PythonInstance:
             try:
                 reply = worker.request(message, self.spec.call_timeout_s, self._stop)
             except WorkerDied as exc:
+                if self._closed:  # close() killed it under this call: the call ends as closed
+                    raise self._closed_error() from None
                 self._lost(worker, restart=True)
                 raise InferenceError(
                     Status.INTERNAL,
