@@ -63,6 +63,7 @@ from common import (
     run_async,
     run_threads,
 )
+from peer_clients import Stream
 
 
 # -- processes ----------------------------------------------------------------------------------------
@@ -232,28 +233,16 @@ class GrpcUnary:
             await client.close()
 
 
-class _Stream:
+class _Stream(Stream):
     def __init__(self, client: Any, work: Workload, inputs: list[Any], outputs: list[Any]) -> None:
-        self.client, self.work = client, work
-        self.request = {"model_name": work.model, "inputs": inputs, "outputs": outputs}
-        self.requests: asyncio.Queue[Any] = asyncio.Queue()
+        super().__init__(client, {"model_name": work.model, "inputs": inputs, "outputs": outputs})
+        self.work = work
 
-        async def feed() -> Any:
-            while True:
-                item = await self.requests.get()
-                if item is None:
-                    return
-                yield item
-
-        self.responses = client.stream_infer(feed())
-
-    async def roundtrip(self) -> None:
-        self.requests.put_nowait(dict(self.request))
-        result, error = await self.responses.__anext__()
-        if error is not None:
-            raise error
+    async def roundtrip(self) -> Any:
+        result = await super().roundtrip()
         if result.as_numpy(self.work.output_name) is None:
             raise RuntimeError("no output")
+        return result
 
 
 class GrpcStream(GrpcUnary):

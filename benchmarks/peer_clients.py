@@ -81,7 +81,9 @@ class GrpcUnary(Caller):
         await conn[0].close()
 
 
-class _Stream:
+class Stream:
+    """One ModelStreamInfer stream with one request in flight at a time (bench_grpc uses it too)."""
+
     def __init__(self, client: Any, request: dict[str, Any]) -> None:
         self.client, self.request = client, request
         self.requests: asyncio.Queue[Any] = asyncio.Queue()
@@ -95,19 +97,24 @@ class _Stream:
 
         self.responses = client.stream_infer(feed())
 
+    async def roundtrip(self) -> Any:
+        """Send the request once; its result (an error in the stream is raised)."""
+        self.requests.put_nowait(dict(self.request))
+        result, error = await self.responses.__anext__()
+        if error is not None:
+            raise error
+        return result
+
 
 class GrpcStream(GrpcUnary):
     """ModelStreamInfer: one bidirectional stream per client, one request in flight on it."""
 
     async def connect(self) -> Any:
         client, inputs, outputs = await super().connect()
-        return _Stream(client, {"model_name": self.work.model, "inputs": inputs, "outputs": outputs})
+        return Stream(client, {"model_name": self.work.model, "inputs": inputs, "outputs": outputs})
 
     async def call(self, conn: Any) -> np.ndarray:
-        conn.requests.put_nowait(dict(conn.request))
-        result, error = await conn.responses.__anext__()
-        if error is not None:
-            raise error
+        result = await conn.roundtrip()
         return result.as_numpy(self.work.output_name)  # type: ignore[no-any-return]
 
     async def disconnect(self, conn: Any) -> None:

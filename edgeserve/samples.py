@@ -13,6 +13,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,11 +28,22 @@ PPOCR_MODELS = {
 }
 
 
+def _save(graph: Any, path: Path) -> Path:
+    """The checked opset-17 model of `graph`, written to `path`."""
+    from onnx import checker, helper, save
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
+    model.ir_version = 8
+    checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save(model, str(path))
+    return path
+
+
 def build_mlp(
     path: Path, in_features: int = 16, hidden: int = 32, out_features: int = 4, seed: int = 0
 ) -> Path:
     """A two-layer MLP with a dynamic batch axis: INPUT0 [N,16] FP32 -> OUTPUT0 [N,4] FP32 (softmax)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -54,18 +66,12 @@ def build_mlp(
         [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["N", out_features])],
         [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"))],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def build_accumulate(path: Path) -> Path:
     """A stateful running sum for the sequence batcher (models/accumulate): INPUT, START, READY and
     STATE_IN [N,1] FP32 -> OUTPUT = STATE_OUT = READY ? STATE_IN * (1 - START) + INPUT : STATE_IN."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     one = numpy_helper.from_array(np.ones((1, 1), dtype=np.float32), "one")
@@ -87,12 +93,7 @@ def build_accumulate(path: Path) -> Path:
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 1]) for n in ("OUTPUT", "STATE_OUT")],
         [one],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save(graph, path)
 
 
 def _download_wheel(dest: Path) -> Path:

@@ -290,8 +290,9 @@ def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending)
 
 
 def dealer_socket(ctx: Any, endpoint: str, identity: bytes, timeout: float) -> Any:
-    """The client's DEALER socket (for `zmq.Context` or `zmq.asyncio.Context`), connected."""
-    sock = ctx.socket(zmq.DEALER)
+    """The client's DEALER socket, connected: a plain zmq.Socket whatever the context's class (the
+    asyncio client watches its FD itself; a zmq.asyncio context would make asyncio sockets)."""
+    sock = zmq.Socket(ctx, zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, identity)  # stable across reconnects: keeps our regions
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no server -> send times out instead of queueing forever

@@ -26,17 +26,6 @@ from edgeserve.frontends.zmq import wire
 _SEND_RETRY_S = 0.001
 
 
-class _PlainContext:
-    """Makes `dealer_socket` create a plain zmq.Socket whatever the context's class (a zmq.asyncio
-    context would make asyncio sockets)."""
-
-    def __init__(self, ctx: zmq.Context[Any]) -> None:
-        self._ctx = ctx
-
-    def socket(self, kind: int) -> zmq.Socket[Any]:
-        return zmq.Socket(self._ctx, kind)
-
-
 class AsyncZmqClient:
     """The asyncio twin of `ZmqClient`; use it from one event loop."""
 
@@ -55,9 +44,7 @@ class AsyncZmqClient:
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(
-            _PlainContext(self._ctx), endpoint, self.identity, timeout
-        )
+        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader is installed
         self._next_id = 1
         self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}

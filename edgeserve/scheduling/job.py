@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -49,3 +50,15 @@ def client_scope(client: str) -> Iterator[None]:
         yield
     finally:
         CURRENT_CLIENT.reset(token)
+
+
+_log = logging.getLogger("edgeserve.scheduler")
+
+
+def answer(job: Job, result: Arrays | BaseException, model: str, version: int) -> None:
+    """`job.done(result)`; a callback that raises is logged, never taken into the caller's thread."""
+    try:
+        job.done(result)
+    except Exception:
+        _log.exception("%s version %d: the result callback of request '%s' failed",
+                       model, version, job.request_id)  # fmt: skip

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job
+from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (
     DEFAULT_HARD_QUEUE_CAP,
     MAX_QUEUE_WAIT_S,
@@ -637,8 +637,4 @@ class Scheduler:
             self._deliver(job, error)
 
     def _deliver(self, job: Job, result: Arrays | BaseException) -> None:
-        try:
-            job.done(result)
-        except Exception:
-            log.exception("%s version %d: the result callback of request '%s' failed",
-                          self.model_name, self.version, job.request_id)  # fmt: skip
+        answer(job, result, self.model_name, self.version)

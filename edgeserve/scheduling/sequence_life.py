@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.job import Arrays, Job
+from edgeserve.scheduling.job import Arrays, Job, answer
 from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec
 from edgeserve.scheduling.sequence_run import Sequence, Step
 from edgeserve.scheduling.stats import ModelStats
@@ -93,11 +93,7 @@ class SequenceLifecycle:
         return live
 
     def _answer(self, job: Job, result: Arrays | BaseException) -> None:
-        try:
-            job.done(result)
-        except Exception:
-            log.exception("%s version %d: the result callback of request '%s' failed",
-                          self.model_name, self.version, job.request_id)  # fmt: skip
+        answer(job, result, self.model_name, self.version)
 
     def _fail(self, jobs: list[Job], error: InferenceError, reason: str) -> None:
         now = time.monotonic_ns()
