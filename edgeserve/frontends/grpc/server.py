@@ -184,8 +184,9 @@ class GrpcFrontend:
         )
         handlers = self.method_handlers()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: faster dispatch
-            server.add_registered_method_handlers(SERVICE, handlers)
+        # Not add_registered_method_handlers: grpc.aio's accept loop then keeps one pending call per
+        # registered method and awaits asyncio.wait over all of them for every RPC (grpcio 1.85); the
+        # generic handler alone measured 4-7% more unary RPC/s at 4-5% less server CPU per RPC.
         self.health.add_to(server)
         address = self._bind_address()
         credentials = server_credentials(self.settings)
