@@ -249,8 +249,7 @@ class Scheduler:
         with self._lock:
             if not self._accepting or self._queue or not self._threads:
                 return False
-            busy = self._running | self._claimed | self._replacing
-            index = next((i for i in range(len(self._instances)) if i not in busy), -1)
+            index = self._idle_instance()
             if index < 0:
                 return False
             self._claimed.add(index)
@@ -265,6 +264,13 @@ class Scheduler:
         finally:
             self._end_inline(index, generation, instance)
         return True
+
+    def _idle_instance(self) -> int:  # lock held; -1 = none
+        running, claimed, replacing = self._running, self._claimed, self._replacing
+        for index in range(len(self._instances)):
+            if index not in running and index not in claimed and index not in replacing:
+                return index
+        return -1
 
     def _end_inline(self, index: int, generation: int, instance: Instance) -> None:
         with self._lock:
@@ -524,12 +530,13 @@ class Scheduler:
         return live
 
     def _execute(self, instance: Instance, jobs: list[Job], taken_ns: int, index: int) -> None:
-        rows = sum(job.batch_size for job in jobs)
+        single = len(jobs) == 1
+        rows = jobs[0].batch_size if single else sum(job.batch_size for job in jobs)
         entry = (jobs, taken_ns)
         self._batches[index] = entry  # a dict store: atomic, read by the watchdog
         # An instance with `infer_requests` (Python models: Triton's execute(requests)) takes the
         # batch as one input dict per job and answers each job on its own (outputs or an error).
-        per_request = getattr(instance, "infer_requests", None) if len(jobs) > 1 else None
+        per_request = None if single else getattr(instance, "infer_requests", None)
         results: Sequence[Arrays | BaseException]
         try:
             inputs = self._assemble(jobs) if per_request is None else {}
@@ -543,7 +550,9 @@ class Scheduler:
             spent = infer_end - infer_start
             self.compute_ewma_ns = spent if ewma == 0 else ewma + (spent - ewma) // 8
             self._measure(spent, len(jobs))
-            if per_request is None:
+            if single:
+                results = (outputs,)
+            elif per_request is None:
                 results = self._split(jobs, outputs, rows)
         except BaseException as exc:
             with self._lock:
@@ -556,10 +565,19 @@ class Scheduler:
         with self._lock:
             if self._batches.get(index) is entry:
                 del self._batches[index]
-            live = self._claim(jobs)
+            if single:
+                job = jobs[0]
+                if job.finished:
+                    return  # answered by the watchdog (timeout or hang) while it ran
+                job.finished = True
+                live = jobs
+            else:
+                live = self._claim(jobs)
         if not live:
             return  # answered by the watchdog (timeout or hang) while it ran
-        if len(live) != len(jobs):
+        if single:
+            pairs: Sequence[tuple[Job, Arrays | BaseException]] = ((jobs[0], results[0]),)
+        elif len(live) != len(jobs):
             kept = {id(job) for job in live}
             pairs = [(job, result) for job, result in zip(jobs, results, strict=True) if id(job) in kept]
         else:

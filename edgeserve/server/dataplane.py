@@ -68,6 +68,36 @@ def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[_T], None]) -> 
     return call
 
 
+class _LoopAnswer:
+    """`DataPlane.infer`'s callback: an answer given on the loop's thread (an inline run, a refusal)
+    is kept for `infer` to return without a future; one from a worker resolves `future` on the loop."""
+
+    __slots__ = ("future", "loop", "result", "thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread = threading.get_ident()
+        self.result: InferResponse | InferenceError | None = None
+        self.future: asyncio.Future[InferResponse] | None = None
+
+    def __call__(self, result: InferResponse | InferenceError) -> None:
+        if threading.get_ident() == self.thread:
+            self._settle(result)
+        else:  # RuntimeError when the loop is closed: the server is gone and nobody waits
+            self.loop.call_soon_threadsafe(self._settle, result)
+
+    def _settle(self, result: InferResponse | InferenceError) -> None:
+        future = self.future
+        if future is None:  # still inside `submit` (the future is made before any worker answer lands)
+            if self.result is None:
+                self.result = result
+        elif not future.done():
+            if isinstance(result, InferenceError):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
 # Admission (`[server] max_inflight` = 0): the server takes this many times what its models' queues
 # hold (their wait-based soft caps, plus a batch per instance) in flight at once, across frontends,
 # and never fewer than MIN_AUTO_INFLIGHT; more are refused at once, before their tensors are read.
@@ -267,20 +297,16 @@ class DataPlane:
         self, request: InferRequest, *, admitted: bool = False, inline_max_ns: int = 0
     ) -> InferResponse:
         """`inline_max_ns`: as `submit`'s, on the event loop: keep it to tens of µs (the loop waits)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[InferResponse] = loop.create_future()
-
-        def resolve(result: InferResponse | InferenceError) -> None:
-            if not future.done():
-                if isinstance(result, InferenceError):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        self.submit(request, on_loop(loop, resolve), admitted=admitted, inline_max_ns=inline_max_ns)
-        if future.done():  # ran inline, or refused before queueing: no suspension
-            return future.result()
-        return await future
+        answer = _LoopAnswer(asyncio.get_running_loop())
+        self.submit(request, answer, admitted=admitted, inline_max_ns=inline_max_ns)
+        result = answer.result
+        if result is None:  # queued: a worker answers through the loop
+            future: asyncio.Future[InferResponse] = answer.loop.create_future()
+            answer.future = future
+            return await future
+        if isinstance(result, InferenceError):  # refused before queueing
+            raise result
+        return result  # ran inline: no suspension, no future
 
     def submit(
         self,

@@ -282,10 +282,33 @@ def output_buffer(out: OutputTensor) -> wire.Buffer:
     return array.reshape(-1).view(np.uint8).data
 
 
-def response_parts(
-    response: InferResponse, final: bool | None = None, limit: int = 2**31 - 1
-) -> tuple[list[wire.Buffer], int]:
-    """Wire parts of the ModelInferResponse and their size; `final` adds `triton_final_response`."""
+# Serialized response headers (the message without raw outputs) of plain responses: no id, no
+# parameters. A model answers with the same few headers, and building one is a third of encoding.
+_HEADERS: dict[tuple[Any, ...], bytes] = {}
+_HEADERS_MAX = 512
+
+
+def _response_header(response: InferResponse, final: bool | None) -> bytes:
+    if response.id or response.parameters:
+        return _build_header(response, final)
+    key: list[Any] = [response.model_name, response.model_version, final]
+    for out in response.outputs:
+        if out.parameters:
+            return _build_header(response, final)
+        key += (out.name, out.datatype, out.shape)
+    cache_key = tuple(key)
+    try:
+        header = _HEADERS.get(cache_key)
+    except TypeError:  # a shape given as a list
+        return _build_header(response, final)
+    if header is None:
+        if len(_HEADERS) >= _HEADERS_MAX:  # many shapes (dynamic dims): start over, stay bounded
+            _HEADERS.clear()
+        header = _HEADERS[cache_key] = _build_header(response, final)
+    return header
+
+
+def _build_header(response: InferResponse, final: bool | None) -> bytes:
     msg = service_pb2.ModelInferResponse(
         model_name=response.model_name, model_version=response.model_version, id=response.id
     )
@@ -293,13 +316,19 @@ def response_parts(
         set_param(msg.parameters[key], value)
     if final is not None:
         msg.parameters["triton_final_response"].bool_param = final
-    buffers: list[wire.Buffer] = []
     for out in response.outputs:
         tensor = msg.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
         for key, value in out.parameters.items():
             set_param(tensor.parameters[key], value)
-        buffers.append(output_buffer(out))
-    parts, size = wire.infer_response_bytes(msg.SerializeToString(), buffers)
+    return bytes(msg.SerializeToString())
+
+
+def response_parts(
+    response: InferResponse, final: bool | None = None, limit: int = 2**31 - 1
+) -> tuple[list[wire.Buffer], int]:
+    """Wire parts of the ModelInferResponse and their size; `final` adds `triton_final_response`."""
+    buffers = [output_buffer(out) for out in response.outputs]
+    parts, size = wire.infer_response_bytes(_response_header(response, final), buffers)
     if size > limit:
         raise invalid_arg(f"response has byte size {size} which exceeds gRPC's byte size limit {limit}")
     return parts, size

@@ -19,6 +19,7 @@ from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy
 from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
+from edgeserve.scheduling.job import CURRENT_CLIENT
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import DataPlane
@@ -33,10 +34,24 @@ def grpc_code(error: InferenceError) -> grpc.StatusCode:
     return grpc.StatusCode[error.grpc_status_name]
 
 
-def guarded(handler: Handler, policy: AccessPolicy) -> Handler:
-    """Access check, malformed-request answer and error mapping around one unary handler."""
+def peer_client(context: Context) -> str:
+    """The peer's address without its port ("ipv4:10.0.0.7"), for fair shares between clients."""
+    try:
+        peer = str(context.peer() or "")
+    except Exception:  # pragma: no cover - a context without a peer
+        return ""
+    head, sep, tail = peer.rpartition(":")
+    return head if sep and tail.isdigit() else peer
+
+
+def guarded(handler: Handler, policy: AccessPolicy, tag_client: bool = False) -> Handler:
+    """Access check, malformed-request answer and error mapping around one unary handler.
+
+    `tag_client`: the RPC's jobs carry the peer's address (fair shares of a full model queue)."""
 
     async def call(request: Any, context: Context) -> Any:
+        # CURRENT_CLIENT directly, not client_scope(): a generator context manager per RPC costs ~2 µs
+        token = CURRENT_CLIENT.set(peer_client(context)) if tag_client else None
         try:
             policy.check(context, admin=False)
             if isinstance(request, wire.Malformed):
@@ -47,6 +62,9 @@ def guarded(handler: Handler, policy: AccessPolicy) -> Handler:
         except Exception as exc:  # a bug here must not take the server down
             log.exception("grpc handler %s failed", getattr(handler, "__name__", handler))
             error = internal(f"internal error: {exc}")
+        finally:
+            if token is not None:
+                CURRENT_CLIENT.reset(token)
         await context.abort(grpc_code(error), error.message)
 
     call.__name__ = getattr(handler, "__name__", "handler")

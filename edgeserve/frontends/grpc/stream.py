@@ -26,7 +26,7 @@ import grpc
 
 from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy
-from edgeserve.frontends.grpc.servicer import grpc_code
+from edgeserve.frontends.grpc.servicer import grpc_code, peer_client
 from edgeserve.protocol.errors import InferenceError, internal
 from edgeserve.protocol.inference import InferResponse
 from edgeserve.scheduling.job import client_scope
@@ -41,16 +41,6 @@ Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints
 
 _READER_DONE = object()
 _IDLE = object()
-
-
-def peer_client(context: Context) -> str:
-    """The peer's address without its port ("ipv4:10.0.0.7"), for fair shares between clients."""
-    try:
-        peer = str(context.peer() or "")
-    except Exception:  # pragma: no cover - a context without a peer
-        return ""
-    head, sep, tail = peer.rpartition(":")
-    return head if sep and tail.isdigit() else peer
 
 
 class _Meta:

@@ -352,3 +352,29 @@ def test_response_size_limit() -> None:
     response = InferResponse("m", "1", "", [OutputTensor("o", "UINT8", (100,), np.zeros(100, np.uint8))])
     error = _error(codec.encode_response, response, 64)
     assert error.status is Status.INVALID_ARG and "exceeds" in error.message
+
+
+def test_plain_response_headers_are_reused_per_shape_and_stay_bounded() -> None:
+    """Responses without id or parameters share a cached header: each must still name its own shape
+    and data, unary and stream headers must not mix, and the cache never outgrows its bound."""
+
+    def plain(rows: int, version: str = "1") -> InferResponse:
+        data = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        return InferResponse("m", version, "", [OutputTensor("o", "FP32", (rows, 3), data)])
+
+    for rows in (1, 2, 1, 5, 2):
+        msg = service_pb2.ModelInferResponse.FromString(codec.encode_response(plain(rows)))
+        assert list(msg.outputs[0].shape) == [rows, 3]
+        assert np.frombuffer(msg.raw_output_contents[0], np.float32).tolist() == list(range(rows * 3))
+        assert "triton_final_response" not in msg.parameters
+        stream = service_pb2.ModelStreamInferResponse.FromString(codec.encode_stream_response(plain(rows)))
+        assert stream.infer_response.parameters["triton_final_response"].bool_param is True
+        assert list(stream.infer_response.outputs[0].shape) == [rows, 3]
+    other = service_pb2.ModelInferResponse.FromString(codec.encode_response(plain(2, version="7")))
+    assert other.model_version == "7"
+    # an id or parameters are never served from the cache
+    with_id = InferResponse("m", "1", "req-1", plain(1).outputs)
+    assert service_pb2.ModelInferResponse.FromString(codec.encode_response(with_id)).id == "req-1"
+    for rows in range(1, codec._HEADERS_MAX + 50):  # dynamic shapes: bounded
+        codec.encode_response(plain(rows))
+    assert len(codec._HEADERS) <= codec._HEADERS_MAX
