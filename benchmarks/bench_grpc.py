@@ -62,6 +62,7 @@ from common import (
     progress,
     run_async,
     run_threads,
+    served_config,
 )
 from peer_clients import Stream
 
@@ -430,7 +431,9 @@ def run(args: argparse.Namespace, works: list[Workload], repository: Path) -> di
             report["skipped"] = "skipped: --no-pytriton given"
         else:
             python, why = pytriton_peer.pytriton_python(args.pytriton_venv, not args.no_pytriton_install)
-            specs = [pytriton_peer.peer_spec(repository, w, inprocs[w.model]) for w in works]
+            base, folder = f"http://{services[0].http_url}", Path(tempfile.mkdtemp(prefix="bench-grpc-"))
+            specs = [pytriton_peer.peer_spec(served_config(base, w.model, folder), w, inprocs[w.model])
+                     for w in works]  # fmt: skip
             report["peer"] = [pytriton_peer.describe_peer(spec) for spec in specs]
             if python is not None:
                 progress("starting PyTriton (real tritonserver) with the same models and runtime ...")

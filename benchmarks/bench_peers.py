@@ -15,6 +15,7 @@ row group, N in --clients; a markdown table with ratios to in-process and to the
 issue's targets checked.
 
     python benchmarks/bench_peers.py                                  # mlp and ppocr_det, 1 and 8 clients
+    python benchmarks/bench_peers.py --models resnet_nhwc,transformer,wide_mlp --clients 8   # plan_models.py
     python benchmarks/bench_peers.py --models mlp --clients 8 --seconds 1 --rounds 1
     python benchmarks/bench_peers.py --peers mlserver,pytriton        # leave Ray out
     python benchmarks/bench_peers.py --markdown out.md --json out.json
@@ -63,11 +64,13 @@ from common import (
     progress,
     run_async,
     run_threads,
+    served_config,
 )
 from es_server import RunningServer, start_server
 from peer_clients import CALLERS, one_call
 from peer_report import render, targets
 from peers import VENV_DIR, PeerProcess, describe, ort_spec
+from plan_models import BUILDERS, build_all
 
 PEERS = ("pytriton", "mlserver", "ray")  # measured in this order, after edgeserve
 
@@ -193,8 +196,9 @@ def start_sides(
     inprocs = {w.model: InProcess.matching(repository, w.model, server.base) for w in works}
     specs = []
     for work in works:
-        spec = ort_spec(repository, work, inprocs[work.model])
-        spec["pytriton"] = pytriton_peer.peer_spec(repository, work, inprocs[work.model])
+        config_path = served_config(server.base, work.model, tmp)
+        spec = ort_spec(config_path, work, inprocs[work.model])
+        spec["pytriton"] = pytriton_peer.peer_spec(config_path, work, inprocs[work.model])
         specs.append(spec)
         report["setup"].append(describe(spec) + " on every side")
     for peer, python in pythons.items():
@@ -355,6 +359,24 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
+@contextlib.contextmanager
+def model_source(samples: Path, models: list[str]) -> Any:
+    """`samples` itself, or, when plan_models.py's models are asked for, a temporary folder holding
+    them (built, seeded) beside links to the sample models."""
+    built = [m for m in models if m in BUILDERS]
+    if not built:
+        yield samples
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-peers-models-") as tmp:
+        source = Path(tmp)
+        progress(f"building {', '.join(built)} (plan_models.py)")
+        build_all(source, built)
+        for model in models:
+            if model not in BUILDERS:
+                (source / model).symlink_to((samples / model).resolve())
+        yield source
+
+
 def main() -> int:
     args = parse()
     if args.render:
@@ -393,7 +415,10 @@ def main() -> int:
     prepare_samples(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
     report["machine"] = machine_facts()
     t0 = time.monotonic()
-    with bench_repository("onnxruntime", [w.model for w in works], args.model_repository) as repository:
+    with (
+        model_source(args.model_repository, [w.model for w in works]) as source,
+        bench_repository("onnxruntime", [w.model for w in works], source) as repository,
+    ):
         sides: list[Side] = []
         inprocs: dict[str, InProcess] = {}
         pool = ClientPool(args.client_processes) if args.client_processes > 0 else None

@@ -42,7 +42,7 @@ from es_server import start_server as _start_server  # noqa: E402
 
 __all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
            "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
-           "plan_selector", "progress", "read_config", "run_async", "run_threads",
+           "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_config",
            "start_server"]  # fmt: skip
 
 
@@ -254,6 +254,10 @@ WORKLOADS = {
     "ppocr_det": Workload("ppocr_det", "x", "sigmoid_0.tmp_0", (1, 3, 320, 320), 5_000),
     "ppocr_cls": Workload("ppocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 50_000),
     "ppocr_rec": Workload("ppocr_rec", "x", "softmax_11.tmp_0", (1, 3, 48, 320), 10_000),
+    # built by plan_models.py (not in models/)
+    "resnet_nhwc": Workload("resnet_nhwc", "image", "probs", (1, 224, 224, 3), 2_000),
+    "transformer": Workload("transformer", "tokens", "encoded", (1, 64, 256), 5_000),
+    "wide_mlp": Workload("wide_mlp", "features", "probs", (1, 1024), 20_000),
 }
 
 
@@ -280,6 +284,21 @@ def read_config(path: Path) -> Any:
     return text_format.Parse(path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
 
 
+def served_config(http_base: str, model: str, folder: Path) -> Path:
+    """The config a running edgeserve serves `model` with (completed from the model file where its
+    config.pbtxt leaves things out), written as `<folder>/<model>.served.pbtxt`: what a peer is set
+    up from."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    with urllib.request.urlopen(f"{http_base}/v2/models/{model}/config", timeout=30) as response:
+        served = json.loads(response.read())
+    config = json_format.ParseDict(served, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
+    path = folder / f"{model}.served.pbtxt"
+    path.write_text(text_format.MessageToString(config), encoding="utf-8")
+    return path
+
+
 _PIN = re.compile(r"^(backend|platform)\s*:")  # top-level fields only: they start a line in these configs
 
 
@@ -302,7 +321,8 @@ def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[
                 (dst / version.name).mkdir(parents=True)
                 for item in version.iterdir():
                     (dst / version.name / item.name).symlink_to(item.resolve())
-            lines = (src / "config.pbtxt").read_text(encoding="utf-8").splitlines()
+            config = src / "config.pbtxt"  # none: the server completes it from the model
+            lines = config.read_text(encoding="utf-8").splitlines() if config.exists() else []
             text = "\n".join(line for line in lines if not _PIN.match(line))
             text += f'\n# pinned by benchmarks/common.py bench_repository\nbackend: "{backend}"\n'
             (dst / "config.pbtxt").write_text(text, encoding="utf-8")

@@ -196,15 +196,16 @@ class PeerProcess:
 
 
 # -- the session options edgeserve's ONNX Runtime instance uses -----------------------------------------
-def ort_spec(repository: Path, work: Workload, inproc: InProcess) -> dict[str, Any]:
-    """What a peer needs to serve `work.model` as edgeserve does: the model file, the batching from
-    its config.pbtxt, the instance count, and the ORT session options of edgeserve's instance (the
-    same function builds them; the thread count is the one the instance runs with)."""
+def ort_spec(config_path: Path, work: Workload, inproc: InProcess) -> dict[str, Any]:
+    """What a peer needs to serve `work.model` as edgeserve does: the model file, the batching of
+    the config edgeserve serves it with (`config_path`, common.served_config), the instance count,
+    and the ORT session options of edgeserve's instance (the same function builds them; the thread
+    count is the one the instance runs with)."""
     from edgeserve.backends.onnxruntime import session_options
 
     if inproc.backend != "onnxruntime":
         raise SystemExit(f"{work.model}: the peers run ONNX Runtime, edgeserve chose {inproc.backend}")
-    config = read_config(repository / work.model / "config.pbtxt")
+    config = read_config(config_path)
     batching = config.dynamic_batching if config.HasField("dynamic_batching") else None
     so = session_options(inproc.options)
     threads = int(getattr(inproc.instances[0], "threads", 0) or so.intra_op_num_threads)

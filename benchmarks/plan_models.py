@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -148,10 +149,11 @@ CONFIGS = {
 BUILDERS = {"resnet_nhwc": build_resnet_nhwc, "transformer": build_transformer, "wide_mlp": build_wide_mlp}
 
 
-def build_all(repo: Path) -> dict[str, Path]:
-    """Build each model (once) into `repo`; returns name -> model folder."""
+def build_all(repo: Path, names: Iterable[str] | None = None) -> dict[str, Path]:
+    """Build each model (once; `names`: only those) into `repo`; returns name -> model folder."""
     out: dict[str, Path] = {}
-    for name, builder in BUILDERS.items():
+    for name in BUILDERS if names is None else names:
+        builder = BUILDERS[name]
         folder = repo / name
         if not (folder / "1" / "model.onnx").exists():
             builder(folder / "1" / "model.onnx")

@@ -47,10 +47,11 @@ def pytriton_python(venv: Path, install: bool) -> tuple[str | None, str]:
     return ensure_venv(venv, packages, check, install, system_site=True)
 
 
-def peer_spec(repository: Path, work: Workload, inproc: InProcess) -> dict[str, Any]:
-    """What the peer serves for one model: batching as in its config.pbtxt (read, not hard-coded: the
-    sample configs change), and the in-process side's backend, options and instance count."""
-    config = read_config(repository / work.model / "config.pbtxt")
+def peer_spec(config_path: Path, work: Workload, inproc: InProcess) -> dict[str, Any]:
+    """What the peer serves for one model: tensors and batching as in the config edgeserve serves it
+    with (`config_path`, read, not hard-coded: the sample configs change), and the in-process side's
+    backend, options and instance count."""
+    config = read_config(config_path)
     inputs = {t.name: list(t.dims) for t in config.input}
     outputs = {t.name: list(t.dims) for t in config.output}
     batching = config.dynamic_batching if config.HasField("dynamic_batching") else None
@@ -66,7 +67,7 @@ def peer_spec(repository: Path, work: Workload, inproc: InProcess) -> dict[str, 
         "max_queue_delay_us": int(batching.max_queue_delay_microseconds) if batching else 0,
         "preferred_batch_size": [int(b) for b in batching.preferred_batch_size] if batching else [],
         "instances": len(inproc.instances),
-        "config_path": str(repository / work.model / "config.pbtxt"),
+        "config_path": str(config_path),
         "model_path": str(inproc.model_path),
         "backend": inproc.backend,
         "options": options,
