@@ -245,3 +245,52 @@ dynamic_batching { default_queue_policy { allow_timeout_override: true } }
     stats = client(server).get_inference_statistics("conv")["model_stats"][0]
     assert stats["inference_stats"]["fail"]["count"] == len(failed)
     assert_good_request_works(server)
+
+
+def test_response_compression_only_where_it_pays(server_factory: ServerFactory, tmp_path: Path) -> None:
+    """A client that accepts gzip (aiohttp and requests send it by default) gets float noise as
+    identity (deflate would cost ~1.5 ms per 64 KB to save ~10%), a compressible body gzipped, and
+    gzip whenever it refuses identity; every body decodes to the model's output."""
+    import gzip
+
+    repo = tmp_path / "repo"
+    write_model(repo, "ident", "identity", config=ORT)
+    server = server_factory(repo)
+    rng = np.random.default_rng(5)
+
+    def roundtrip(x: np.ndarray, accept: str) -> tuple[str | None, np.ndarray]:
+        header = json.dumps({
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(x.shape),
+                        "parameters": {"binary_data_size": x.nbytes}}],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        }).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"{server.base}/v2/models/ident/infer",
+            data=header + x.tobytes(),
+            headers={"Inference-Header-Content-Length": str(len(header)), "Accept-Encoding": accept},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            encoding = response.headers.get("Content-Encoding")
+            length = int(response.headers["Inference-Header-Content-Length"])
+            raw = response.read()
+        body = gzip.decompress(raw) if encoding == "gzip" else raw
+        (out,) = json.loads(body[:length])["outputs"]
+        return encoding, np.frombuffer(body[length:], np.float32).reshape(out["shape"])
+
+    noise = rng.standard_normal((2, 8192)).astype(np.float32)  # 64 KB
+    encoding, y = roundtrip(noise, "gzip, deflate")
+    assert encoding is None
+    np.testing.assert_array_equal(y, noise)
+    mask = np.zeros((2, 8192), np.float32)
+    mask[1, 100:900] = 1.0
+    encoding, y = roundtrip(mask, "gzip, deflate")
+    assert encoding == "gzip"
+    np.testing.assert_array_equal(y, mask)
+    for refusal in ("gzip, identity;q=0", "gzip;q=1, *;q=0"):
+        encoding, y = roundtrip(noise, refusal)
+        assert encoding == "gzip", refusal
+        np.testing.assert_array_equal(y, noise)
+    small = rng.standard_normal((1, 8)).astype(np.float32)  # small bodies: compressed as asked
+    encoding, y = roundtrip(small, "gzip")
+    assert encoding == "gzip"
+    np.testing.assert_array_equal(y, small)
