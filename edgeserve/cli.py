@@ -132,12 +132,17 @@ def _serve(args: argparse.Namespace) -> int:
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
-    import asyncio
+    import logging
+
+    from edgeserve.server import eventloop
 
     try:
+        loop = eventloop.chosen_loop(settings.server.event_loop)
+        logging.getLogger("edgeserve.server").info("event loop: %s", loop)
         server = Server(settings, reload_settings=lambda: loader()[0], control_socket=args.control_socket)
-        asyncio.run(server.serve_forever())
-    except (OSError, StartupError) as exc:  # e.g. a port already in use: one line, not a traceback
+        eventloop.run(server.serve_forever(), loop)
+    # e.g. a port already in use: one line, not a traceback
+    except (OSError, StartupError, eventloop.EventLoopError) as exc:
         print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -42,6 +42,8 @@ class ServerSection:
     # config.pbtxt says `response_cache { enable: true }`; others never cache. 0 = no cache at all.
     cache_mb: int = 16
     state_dir: Path = Path("/var/lib/edgeserve")
+    # "auto": uvloop where it is installed, else asyncio's own loop; "uvloop" insists; "asyncio" never.
+    event_loop: str = "auto"
 
 
 @dataclass
@@ -209,6 +211,8 @@ class Settings:
                 "server.model_control_mode",
                 f"'{self.server.model_control_mode}' is not one of explicit, none",
             )
+        if self.server.event_loop not in ("auto", "uvloop", "asyncio"):
+            fail("server.event_loop", f"'{self.server.event_loop}' is not one of auto, uvloop, asyncio")
         for section, port in (("http", self.http.port), ("grpc", self.grpc.port)):
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")

@@ -42,6 +42,7 @@ def test_file_env_and_cli_layering(tmp_path: Path) -> None:
         ("[grpc]\ninline_max_us = -5\n", "grpc.inline_max_us: must be 0"),
         ("[zmq]\nspin_us = -5\n", "zmq.spin_us: must be 0 (never spin) up to 10000"),
         ("[zmq]\nspin_us = 20000\n", "zmq.spin_us: must be 0 (never spin) up to 10000"),
+        ('[server]\nevent_loop = "trio"\n', "server.event_loop: 'trio' is not one of auto, uvloop, asyncio"),
         ("[http\n", "not valid TOML"),
     ],
 )

@@ -52,10 +52,21 @@ def load(backend: PythonBackend, tmp_path: Path) -> Iterator[Any]:
         instance.close()
 
 
+def _exited(pid: int) -> bool:
+    """Reaped, or a zombie its parent can reap now. Not an empty cmdline: a SIGKILLed process drops
+    its memory (and with it the cmdline) before it finishes exiting, and `Popen.poll()` says "still
+    running" until it does."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pid not in worker_pids():
+        if pid not in worker_pids() and _exited(pid):
             return True
         time.sleep(0.05)
     return False
