@@ -131,4 +131,14 @@ def start_server(
     )
 
 
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Poll `predicate` until it is true (True) or `timeout` seconds pass (its last answer)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
 ServerFactory = Callable[..., RunningServer]

@@ -550,9 +550,7 @@ class Scheduler:
             spent = infer_end - infer_start
             self.compute_ewma_ns = spent if ewma == 0 else ewma + (spent - ewma) // 8
             self._measure(spent, len(jobs))
-            if single:
-                results = (outputs,)
-            elif per_request is None:
+            if per_request is None:
                 results = self._split(jobs, outputs, rows)
         except BaseException as exc:
             with self._lock:
@@ -565,19 +563,11 @@ class Scheduler:
         with self._lock:
             if self._batches.get(index) is entry:
                 del self._batches[index]
-            if single:
-                job = jobs[0]
-                if job.finished:
-                    return  # answered by the watchdog (timeout or hang) while it ran
-                job.finished = True
-                live = jobs
-            else:
-                live = self._claim(jobs)
+            live = self._claim(jobs)
         if not live:
             return  # answered by the watchdog (timeout or hang) while it ran
-        if single:
-            pairs: Sequence[tuple[Job, Arrays | BaseException]] = ((jobs[0], results[0]),)
-        elif len(live) != len(jobs):
+        pairs: Sequence[tuple[Job, Arrays | BaseException]]
+        if len(live) != len(jobs):
             kept = {id(job) for job in live}
             pairs = [(job, result) for job, result in zip(jobs, results, strict=True) if id(job) in kept]
         else:

@@ -69,22 +69,17 @@ def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[_T], None]) -> 
 
 
 class _LoopAnswer:
-    """`DataPlane.infer`'s callback: an answer given on the loop's thread (an inline run, a refusal)
-    is kept for `infer` to return without a future; one from a worker resolves `future` on the loop."""
+    """`DataPlane.infer`'s answer, settled on the loop (`deliver`, through `on_loop`): one given
+    while `submit` runs (an inline run, a refusal) is kept for `infer` to return without a future;
+    a later one (from a worker) resolves `future`."""
 
-    __slots__ = ("future", "loop", "result", "thread")
+    __slots__ = ("deliver", "future", "loop", "result")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.thread = threading.get_ident()
         self.result: InferResponse | InferenceError | None = None
         self.future: asyncio.Future[InferResponse] | None = None
-
-    def __call__(self, result: InferResponse | InferenceError) -> None:
-        if threading.get_ident() == self.thread:
-            self._settle(result)
-        else:  # RuntimeError when the loop is closed: the server is gone and nobody waits
-            self.loop.call_soon_threadsafe(self._settle, result)
+        self.deliver: ResponseCallback = on_loop(loop, self._settle)
 
     def _settle(self, result: InferResponse | InferenceError) -> None:
         future = self.future
@@ -298,7 +293,7 @@ class DataPlane:
     ) -> InferResponse:
         """`inline_max_ns`: as `submit`'s, on the event loop: keep it to tens of µs (the loop waits)."""
         answer = _LoopAnswer(asyncio.get_running_loop())
-        self.submit(request, answer, admitted=admitted, inline_max_ns=inline_max_ns)
+        self.submit(request, answer.deliver, admitted=admitted, inline_max_ns=inline_max_ns)
         result = answer.result
         if result is None:  # queued: a worker answers through the loop
             future: asyncio.Future[InferResponse] = answer.loop.create_future()

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from es_server import start_server
+from es_server import start_server, wait_until
 from onnx_models import write_model
 from test_loop_inline_e2e import CONFIG, drive_every_frontend
 
@@ -33,15 +32,6 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_a_clear_error(monkeypatch:
         eventloop.chosen_loop("uvloop")
 
 
-def wait_for(predicate: object, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_every_frontend_and_signal_works_on_either_loop(tmp_path: Path, loop: str) -> None:
     repo = tmp_path / "models"
@@ -54,7 +44,7 @@ def test_every_frontend_and_signal_works_on_either_loop(tmp_path: Path, loop: st
         with ZmqClient(server.zmq_endpoint, timeout=10) as client:
             np.testing.assert_array_equal(client.infer("ident", {"INPUT0": x}).as_numpy("OUTPUT0"), x)
         server.process.send_signal(signal.SIGHUP)
-        assert wait_for(lambda: "reload: nothing to apply live" in server.log()), server.log()
+        assert wait_until(lambda: "reload: nothing to apply live" in server.log(), 20), server.log()
         drive_every_frontend(server)  # still serving after the reload
     finally:
         code = server.stop()

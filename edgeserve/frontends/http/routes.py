@@ -86,17 +86,19 @@ def _pays_to_compress(chunks: list[bytes | memoryview], size: int) -> bool:
     return len(zlib.compress(sample, 1)) < _SHRINK_RATIO * len(sample)
 
 
-def _identity_refused(header: str) -> bool:
+def _identity_refused(offered: dict[str, float]) -> bool:
     """Accept-Encoding says "identity;q=0", or "*;q=0" without naming identity (RFC 9110 12.5.3)."""
-    offered = _offered(header)
     if "identity" in offered:
         return offered["identity"] <= 0
     return offered.get("*", 1.0) <= 0
 
 
-def _offered(header: str) -> dict[str, float]:
-    offered = {}
-    for token in header.split(","):
+def _offered(header: str | None) -> dict[str, float]:
+    """Accept-Encoding as coding -> quality ({} when absent)."""
+    offered: dict[str, float] = {}
+    for token in (header or "").split(","):
+        if not token.strip():
+            continue
         name, _, params = token.strip().partition(";")
         quality = 1.0
         if params.strip().startswith("q="):
@@ -108,10 +110,7 @@ def _offered(header: str) -> dict[str, float]:
     return offered
 
 
-def _accepted_encoding(header: str | None) -> str | None:
-    if not header:
-        return None
-    offered = _offered(header)
+def _accepted_encoding(offered: dict[str, float]) -> str | None:
     for candidate in ("gzip", "deflate"):
         if offered.get(candidate, 0.0) > 0:
             return candidate
@@ -247,10 +246,10 @@ class Routes:
         else:
             headers["Content-Type"] = BINARY
             headers[codec.HEADER_LENGTH] = str(json_length)
-        accept = request.headers.get("Accept-Encoding")
-        encoding = _accepted_encoding(accept)
+        offered = _offered(request.headers.get("Accept-Encoding"))
+        encoding = _accepted_encoding(offered)
         size = sum(memoryview(c).nbytes for c in chunks) if encoding is not None else 0
-        if encoding is not None and (_pays_to_compress(chunks, size) or _identity_refused(accept or "")):
+        if encoding is not None and (_pays_to_compress(chunks, size) or _identity_refused(offered)):
             payload = (
                 await asyncio.to_thread(_compress, chunks, encoding)
                 if size > _OFFLOAD_BYTES

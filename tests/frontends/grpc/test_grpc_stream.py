@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from es_server import wait_until
 from grpc_fakes import Client, Inproc
 from tritonclient.grpc import service_pb2
 
@@ -39,15 +40,6 @@ class Collector:
 
     def take(self, n: int, timeout: float = 30.0) -> list[tuple[Any, Any]]:
         return [self.items.get(timeout=timeout) for _ in range(n)]
-
-
-def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 def test_responses_come_in_completion_order(client: Client) -> None:

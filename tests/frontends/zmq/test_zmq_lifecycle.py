@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from es_server import wait_until
 from zmq_harness import (
     RunningFrontend,
     assert_same,
@@ -18,7 +19,6 @@ from zmq_harness import (
     region_names,
     running_frontend,
     ungate,
-    wait_until,
 )
 
 from edgeserve.client import AsyncZmqClient, ClientError, FrameRing, ZmqClient

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -171,12 +170,3 @@ def assert_same(got: np.ndarray, want: np.ndarray) -> None:
 
 def region_names(server: RunningFrontend) -> set[str]:
     return {r.name for r in server.call(server.registry.status)}
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
