@@ -231,7 +231,10 @@ def test_http_clients_leaving_mid_request_leak_nothing(server_factory: ServerFac
     # a whole request, then gone before the answer (several at once, so some wait in the queue)
     socks = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(8)]
     for sock in socks:
-        sock.sendall(head + body)
+        # A busy server may refuse a request that would find the queue full before reading its body
+        # (503, then close): the send meets a reset, which is an allowed answer, not a leak.
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            sock.sendall(head + body)
     for sock in socks:
         sock.close()
     _wait_quiet(server)
