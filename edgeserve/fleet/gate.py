@@ -117,7 +117,9 @@ class CommandGate:
         except (ValueError, RecursionError):
             body = None
         if is_envelope(body):
-            return open_envelope(topic, payload, self.keys.current()).text.encode("utf-8")
+            opened = open_envelope(topic, payload, self.keys.current())
+            log.info("fleet: %s on %s signed by command key %s", what, safe(topic), opened.key_id)
+            return opened.text.encode("utf-8")
         if self.require:
             raise CommandError(UNSIGNED.format(what=what))
         return payload
