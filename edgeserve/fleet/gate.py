@@ -24,6 +24,7 @@ from edgeserve.fleet.protocol import (
     MAX_PAYLOAD_BYTES,
     PREFIX,
     REJECTED,
+    SEGMENT_RE,
     CommandError,
     Topics,
     parse_command,
@@ -65,9 +66,8 @@ class CommandGate:
         self.max_lifetime_s = settings.max_command_lifetime_s
         self.keys = CommandKeys(settings.command_keys or default_command_keys(state_dir))
         self.desired_rejected: dict[str, str] | None = None  # the last desired state, when it was refused
-        self._inbox = re.compile(
-            rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}/resp$"
-        )
+        name = SEGMENT_RE.pattern.strip("^$")  # one topic level, as the fleet tool's client id is
+        self._inbox = re.compile(rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/{name}/resp$")
 
     def describe(self) -> None:
         """Say at start what will be let in, loudly when nothing will."""
