@@ -168,6 +168,9 @@ class OtaSection:
     trial_memory_mb: int = 0
 
 
+MAX_COMMAND_LIFETIME_S = 30 * 86400  # [fleet] max_command_lifetime_s may not be set above this
+
+
 @dataclass
 class FleetSection:
     """The MQTT fleet agent (in the supervisor). No broker = no agent."""
@@ -184,6 +187,11 @@ class FleetSection:
     keepalive_s: int = 30
     metrics_interval_s: float = 60.0
     max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected
+    # Signed commands (ota/fleet.md): the folder of trusted command public keys, one PEM per *.pub
+    # (not the bundle keys); unset = <state_dir>/trust/commands.
+    command_keys: Path | None = None
+    require_signed_commands: bool = True  # false: a lab opt-out; what is signed is still verified
+    max_command_lifetime_s: float = 86400.0  # a command whose expires_at - issued_at is longer is refused
 
 
 @dataclass
@@ -325,6 +333,12 @@ class Settings:
             fail("fleet.cert_file", "cert_file and key_file must be set together")
         if fleet.keepalive_s < 5 or fleet.metrics_interval_s <= 0 or fleet.max_queued_commands < 0:
             fail("fleet.keepalive_s", "keepalive_s >= 5, metrics_interval_s > 0, max_queued_commands >= 0")
+        if not 0 < fleet.max_command_lifetime_s <= MAX_COMMAND_LIFETIME_S:
+            fail("fleet.max_command_lifetime_s", f"must be more than 0 and at most {MAX_COMMAND_LIFETIME_S} "
+                 "seconds (30 days); the default is 86400 (a day)")  # fmt: skip
+        if fleet.command_keys is not None and fleet.command_keys.exists() and not fleet.command_keys.is_dir():
+            fail("fleet.command_keys", f"'{fleet.command_keys}' is a file; give the folder that holds the "
+                 "trusted command keys, one *.pub per key")  # fmt: skip
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -25,7 +25,9 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
-from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox
+from edgeserve.fleet.gate import CommandGate
+from edgeserve.fleet.gate import Reply as _Reply
+from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox, from_hex, to_hex
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
@@ -39,15 +41,10 @@ from edgeserve.fleet.protocol import (
     parse_command,
     utc,
 )
+from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
 
 log = logging.getLogger("edgeserve.fleet")
-
-
-@dataclass
-class _Reply:
-    topic: str
-    correlation: bytes | None = None
 
 
 @dataclass
@@ -66,6 +63,7 @@ class FleetAgent:
         self.version = version
         self.device = device_id(settings)
         self.topics = Topics(settings.fleet, self.device)
+        self.gate = CommandGate(settings, self.topics, state_dir)
         self.v5 = settings.protocol == "5"
         folder = state_dir / "fleet"
         folder.mkdir(parents=True, exist_ok=True)
@@ -107,6 +105,7 @@ class FleetAgent:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        self.gate.describe()
         connect(self.client, self.settings)
         log.info(
             "fleet agent: device %s of fleet %s on %s", self.device, self.settings.fleet, self.settings.broker
@@ -190,21 +189,21 @@ class FleetAgent:
 
     # -- commands in ------------------------------------------------------------------------------
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        try:
-            if message.topic == self.topics.desired:
-                self._on_desired(message)
-            elif message.topic.startswith(self.topics.cmd("")):
-                self._on_command(message)
+        try:  # nothing reaches a handler unless the gate verified it (signature, topic, lifetime)
+            ok = self.gate.admit(message, datetime.now(timezone.utc))  # logs and remembers a refusal
+            if ok.error is not None and message.topic == self.topics.desired:
+                self._reported_dirty.set()  # reported, as every desired state's outcome is
+            elif ok.error is not None:
+                self._answer(self._reply_to(message, ok.cmd_id), ok.cmd_id, REJECTED, error=ok.error)
+            elif ok.message is not None and message.topic == self.topics.desired:
+                self._on_desired(ok.message)
+            elif ok.message is not None:
+                self._on_command(ok.message)
         except Exception:  # a bad message must never stop the network loop
-            log.exception("fleet message on %s could not be handled", message.topic)
+            log.exception("fleet message on %s could not be handled", safe(message.topic))
 
     def _reply_to(self, message: mqtt.MQTTMessage, cmd_id: str | None) -> _Reply | None:
-        props = getattr(message, "properties", None)
-        topic = getattr(props, "ResponseTopic", None) if props is not None else None
-        correlation = getattr(props, "CorrelationData", None) if props is not None else None
-        if topic:
-            return _Reply(str(topic), bytes(correlation) if correlation is not None else None)
-        return _Reply(self.topics.resp(cmd_id)) if cmd_id else None
+        return self.gate.reply_to(message, cmd_id)
 
     def _on_command(self, message: mqtt.MQTTMessage) -> None:
         verb = message.topic[len(self.topics.cmd("")) :]
@@ -229,7 +228,7 @@ class FleetAgent:
         try:
             command = parse_command(verb, message.payload)
         except CommandError as exc:
-            log.info("fleet command %s on %s rejected: %s", cmd_id, verb, exc)
+            log.info("fleet command %s on %s rejected: %s", safe(cmd_id), safe(verb), safe(exc, 300))
             return self._answer(reply, cmd_id, REJECTED, error=str(exc))
         assert reply is not None
         seen = self.ledger.get(command.cmd_id)
@@ -264,7 +263,7 @@ class FleetAgent:
                 return
             # Recorded before the worker can see it: the final outcome is always written after this.
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
-                                        "correlation": _hex(job.reply.correlation)})  # fmt: skip
+                                        "correlation": to_hex(job.reply.correlation)})  # fmt: skip
             ahead = len(self._jobs)
             self._jobs[cmd_id] = job
             self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=ahead)
@@ -369,13 +368,15 @@ class FleetAgent:
         if job.command.verb in LONG_VERBS:
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": status, **fields})
         self._answer(job.reply, cmd_id, status, **fields)
-        log.info("fleet command %s (%s): %s %s", cmd_id, job.command.verb, status, fields.get("error", ""))
+        error = safe(fields.get("error", ""), 300)
+        log.info("fleet command %s (%s): %s %s", cmd_id, job.command.verb, status, error)
 
     def _answer(self, reply: _Reply | None, cmd_id: str | None, status: str, **fields: Any) -> None:
+        if reply is not None and not self.gate.may_publish(reply.topic):  # e.g. an old ledger's reply topic
+            reply = self.gate.reply_to(mqtt.MQTTMessage(), cmd_id)
         if reply is None:  # no cmd_id and no ResponseTopic: nobody to tell
-            log.warning(
-                "fleet: a command without cmd_id or ResponseTopic was %s: %s", status, fields.get("error")
-            )
+            error = safe(fields.get("error"), 300)
+            log.warning("fleet: a command without cmd_id or ResponseTopic was %s: %s", status, error)
             return
         body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": _now(), **fields}
         self._publish(reply.topic, body, correlation=reply.correlation)
@@ -387,7 +388,7 @@ class FleetAgent:
             error = "interrupted: the device restarted while it ran; what was under way was undone"
             self.ledger.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
             reply = _Reply(
-                str(entry.get("reply") or self.topics.resp(cmd_id)), _unhex(entry.get("correlation"))
+                str(entry.get("reply") or self.topics.resp(cmd_id)), from_hex(entry.get("correlation"))
             )
             self._pending_replies.append((reply, {"cmd_id": cmd_id, "status": FAILED, "error": error}))
 
@@ -437,6 +438,7 @@ class FleetAgent:
                 **status,
                 "generation": applied.get("generation", 0),
                 "generation_outcome": applied.get("outcome", ""),
+                "desired_rejected": self.gate.desired_rejected,
                 "running": running,
                 "queued": self._long.qsize(),
                 "at": _now(),
@@ -492,14 +494,3 @@ class FleetAgent:
 
 def _now() -> str:
     return utc(datetime.now(timezone.utc))
-
-
-def _hex(data: bytes | None) -> str | None:
-    return data.hex() if data is not None else None
-
-
-def _unhex(text: Any) -> bytes | None:
-    try:
-        return bytes.fromhex(text) if isinstance(text, str) else None
-    except ValueError:
-        return None

@@ -1,11 +1,16 @@
 """`edgeserve fleet ...`: the fleet operator's commands over MQTT (see ota/fleet.md).
 
     edgeserve fleet devices
+    export EDGESERVE_FLEET_KEY=/secure/keys/fleet-commands.key   # or --key on each command
     edgeserve fleet send cam-01 get_status
-    edgeserve fleet send cam-01 set_config '{"server": {"log_level": "DEBUG"}}'
+    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'
     edgeserve fleet deploy https://repo/bundle-v8.tar --devices 'cam-*' --canary 10% --wave-size 20 \
         --pause 30 --max-failure-ratio 0.05 --sha256 <hex>
+    edgeserve fleet desired cam-01 '{"generation": 8, "bundle": {"url": "https://repo/bundle-v8.tar"}}'
     edgeserve fleet watch --seconds 60
+
+Every command and desired state is signed with the private command key (`edgeserve keygen --role
+command`); devices refuse unsigned ones unless `[fleet] require_signed_commands = false` (a lab setting).
 
 `add_commands(sub)` registers `fleet` on the top-level argparse subparsers; `main(argv)` runs the
 `fleet` command alone (tests, `python -m edgeserve.fleet.fleet_cli`).
@@ -26,6 +31,7 @@ from edgeserve.fleet.protocol import SUCCEEDED, VERBS
 
 ENV_BROKER = "EDGESERVE_FLEET_BROKER"
 ENV_FLEET = "EDGESERVE_FLEET_FLEET"
+ENV_KEY = "EDGESERVE_FLEET_KEY"
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 
 
@@ -47,6 +53,16 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--protocol", choices=["5", "3.1.1"], default="5", help="MQTT version (default 5)")
     group.add_argument("--client-id", help="MQTT client id of this manager (default: random mgr-...)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (JSON lines)")
+
+
+def _signing_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("signing")
+    group.add_argument("--key", "--command-key", dest="command_key", metavar="PATH",
+                       help=f"private command key (PEM, from `edgeserve keygen --role command`) that signs "
+                            f"what is sent (default: ${ENV_KEY}); not the TLS --key-file")  # fmt: skip
+    group.add_argument("--unsigned", action="store_true",
+                       help="send unsigned: only lab devices with [fleet] require_signed_commands = false "
+                            "accept it")  # fmt: skip
 
 
 def _percent(value: str) -> float:
@@ -71,9 +87,10 @@ def _ratio(value: str) -> float:
 
 
 def add_commands(sub: Any) -> argparse.ArgumentParser:
-    """Register `fleet` (devices, send, deploy, watch) on the top-level subparsers; returns its parser."""
+    """Register `fleet` (devices, send, deploy, desired, watch) on the top-level subparsers; returns
+    its parser."""
     fleet = sub.add_parser(
-        "fleet", help="manage a fleet of appliances over MQTT (devices, send, deploy, watch)"
+        "fleet", help="manage a fleet of appliances over MQTT (devices, send, deploy, desired, watch)"
     )
     actions = fleet.add_subparsers(dest="fleet_command", required=True)
 
@@ -88,6 +105,7 @@ def add_commands(sub: Any) -> argparse.ArgumentParser:
     send.add_argument("args_json", nargs="?", default="{}", help="the command's args as a JSON object")
     send.add_argument("--timeout", type=float, default=120.0, help="seconds before the command expires")
     _common_flags(send)
+    _signing_flags(send)
     send.set_defaults(func=_guarded(_send))
 
     deploy = actions.add_parser(
@@ -107,7 +125,15 @@ def add_commands(sub: Any) -> argparse.ArgumentParser:
     deploy.add_argument("--timeout", type=float, default=600.0, help="per-device install timeout (s)")
     deploy.add_argument("--include-offline", action="store_true", help="send to offline devices as well")
     _common_flags(deploy)
+    _signing_flags(deploy)
     deploy.set_defaults(func=_guarded(_deploy))
+
+    desired = actions.add_parser("desired", help="publish a device's desired state (signed, retained)")
+    desired.add_argument("device")
+    desired.add_argument("state_json", help='{"generation": N, "bundle": {"url": "...", "sha256": "..."}}')
+    _common_flags(desired)
+    _signing_flags(desired)
+    desired.set_defaults(func=_guarded(_desired))
 
     watch = actions.add_parser("watch", help="print the fleet's state/health/events/reported messages")
     watch.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
@@ -133,7 +159,24 @@ def _manager(args: argparse.Namespace) -> Any:
         cert_file=args.cert_file,
         key_file=args.key_file,
         protocol=args.protocol,
+        command_key=_command_key(args),
     )
+
+
+def _command_key(args: argparse.Namespace) -> str | None:
+    if not hasattr(args, "unsigned"):
+        return None  # devices, watch: nothing is signed
+    if args.unsigned:  # over $EDGESERVE_FLEET_KEY, not over an explicit --key
+        if args.command_key:
+            raise _UsageError("--unsigned and --key exclude each other")
+        return None
+    key = args.command_key or os.environ.get(ENV_KEY)
+    if not key:
+        raise _UsageError(
+            f"no command key: give --key PATH or set {ENV_KEY} (the private key from `edgeserve keygen "
+            "--role command`); --unsigned only for lab devices with [fleet] require_signed_commands = false"
+        )
+    return str(key)
 
 
 class _UsageError(Exception):
@@ -208,6 +251,21 @@ def _send(args: argparse.Namespace) -> int:
             _out(args, f"{args.device} {args.verb}: {_describe(answer)}", {"update": answer})
     _out(args, f"outcome: {answer.get('status')}", {"outcome": answer})
     return 0 if answer.get("status") == SUCCEEDED else 1
+
+
+def _desired(args: argparse.Namespace) -> int:
+    try:
+        state = json.loads(args.state_json)
+    except ValueError as exc:
+        raise _UsageError(f"STATE_JSON is not JSON: {exc}") from None
+    if not isinstance(state, dict):
+        raise _UsageError("STATE_JSON must be a JSON object")
+    with _manager(args) as manager:
+        manager.set_desired(args.device, state)
+    how = "signed" if manager.command_key else "UNSIGNED"
+    text = f"{args.device}: desired state generation {state.get('generation')} published ({how}, retained)"
+    _out(args, text, {"desired": state})
+    return 0
 
 
 def _progress_line(event: dict[str, Any]) -> str | None:

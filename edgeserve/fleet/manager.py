@@ -22,7 +22,6 @@ FAILED, REJECTED; no final answer before the timeout gives a synthetic {"status"
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import math
 import queue
@@ -30,22 +29,21 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
-from urllib.parse import unquote, urlsplit
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from edgeserve.fleet.protocol import (
-    FINAL,
-    PREFIX,
-    VERBS,
-    CommandError,
-    Topics,
-    check_args,
-    check_segment,
-    utc,
-)
+from edgeserve.fleet.protocol import FINAL, PREFIX, VERBS, CommandError, Topics, check_args, utc
+from edgeserve.fleet.records import BrokerAddress, Json, device_record, segment
+from edgeserve.fleet.records import FleetError as FleetError  # re-exported: library users import it here
+from edgeserve.fleet.records import plan_waves as plan_waves  # re-exported: library users import it here
+from edgeserve.fleet.records import select_devices as select_devices
+from edgeserve.fleet.signed import load_signing_key, sign_command
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 TIMEOUT = "TIMEOUT"  # synthetic status: no final answer in time (never sent by a device)
 SKIPPED = "SKIPPED"  # deploy: the device was offline when the rollout started
@@ -53,35 +51,9 @@ NOT_ATTEMPTED = "NOT_ATTEMPTED"  # deploy: a later wave that was never sent beca
 RETAINED_LEAVES = ("state", "info", "health", "reported")
 WATCH_LEAVES = ("state", "health", "events", "reported")
 
-Json = dict[str, Any]
 UpdateCallback = Callable[[Json], None]
 ProgressCallback = Callable[[Json], None]
 WatchCallback = Callable[[str, str, Json, bool], None]
-
-
-class FleetError(RuntimeError):
-    """The broker cannot be reached or refused us, or a request to the manager is wrong."""
-
-
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool
-
-    @classmethod
-    def parse(cls, url: str) -> BrokerAddress:
-        parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-        if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
-            raise FleetError(f"broker URL {url!r}: the scheme must be mqtt:// or mqtts://")
-        tls = parts.scheme in ("mqtts", "ssl")
-        if not parts.hostname:
-            raise FleetError(f"broker URL {url!r} has no host")
-        try:
-            port = parts.port or (8883 if tls else 1883)
-        except ValueError:
-            raise FleetError(f"broker URL {url!r} has a bad port") from None
-        return cls(unquote(parts.hostname), port, tls)
 
 
 @dataclass
@@ -94,13 +66,6 @@ class _Pending:
     updates: list[Json] = field(default_factory=list)
 
 
-def _segment(value: str, what: str) -> str:
-    try:
-        return check_segment(value, what)
-    except ValueError as exc:
-        raise FleetError(str(exc)) from None
-
-
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -111,82 +76,6 @@ def _json(payload: bytes) -> Json | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return body if isinstance(body, dict) else None
-
-
-def _as_version(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def device_record(device: str, topics: dict[str, Json]) -> Json:
-    """One device's retained topics merged into a flat record (missing topics give None fields)."""
-    state, info = topics.get("state", {}), topics.get("info", {})
-    health, reported = topics.get("health", {}), topics.get("reported", {})
-    bundle: Json = info["bundle"] if isinstance(info.get("bundle"), dict) else {}
-    active = _as_version(reported.get("active_version"))
-    previous = _as_version(reported.get("previous_version"))
-    return {
-        "device": device,
-        "online": state.get("online") is True,
-        "version": state.get("version", info.get("edgeserve")),
-        "boot_id": state.get("boot_id"),
-        "since": state.get("at"),
-        "active_version": active if active is not None else _as_version(bundle.get("active_version")),
-        "previous_version": previous if previous is not None else _as_version(bundle.get("previous_version")),
-        "bundle_name": bundle.get("name"),
-        "generation": reported.get("generation"),
-        "phase": reported.get("phase"),
-        "health": health.get("status"),
-        "health_checks": health.get("checks", []),
-        "hardware": info.get("hardware"),
-        "backends": info.get("backends"),
-        "models": reported.get("models"),
-        "seen": sorted(topics),
-    }
-
-
-def select_devices(records: Iterable[Json], selector: str) -> list[str]:
-    """Device ids for a selector: "all", "online", or a comma list of ids and globs ("cam-*,door-2").
-
-    An id without glob characters must be a known device (FleetError otherwise); a glob that matches
-    nothing is an error as well, so that a typo cannot turn into an empty rollout.
-    """
-    records = list(records)
-    known = {r["device"]: r for r in records}
-    selector = selector.strip()
-    if selector in ("", "all"):
-        return sorted(known)
-    if selector == "online":
-        return sorted(d for d, r in known.items() if r["online"])
-    chosen: set[str] = set()
-    for item in (part.strip() for part in selector.split(",")):
-        if not item:
-            continue
-        if any(ch in item for ch in "*?["):
-            matched = fnmatch.filter(known, item)
-            if not matched:
-                raise FleetError(f"selector {item!r} matches no device of the fleet")
-            chosen.update(matched)
-        elif item in known:
-            chosen.add(item)
-        else:
-            raise FleetError(f"device {item!r} is not known to the fleet (no retained state/info)")
-    return sorted(chosen)
-
-
-def plan_waves(devices: list[str], canary_percent: float, wave_size: int) -> list[list[str]]:
-    """The canary wave (ceil(canary% of N), at least 1; none when the percent is 0), then wave_size waves."""
-    if wave_size < 1:
-        raise FleetError("wave size must be at least 1")
-    if not 0 <= canary_percent <= 100:
-        raise FleetError("canary percent must be between 0 and 100")
-    waves: list[list[str]] = []
-    rest = list(devices)
-    if canary_percent > 0 and rest:
-        count = max(1, math.ceil(canary_percent / 100 * len(rest) - 1e-9))
-        waves.append(rest[:count])
-        rest = rest[count:]
-    waves.extend(rest[i : i + wave_size] for i in range(0, len(rest), wave_size))
-    return waves
 
 
 class FleetManager:
@@ -207,10 +96,15 @@ class FleetManager:
         protocol: str = "5",
         connect_timeout_s: float = 10.0,
         keepalive_s: int = 30,
+        command_key: Ed25519PrivateKey | str | Path | None = None,
     ) -> None:
         self.address = BrokerAddress.parse(broker_url)
-        self.fleet = _segment(fleet, "fleet")
-        self.client_id = _segment(client_id or f"mgr-{uuid.uuid4().hex[:12]}", "client id")
+        try:  # every command and desired state is signed with it; None: unsigned (lab devices only)
+            self.command_key = load_signing_key(command_key)
+        except ValueError as exc:
+            raise FleetError(str(exc)) from None
+        self.fleet = segment(fleet, "fleet")
+        self.client_id = segment(client_id or f"mgr-{uuid.uuid4().hex[:12]}", "client id")
         if protocol not in ("5", "3.1.1", "311"):
             raise FleetError(f"protocol {protocol!r}: use 5 or 3.1.1")
         self.mqtt5 = protocol == "5"
@@ -446,7 +340,7 @@ class FleetManager:
         cmd_id: str | None = None,
     ) -> _Pending:
         """Publish one command and return its pending record (answers go to `sink`); see `send`."""
-        _segment(device, "device")
+        segment(device, "device")
         if verb not in VERBS:
             raise FleetError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
         args = dict(args or {})
@@ -484,12 +378,28 @@ class FleetManager:
             "args": args,
         }
         info = client.publish(
-            topics.cmd(verb), json.dumps(body).encode(), qos=1, retain=False, properties=properties
+            topics.cmd(verb), self.envelope(topics.cmd(verb), json.dumps(body)), qos=1, properties=properties
         )
         if info.rc != 0:
             self.forget(pending)
             raise FleetError(f"publish to {topics.cmd(verb)} failed (paho rc {info.rc})")
         return pending
+
+    def envelope(self, topic: str, text: str) -> bytes:
+        """What goes on the wire to `topic`: `text` signed for it (see edgeserve.fleet.signed)."""
+        return sign_command(self.command_key, topic, text) if self.command_key else text.encode()
+
+    def set_desired(self, device: str, state: Json, timeout_s: float = 10.0) -> None:
+        """Publish a device's desired state ({"generation": N, "bundle": {"url", "sha256"?}}), signed and
+        retained: the device applies a generation once, when it is higher than the one it applied."""
+        generation = state.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+            raise FleetError("a desired state needs a positive integer generation")
+        topic = Topics(self.fleet, segment(device, "device")).desired
+        info = self._require_client().publish(topic, self.envelope(topic, json.dumps(state)), 1, True)
+        info.wait_for_publish(timeout_s)
+        if info.rc != 0 or not info.is_published():
+            raise FleetError(f"publish to {topic} failed or was not acknowledged (paho rc {info.rc})")
 
     def forget(self, pending: _Pending) -> None:
         with self._lock:
@@ -547,42 +457,9 @@ class FleetManager:
         on_update: Callable[[str, Json], None] | None = None,
     ) -> dict[str, Json]:
         """The same verb to several devices at once ({device: args}) -> {device: final answer}."""
-        sink: queue.Queue[tuple[str, Json]] = queue.Queue()
-        pendings: dict[str, _Pending] = {}
-        outcomes: dict[str, Json] = {}
-        try:
-            for device, args in targets.items():
-                try:
-                    pendings[device] = self.issue(device, verb, args, timeout_s, sink=sink)
-                except FleetError as exc:
-                    outcomes[device] = {"status": "REJECTED", "error": f"not sent: {exc}"}
-            by_cmd = {p.cmd_id: p for p in pendings.values()}
-            deadline = time.monotonic() + timeout_s
-            while len(outcomes) < len(targets):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    cmd_id, body = sink.get(timeout=left)
-                except queue.Empty:
-                    break
-                pending = by_cmd.get(cmd_id)
-                if pending is None or pending.device in outcomes:
-                    continue
-                pending.updates.append(body)
-                if on_update is not None:
-                    on_update(pending.device, body)
-                if body.get("status") in FINAL:
-                    outcomes[pending.device] = body
-            for device, pending in pendings.items():
-                if device not in outcomes:
-                    outcomes[device] = self._timeout(pending, timeout_s)
-                    if on_update is not None:
-                        on_update(device, outcomes[device])
-        finally:
-            for pending in pendings.values():
-                self.forget(pending)
-        return outcomes
+        from edgeserve.fleet.rollout import send_many
+
+        return send_many(self, targets, verb, timeout_s, on_update)
 
     # -- staged rollout -----------------------------------------------------------------------------
 

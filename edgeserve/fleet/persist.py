@@ -51,6 +51,17 @@ class CommandLedger:
             return [(k, dict(v)) for k, v in self._entries.items() if v.get("status") == RUNNING]
 
 
+def to_hex(data: bytes | None) -> str | None:
+    return data.hex() if data is not None else None
+
+
+def from_hex(text: Any) -> bytes | None:
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 class Generation:
     """The `desired` generation applied last, and how it ended (a generation is applied once)."""
 

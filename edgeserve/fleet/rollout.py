@@ -3,19 +3,14 @@ threshold and roll the failed wave back (FleetManager.deploy)."""
 
 from __future__ import annotations
 
+import queue
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from edgeserve.fleet.manager import (
-    NOT_ATTEMPTED,
-    SKIPPED,
-    FleetError,
-    Json,
-    ProgressCallback,
-    plan_waves,
-    select_devices,
-)  # fmt: skip
-from edgeserve.fleet.protocol import SUCCEEDED, CommandError, check_args
+from edgeserve.fleet.manager import NOT_ATTEMPTED, SKIPPED, ProgressCallback
+from edgeserve.fleet.protocol import FINAL, SUCCEEDED, CommandError, check_args
+from edgeserve.fleet.records import FleetError, Json, plan_waves, select_devices
 
 if TYPE_CHECKING:
     from edgeserve.fleet.manager import FleetManager
@@ -243,4 +238,48 @@ class Rollout:
         emit({"event": "rollback_done", **report})
         return report
 
-    # -- watch --------------------------------------------------------------------------------------
+
+def send_many(
+    manager: FleetManager,
+    targets: dict[str, Json],
+    verb: str,
+    timeout_s: float,
+    on_update: Callable[[str, Json], None] | None = None,
+) -> dict[str, Json]:
+    """FleetManager.send_many: issue every command at once, then collect the final answers."""
+    sink: queue.Queue[tuple[str, Json]] = queue.Queue()
+    pendings: dict[str, Any] = {}
+    outcomes: dict[str, Json] = {}
+    try:
+        for device, args in targets.items():
+            try:
+                pendings[device] = manager.issue(device, verb, args, timeout_s, sink=sink)
+            except FleetError as exc:
+                outcomes[device] = {"status": "REJECTED", "error": f"not sent: {exc}"}
+        by_cmd = {p.cmd_id: p for p in pendings.values()}
+        deadline = time.monotonic() + timeout_s
+        while len(outcomes) < len(targets):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                cmd_id, body = sink.get(timeout=left)
+            except queue.Empty:
+                break
+            pending = by_cmd.get(cmd_id)
+            if pending is None or pending.device in outcomes:
+                continue
+            pending.updates.append(body)
+            if on_update is not None:
+                on_update(pending.device, body)
+            if body.get("status") in FINAL:
+                outcomes[pending.device] = body
+        for device, pending in pendings.items():
+            if device not in outcomes:
+                outcomes[device] = manager._timeout(pending, timeout_s)
+                if on_update is not None:
+                    on_update(device, outcomes[device])
+    finally:
+        for pending in pendings.values():
+            manager.forget(pending)
+    return outcomes

@@ -12,9 +12,12 @@ from typing import Any
 
 
 def add_commands(sub: Any, config_flag: Any) -> None:
-    keygen = sub.add_parser("keygen", help="make an Ed25519 signing key pair for bundles")
+    keygen = sub.add_parser("keygen", help="make an Ed25519 signing key pair for bundles or fleet commands")
     keygen.add_argument("--out", type=Path, required=True)
-    keygen.add_argument("--name", default="edgeserve")
+    keygen.add_argument("--name", help="file name stem (default: edgeserve, or edgeserve-commands)")
+    keygen.add_argument("--role", choices=["bundle", "command"], default="bundle",
+                        help="what the key signs: bundles, or fleet commands and desired states; each role "
+                             "has its own trusted folder on devices (see ota/keys-policy.md)")  # fmt: skip
     keygen.set_defaults(func=_keygen)
 
     bundle = sub.add_parser("bundle", help="build, verify, install and roll back signed model bundles")
@@ -67,14 +70,17 @@ def _fail(message: str) -> int:
 def _keygen(args: argparse.Namespace) -> int:
     from edgeserve.ota.signing import keygen
 
+    name = args.name or ("edgeserve-commands" if args.role == "command" else "edgeserve")
     try:
-        private, public, kid = keygen(args.out, args.name)
+        private, public, kid = keygen(args.out, name)
     except FileExistsError:
-        return _fail(f"{args.out / (args.name + '.key')} exists; not overwriting a key")
-    print(
-        f"{private} (private, keep it off devices)\n{public} (copy to <state_dir>/trust/ on devices)\n"
-        f"key_id {kid}"
-    )
+        return _fail(f"{args.out / (name + '.key')} exists; not overwriting a key")
+    if args.role == "command":
+        private_note = "private: keep it offline; fleet tools sign with it (--key or $EDGESERVE_FLEET_KEY)"
+        where = "the [fleet] command_keys folder of every device, default <state_dir>/trust/commands/"
+    else:
+        private_note, where = "private, keep it off devices", "<state_dir>/trust/ on devices"
+    print(f"{private} ({private_note})\n{public} (copy to {where})\nkey_id {kid} (role: {args.role})")
     return 0
 
 

@@ -11,6 +11,8 @@ sets `state` {"online": false} retained. It follows edgeserve/fleet/protocol.py:
 - `cmd/get_status`: SUCCEEDED with the record; other verbs: SUCCEEDED after a short delay;
 - a duplicate cmd_id gets the first outcome again (or the latest answer while it still runs);
 - an expired or malformed command is REJECTED (protocol.parse_command);
+- with `command_keys`, only commands signed by one of them for the topic they came on are run, the others
+  REJECTED (edgeserve.fleet.signed, the device agent's own check); without, plain commands are taken;
 - answers go to the MQTT 5 ResponseTopic with the CorrelationData, or to `resp/{cmd_id}`.
 
 Timed steps run on one shared scheduler thread, so 200+ agents cost 200+ paho loop threads that mostly
@@ -57,6 +59,8 @@ from edgeserve.fleet.protocol import (  # noqa: E402
     parse_command,
     utc,
 )
+from edgeserve.fleet.signed import open_envelope, peek_cmd_id  # noqa: E402
+from edgeserve.ota.signing import TrustedKey  # noqa: E402
 
 
 class Scheduler:
@@ -219,6 +223,7 @@ class SimAgent:
     password: str | None = None
     scheduler: Scheduler | None = None
     reactor: Reactor | None = None  # None: paho's loop_start (one thread per agent)
+    command_keys: dict[str, TrustedKey] | None = None  # None: unsigned commands (the benchmark)
 
     def __post_init__(self) -> None:
         self.topics = Topics(self.fleet, self.device)
@@ -228,6 +233,7 @@ class SimAgent:
         self.lock = threading.Lock()
         self.outcomes: dict[str, dict[str, Any]] = {}  # cmd_id -> latest answer (final when done)
         self.received: list[tuple[str, dict[str, Any]]] = []  # (verb, body) of every command seen
+        self.refused: list[str] = []  # why each command that failed the signature check was refused
         self.published = 0  # PUBLISH packets this agent sent (the benchmark checks the broker's count)
         self.connected = threading.Event()
         self.client: Any = None
@@ -341,8 +347,21 @@ class SimAgent:
         props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        payload = msg.payload
+        if self.command_keys is not None:
+            try:
+                payload = open_envelope(msg.topic, msg.payload, self.command_keys).text.encode()
+            except CommandError as exc:
+                cmd_id = peek_cmd_id(msg.payload)
+                with self.lock:
+                    self.refused.append(str(exc))
+                key = cmd_id if isinstance(cmd_id, str) else "invalid"
+                self._replier(key, response_topic, correlation)(
+                    {"status": REJECTED, "error": str(exc)}, False
+                )
+                return
         try:
-            body = json.loads(msg.payload)
+            body = json.loads(payload)
         except ValueError:
             body = {}
         cmd_id = body.get("cmd_id") if isinstance(body, dict) else None
@@ -356,7 +375,7 @@ class SimAgent:
         if self.config.silent:
             return
         try:
-            command = parse_command(verb, msg.payload)
+            command = parse_command(verb, payload)
         except CommandError as exc:
             reply({"status": REJECTED, "error": str(exc)})
             return

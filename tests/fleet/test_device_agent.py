@@ -1,10 +1,10 @@
 """The device's fleet agent end to end: a real `edgeserve run` with `[fleet] broker` set, a real
-Mosquitto, commands published as a fleet manager would, every verb, duplicates, expired and retained
-commands, the broker killed mid-deployment, the agent killed mid-deployment, TLS with client certs."""
+Mosquitto, commands published (signed) as a fleet manager would, every verb, duplicates, expired and
+retained commands, the broker killed mid-deployment, the agent killed mid-deployment, TLS with client
+certs. The attacks on the signed commands are in tests/security/test_fleet_commands.py."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -14,13 +14,15 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "ota"), str(HERE.parent / "supervisor")]
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "supervisor"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from appliance import Appliance, start_appliance, wait_until
 from broker import Mosquitto, find_mosquitto
 from bundle_server import BundleServer
 from commander import Commander
+from fleet_keys import trust
 from ota_fixtures import FAST, Fleet, edgeserve, make_fleet
 
 pytestmark = pytest.mark.skipif(
@@ -45,9 +47,11 @@ def fleet(tmp_path: Path) -> Fleet:
 def _device(broker: Mosquitto, fleet: Fleet, tmp: Path, extra: str = "", env: dict[str, str] | None = None,
             protocol: str = "5") -> Appliance:  # fmt: skip
     (tmp / "empty").mkdir(parents=True, exist_ok=True)
+    trust(fleet.state / "trust" / "commands")  # the default [fleet] command_keys folder
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "lab"\ndevice_id = "cam-1"\nprotocol = "{protocol}"\n'
-        f"metrics_interval_s = 1.0\n{extra}[ota]\ntrial_window_s = 1.0\n[supervisor]\nrestart_initial_s = 0.2\n"
+        f"metrics_interval_s = 1.0\n{extra}"
+        "[ota]\ntrial_window_s = 1.0\n[supervisor]\nrestart_initial_s = 0.2\n"
     )
     app = start_appliance(tmp / "empty", tmp, args=["--state-dir", str(fleet.state)], config=config,
                           env={"EDGESERVE_SERVER_STATE_DIR": "", **(env or {})})  # fmt: skip
@@ -195,8 +199,10 @@ def test_broker_killed_and_restarted_mid_deployment(broker: Mosquitto, fleet: Fl
         manager = Commander("127.0.0.1", broker.port, "lab", "cam-1", name=manager.name)  # same reply topic
         final = manager.wait(deploy, timeout_s=120)
         assert final["status"] == "SUCCEEDED", final
-        wait_until(lambda: any(e.get("state") == "COMMITTED" and e.get("cmd_id") == deploy
-                               for e in manager.on("events")), 30, "the buffered COMMITTED event")  # fmt: skip
+        committed = lambda: any(  # noqa: E731
+            e.get("state") == "COMMITTED" and e.get("cmd_id") == deploy for e in manager.on("events")
+        )
+        wait_until(committed, 30, "the buffered COMMITTED event")
         assert edgeserve_status(fleet)["active_version"] == 2
         installs = [h for h in edgeserve_status(fleet)["history"] if h.get("version") == 2]
         assert len(installs) == 1  # nothing ran twice
@@ -260,21 +266,22 @@ def test_tls_with_client_certificates(tmp_path: Path, fleet: Fleet) -> None:
         broker.kill()
 
 
-def test_desired_state_applied_once_per_generation(device: Appliance, manager: Commander, fleet: Fleet) -> None:
-    import json
-
+def test_desired_state_applied_once_per_generation(
+    device: Appliance, manager: Commander, fleet: Fleet
+) -> None:
     desired = {"generation": 7, "bundle": {"url": fleet.bundle(2).as_uri()}}
-    manager.client.publish(f"{manager.base}/desired", json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
-    reported = manager.wait_on("reported", lambda b: b.get("generation") == 7 and b.get("active_version") == 2,
-                               timeout_s=120)  # fmt: skip
-    assert reported["generation_outcome"] == "applied"
+    manager.set_desired(desired)  # signed for the desired topic, retained
+    reported = manager.wait_on(
+        "reported", lambda b: b.get("generation") == 7 and b.get("active_version") == 2, timeout_s=120
+    )
+    assert reported["generation_outcome"] == "applied" and reported["desired_rejected"] is None
     # The retained desired state comes again at every reconnect: the generation is not applied twice.
     device.signal(signal.SIGHUP)
-    manager.client.publish(f"{manager.base}/desired", json.dumps(desired), qos=1, retain=True).wait_for_publish(5)
+    manager.set_desired(desired)
     time.sleep(2)
     installs = [h for h in edgeserve_status(fleet)["history"] if h.get("version") == 2]
     assert len(installs) == 1
-    manager.client.publish(f"{manager.base}/desired", b"", qos=1, retain=True)  # clear the retained state
+    manager.set_desired(None)  # clear the retained state
 
 
 def test_username_and_password(tmp_path: Path, fleet: Fleet) -> None:

@@ -1,5 +1,6 @@
 """The fleet manager (edgeserve/fleet/manager.py) and `edgeserve fleet ...` (fleet_cli.py) against a real
-mosquitto with simulated device agents (tests/fleet/sim_agent.py), each on its own MQTT connection."""
+mosquitto with simulated device agents (tests/fleet/sim_agent.py), each on its own MQTT connection and
+each running only commands signed by the test command key (tests/fleet/fleet_keys.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 from broker import Mosquitto
+from fleet_keys import COMMAND_KEY, OTHER_KEY, trusted, write_private
 from sim_agent import SimConfig, SimFleet
 
 from edgeserve.fleet.fleet_cli import add_commands, main
-from edgeserve.fleet.manager import FleetError, FleetManager, plan_waves, select_devices
-from edgeserve.fleet.protocol import utc
+from edgeserve.fleet.manager import FleetError, FleetManager
+from edgeserve.fleet.protocol import CommandError, utc
+from edgeserve.fleet.records import plan_waves, select_devices
+from edgeserve.fleet.signed import open_envelope, sign_command
 
 FLEET = "plant-7"
 URL_V2 = "https://bundles.example/plant-7/bundle-v2.tar"
@@ -29,13 +33,14 @@ URL_V2 = "https://bundles.example/plant-7/bundle-v2.tar"
 
 @pytest.fixture
 def sims(mosquitto: Mosquitto) -> Iterator[SimFleet]:
-    fleet = SimFleet(mosquitto.url, FLEET)
+    fleet = SimFleet(mosquitto.url, FLEET, command_keys=trusted())
     yield fleet
     fleet.stop()
 
 
 def manager_for(broker: Mosquitto, **options: Any) -> FleetManager:
-    return FleetManager(broker.url, FLEET, **{**broker.client_options("manager"), **options})
+    defaults = {**broker.client_options("manager"), "command_key": COMMAND_KEY}
+    return FleetManager(broker.url, FLEET, **{**defaults, **options})
 
 
 class Spy:
@@ -168,9 +173,11 @@ def test_send_mqtt5_response_topic_and_correlation(mosquitto: Mosquitto, sims: S
     }
     assert status["result"]["active_version"] == 2
     message = spy.messages[0]
-    body = json.loads(message.payload)
+    envelope = json.loads(message.payload)
     assert message.topic == f"es/v1/{FLEET}/cam-01/cmd/deploy_bundle"
     assert message.qos == 1 and not message.retain
+    assert set(envelope) == {"v", "key_id", "sig", "command"} and envelope["v"] == 1
+    body = json.loads(open_envelope(message.topic, message.payload, trusted()).text)
     assert set(body) == {"cmd_id", "issued_at", "expires_at", "args"} and body["args"] == {"url": URL_V2}
     assert body["cmd_id"] == answer["cmd_id"]
     issued = datetime.fromisoformat(body["issued_at"].replace("Z", "+00:00"))
@@ -223,12 +230,49 @@ def test_duplicate_cmd_id_expired_and_timeout(mosquitto: Mosquitto, sims: SimFle
             "expires_at": utc(past + timedelta(seconds=30)),
             "args": {},
         }
-        client.publish(f"es/v1/{FLEET}/cam-01/cmd/get_status", json.dumps(body), qos=1)
+        topic = f"es/v1/{FLEET}/cam-01/cmd/get_status"
+        client.publish(topic, sign_command(COMMAND_KEY, topic, json.dumps(body)), qos=1)
         wait_for(lambda: got, 5)
     finally:
         client.disconnect()
         client.loop_stop()
     assert got[0]["status"] == "REJECTED" and "expired" in got[0]["error"]
+
+
+def test_unsigned_or_wrongly_signed_commands_are_refused_by_the_device(
+    mosquitto: Mosquitto, sims: SimFleet, tmp_path: Path
+) -> None:
+    sims.add(["cam-01"])
+    with manager_for(mosquitto, command_key=None) as manager:  # a lab manager, unsigned
+        unsigned = manager.send("cam-01", "rollback", {"to_version": 1}, 5)
+    with manager_for(mosquitto, command_key=OTHER_KEY) as manager:
+        foreign = manager.send("cam-01", "rollback", {"to_version": 1}, 5)
+    assert unsigned["status"] == "REJECTED" and "malformed signed command" in unsigned["error"]
+    assert foreign["status"] == "REJECTED" and "not a trusted command key" in foreign["error"]
+    assert sims["cam-01"].verbs() == [] and len(sims["cam-01"].refused) == 2  # nothing ran
+    with pytest.raises(FleetError, match=r"command key .*nope\.key"):
+        manager_for(mosquitto, command_key=tmp_path / "nope.key")
+    (tmp_path / "public.pem").write_text("-----BEGIN PUBLIC KEY-----\n")
+    with pytest.raises(FleetError, match="command key"):
+        manager_for(mosquitto, command_key=str(tmp_path / "public.pem"))
+
+
+def test_desired_state_is_signed_for_its_topic_and_retained(mosquitto: Mosquitto) -> None:
+    topic = f"es/v1/{FLEET}/cam-01/desired"
+    state = {"generation": 3, "bundle": {"url": URL_V2}}
+    with manager_for(mosquitto) as manager:
+        manager.set_desired("cam-01", state)
+        with pytest.raises(FleetError, match="generation"):
+            manager.set_desired("cam-01", {"bundle": {"url": URL_V2}})
+    spy = Spy(mosquitto, topic)  # subscribes after the publish: only a retained message can arrive
+    try:
+        wait_for(lambda: spy.messages)
+    finally:
+        spy.close()
+    message = spy.messages[0]
+    assert message.retain and json.loads(open_envelope(topic, message.payload, trusted()).text) == state
+    with pytest.raises(CommandError, match="bad signature"):  # bound to this device's desired topic
+        open_envelope(f"es/v1/{FLEET}/cam-02/desired", message.payload, trusted())
 
 
 def test_bad_arguments_are_refused_before_sending(mosquitto: Mosquitto) -> None:
@@ -414,12 +458,17 @@ def test_add_commands_registers_fleet_on_a_parser() -> None:
 
 
 def test_cli_devices_send_deploy_end_to_end(
-    mosquitto: Mosquitto, sims: SimFleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    mosquitto: Mosquitto,
+    sims: SimFleet,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     sims.add([f"cam-{i:02d}" for i in range(6)], config=SimConfig(install_s=0.2))
     sims.add(["cam-06"], config=SimConfig(install_s=0.2, fail=True))
     monkeypatch.setenv("EDGESERVE_FLEET_BROKER", mosquitto.url)
     monkeypatch.setenv("EDGESERVE_FLEET_FLEET", FLEET)
+    monkeypatch.setenv("EDGESERVE_FLEET_KEY", str(write_private(tmp_path / "keys" / "fleet-commands.key")))
 
     assert main(["devices"]) == 0
     out = capsys.readouterr().out
@@ -484,6 +533,37 @@ def test_cli_devices_send_deploy_end_to_end(
     assert "fleet" in capsys.readouterr().err
 
 
+def test_cli_signing_key_flags(
+    mosquitto: Mosquitto,
+    sims: SimFleet,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    sims.add(["cam-01"])
+    monkeypatch.setenv("EDGESERVE_FLEET_BROKER", mosquitto.url)
+    monkeypatch.setenv("EDGESERVE_FLEET_FLEET", FLEET)
+    monkeypatch.delenv("EDGESERVE_FLEET_KEY", raising=False)
+    assert main(["send", "cam-01", "get_status"]) == 2  # no key: nothing is sent
+    assert "no command key: give --key PATH or set EDGESERVE_FLEET_KEY" in capsys.readouterr().err
+    good = write_private(tmp_path / "good.key")
+    assert main(["send", "cam-01", "get_status", "--key", str(good)]) == 0
+    assert "outcome: SUCCEEDED" in capsys.readouterr().out
+    rogue = write_private(tmp_path / "rogue.key", OTHER_KEY)
+    assert main(["send", "cam-01", "get_status", "--key", str(rogue)]) == 1
+    assert "not a trusted command key" in capsys.readouterr().out
+    assert main(["send", "cam-01", "get_status", "--unsigned"]) == 1  # the sim requires signatures
+    assert "outcome: REJECTED" in capsys.readouterr().out
+    assert main(["send", "cam-01", "get_status", "--unsigned", "--key", str(good)]) == 2
+    assert main(["send", "cam-01", "get_status", "--key", str(tmp_path / "missing.key")]) == 2
+    assert "command key" in capsys.readouterr().err
+    assert sims["cam-01"].verbs() == ["get_status"]  # only the well-signed one ran
+    state = json.dumps({"generation": 2, "bundle": {"url": URL_V2}})
+    assert main(["desired", "cam-01", state, "--key", str(good)]) == 0
+    assert "generation 2 published (signed, retained)" in capsys.readouterr().out
+    assert main(["desired", "cam-01", "[1]", "--key", str(good)]) == 2
+
+
 def test_cli_watch_for_seconds(
     mosquitto: Mosquitto, sims: SimFleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -507,7 +587,7 @@ def test_cli_unreachable_broker_is_one_line(capsys: pytest.CaptureFixture[str]) 
 def test_tls_with_test_ca_and_client_certificates(mosquitto_tls: Mosquitto) -> None:
     broker = mosquitto_tls
     assert broker.url.startswith("mqtts://") and broker.pki is not None
-    fleet = SimFleet(broker.url, FLEET)
+    fleet = SimFleet(broker.url, FLEET, command_keys=trusted())
     try:
         for device in ("cam-01", "cam-02"):  # each device its own certificate
             fleet.add([device], **broker.client_options(device))
@@ -541,18 +621,23 @@ def test_tls_with_test_ca_and_client_certificates(mosquitto_tls: Mosquitto) -> N
         fleet.stop()
 
 
-def test_username_password(mosquitto_auth: Mosquitto, capsys: pytest.CaptureFixture[str]) -> None:
+def test_username_password(
+    mosquitto_auth: Mosquitto, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     broker = mosquitto_auth
-    fleet = SimFleet(broker.url, FLEET, username="dev", password="dev-secret")
+    fleet = SimFleet(broker.url, FLEET, username="dev", password="dev-secret", command_keys=trusted())
     try:
         fleet.add(["cam-01"])
-        with FleetManager(broker.url, FLEET, username="ops", password="ops-secret") as manager:
+        with FleetManager(
+            broker.url, FLEET, username="ops", password="ops-secret", command_key=COMMAND_KEY
+        ) as manager:
             assert manager.send("cam-01", "get_status", {}, 5)["status"] == "SUCCEEDED"
         with pytest.raises(FleetError, match="refused"):
             FleetManager(broker.url, FLEET, username="ops", password="wrong", connect_timeout_s=3).connect()
         with pytest.raises(FleetError, match="refused"):
             FleetManager(broker.url, FLEET, connect_timeout_s=3).connect()
-        argv = ["send", "cam-01", "get_status", "--broker", broker.url, "--fleet", FLEET]
+        key = str(write_private(tmp_path / "fleet-commands.key"))
+        argv = ["send", "cam-01", "get_status", "--broker", broker.url, "--fleet", FLEET, "--key", key]
         assert main([*argv, "--username", "ops", "--password", "ops-secret"]) == 0
         assert main([*argv, "--username", "ops", "--password", "nope"]) == 2
         assert "refused" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""What the device agent lets in from the broker, and where its answers may go (OTA.md "Signed commands").
+
+A command or desired state is trusted for what it says, not for where it came from: it must be signed
+by a trusted command key for the very topic it arrived on (unless `[fleet] require_signed_commands =
+false`, a lab opt-out that still verifies whatever is signed), and a command must live no longer than
+`[fleet] max_command_lifetime_s`. Answers go to an MQTT 5 ResponseTopic only in the fleet tool's inbox
+form `es/v1/{fleet}/manager/{name}/resp`; otherwise to the device's own `resp/{cmd_id}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+
+from edgeserve.config import FleetSection
+from edgeserve.fleet.protocol import (
+    ID_RE,
+    MAX_PAYLOAD_BYTES,
+    PREFIX,
+    REJECTED,
+    SEGMENT_RE,
+    CommandError,
+    Topics,
+    parse_command,
+    utc,
+)
+from edgeserve.fleet.safe_text import safe
+from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_envelope, peek_cmd_id
+
+log = logging.getLogger("edgeserve.fleet")
+
+UNSIGNED = (
+    "unsigned {what} refused: this device runs only commands and desired states signed by a trusted "
+    "command key ([fleet] require_signed_commands = true; fleet tools sign with --key)"
+)
+
+
+def default_command_keys(state_dir: Path) -> Path:
+    """Where the trusted command keys are when `[fleet] command_keys` is not set."""
+    return state_dir / "trust" / "commands"
+
+
+@dataclass
+class Reply:
+    topic: str
+    correlation: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    message: mqtt.MQTTMessage | None = None  # let in: its payload is the verified command text
+    error: str | None = None  # refused: answered REJECTED with this, never run
+    cmd_id: str | None = None  # a well-formed cmd_id to address the answer to
+
+
+class CommandGate:
+    def __init__(self, settings: FleetSection, topics: Topics, state_dir: Path) -> None:
+        self.topics = topics
+        self.require = settings.require_signed_commands
+        self.max_lifetime_s = settings.max_command_lifetime_s
+        self.keys = CommandKeys(settings.command_keys or default_command_keys(state_dir))
+        self.desired_rejected: dict[str, str] | None = None  # the last desired state, when it was refused
+        name = SEGMENT_RE.pattern.strip("^$")  # one topic level, as the fleet tool's client id is
+        self._inbox = re.compile(rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/{name}/resp$")
+
+    def describe(self) -> None:
+        """Say at start what will be let in, loudly when nothing will."""
+        keys, folder = self.keys.current(), self.keys.folder
+        if keys:
+            log.info("fleet: %d trusted command key(s) in %s: %s", len(keys), folder, ", ".join(sorted(keys)))
+        elif self.require:
+            log.error("fleet: no trusted command key (*.pub) in %s: every command and desired state is "
+                      "refused until one is put there (see ota/keys-policy.md)", folder)  # fmt: skip
+        if not self.require:
+            log.warning("fleet: [fleet] require_signed_commands = false: UNSIGNED commands are run; anyone "
+                        "who can publish on this device's topics commands it (a lab setting)")  # fmt: skip
+
+    def admit(self, message: mqtt.MQTTMessage, now: datetime) -> Admission:
+        topic = message.topic
+        desired = topic == self.topics.desired
+        if not desired and not topic.startswith(self.topics.cmd("")):
+            return Admission()
+        payload = bytes(message.payload or b"")
+        if not payload:
+            return Admission()  # a retained message being cleared: nothing was said
+        raw_id = None if desired else peek_cmd_id(payload)
+        cmd_id = raw_id if isinstance(raw_id, str) and ID_RE.match(raw_id) else None
+        try:
+            text = self._verified(topic, payload, "desired state" if desired else "command")
+            if not desired:
+                command = parse_command(topic[len(self.topics.cmd("")) :], text, now)
+                check_lifetime(command, now, self.max_lifetime_s)
+        except CommandError as exc:
+            what = "desired state" if desired else f"command {safe(raw_id)}"
+            log.warning("fleet: %s on %s REJECTED: %s", what, safe(topic), safe(exc, 300))
+            if desired:
+                self.desired_rejected = {"status": REJECTED, "error": str(exc), "at": utc(now)}
+            return Admission(error=str(exc), cmd_id=cmd_id)
+        if desired:
+            self.desired_rejected = None
+        inner = mqtt.MQTTMessage(message.mid, topic.encode("utf-8"))
+        inner.payload, inner.qos, inner.retain = text, message.qos, message.retain
+        inner.properties = getattr(message, "properties", None)
+        return Admission(inner, cmd_id=cmd_id)
+
+    def _verified(self, topic: str, payload: bytes, what: str) -> bytes:
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise CommandError(f"payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+        try:
+            body = json.loads(payload)
+        except (ValueError, RecursionError):
+            body = None
+        if is_envelope(body):
+            opened = open_envelope(topic, payload, self.keys.current())
+            log.info("fleet: %s on %s signed by command key %s", what, safe(topic), opened.key_id)
+            return opened.text.encode("utf-8")
+        if self.require:
+            raise CommandError(UNSIGNED.format(what=what))
+        return payload
+
+    # -- answers ----------------------------------------------------------------------------------------
+    def is_inbox(self, topic: str) -> bool:
+        return bool(self._inbox.match(topic))
+
+    def may_publish(self, topic: str) -> bool:
+        """The device publishes under its own prefix and to the fleet tools' inboxes, nowhere else."""
+        return topic.startswith(self.topics.base + "/") or self.is_inbox(topic)
+
+    def reply_to(self, message: mqtt.MQTTMessage, cmd_id: str | None) -> Reply | None:
+        props = getattr(message, "properties", None)
+        topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        if topic and self.is_inbox(str(topic)):
+            return Reply(str(topic), bytes(correlation) if correlation is not None else None)
+        if topic:
+            log.warning("fleet: ResponseTopic %s ignored (not %s/%s/manager/<name>/resp); answering on "
+                        "resp/<cmd_id>", safe(topic), PREFIX, self.topics.fleet)  # fmt: skip
+        return Reply(self.topics.resp(cmd_id)) if cmd_id and ID_RE.match(cmd_id) else None
