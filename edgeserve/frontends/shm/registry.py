@@ -11,36 +11,31 @@ maps (zero copy) only memory that provably cannot shrink: a memfd sealed with F_
 (a POSIX object in /dev/shm, Triton's system shared memory) is never mapped: inputs are copied out
 with one `pread` into server memory (a truncated file gives a short read -> INVALID_ARG naming the
 region) and outputs are written with `pwrite` after checking the file's size (a write cannot fault).
+Which keys a client may register at all, and whether outputs may be written there: access.py.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
-import stat
 import threading
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from edgeserve.frontends.peer import PeerIdentity
+from edgeserve.frontends.shm.access import PEER_CREDENTIALS, authorize
+from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
 from edgeserve.protocol.inference import ShmRef
 
 log = logging.getLogger("edgeserve.shm")
 
-SHM_DIR = "/dev/shm"
 # Owner of regions registered over the Triton protocol (HTTP/gRPC); ZMQ rings are owned by their client,
 # so a Triton "unregister all" leaves the camera rings of ZMQ producers alone.
 TRITON_OWNER = ""
-_RESERVED_PREFIX = "triton_python_backend_shm_region_"
-# A sealed memfd of another process: "memfd:<name>:<pid>:<fd>", opened through /proc/<pid>/fd/<fd>.
-MEMFD_PREFIX = "memfd:"
-_MEMFD_KEY = re.compile(r"memfd:([A-Za-z0-9._-]{1,200}):([1-9][0-9]{0,9}):([0-9]{1,9})")
-_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +52,26 @@ class RegionInfo:
 class _Region:
     """A registered region: mapped when sealed against shrinking, else only an open file."""
 
-    __slots__ = ("fd", "info", "map", "owner", "refs", "retired")
+    __slots__ = ("fd", "info", "map", "owner", "refs", "retired", "writable")
 
-    def __init__(self, info: RegionInfo, fd: int, mapping: mmap.mmap | None, owner: str) -> None:
+    def __init__(
+        self, info: RegionInfo, fd: int, mapping: mmap.mmap | None, owner: str, writable: bool = True
+    ) -> None:
         self.info = info
         self.fd = fd  # -1 for a mapped (sealed) region: the mapping keeps the memory alive
         self.map = mapping
         self.owner = owner  # "" for Triton-protocol regions; a client id for ZMQ rings
         self.refs = 0
         self.retired = False
+        self.writable = writable  # False: the client that registered it may only read it
+
+    def check_writable(self, what: str) -> None:
+        if not self.writable:
+            raise InferenceError(
+                Status.PERMISSION_DENIED,
+                f"shared memory region '{self.info.name}': {what} cannot be written there; the client "
+                f"that registered key '{self.info.key}' may only read it",
+            )
 
     @property
     def sealed(self) -> bool:
@@ -109,6 +115,7 @@ class _Region:
     def pwrite(self, start: int, payload: Any, what: str) -> None:
         """Write `payload` at file offset `start`, only within the file's current size (a pwrite
         past the end would grow the client's file; a truncate racing this check only hurts its owner)."""
+        self.check_writable(what)
         data = memoryview(payload).cast("B")
         have = os.fstat(self.fd).st_size
         if start + data.nbytes > have:
@@ -204,6 +211,8 @@ class ShmLease:
         if size > self._size:
             raise invalid_arg(f"{what}: {size} bytes do not fit the {self._size} referenced bytes")
         if self._view is not None:
+            if self._region is not None:
+                self._region.check_writable(what)
             self._view[:size] = payload
         elif self._region is not None:
             self._region.pwrite(self._start, payload, what)
@@ -224,95 +233,32 @@ class ShmLease:
         self.release()
 
 
-def _key_path(key: str) -> str:
-    stripped = key.lstrip("/")
-    if not stripped:
-        raise invalid_arg(f"shared memory key '{key}' is empty or only slashes")
-    if "/" in stripped or stripped in (".", ".."):
-        raise invalid_arg(f"shared memory key '{key}' must name one object in {SHM_DIR}")
-    if stripped.startswith(_RESERVED_PREFIX):
-        raise invalid_arg(f"shared memory key '{key}' uses a reserved prefix")
-    return os.path.join(SHM_DIR, stripped)
-
-
-def _open_error(key: str, exc: OSError) -> InferenceError:
-    message = f"Unable to open shared memory region: '{key}' ({exc.strerror})"
-    if exc.errno == errno.ENOENT:
-        return not_found(message)
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return InferenceError(Status.PERMISSION_DENIED, message)
-    return invalid_arg(message)
-
-
-def _shrink_sealed(fd: int) -> bool:
-    """True for a memfd/shmem file sealed against shrinking, in small pages (a hugetlb memfd can
-    still fault with SIGBUS when the huge page pool runs dry)."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:  # not a shmem file
-        return False
-    return bool(seals & fcntl.F_SEAL_SHRINK) and os.fstat(fd).st_blksize == _PAGE
-
-
-def _open_key(key: str) -> tuple[int, str]:
-    """(an O_RDWR fd of the regular file `key` names, the name key prefixes apply to)."""
-    if "\0" in key:
-        raise invalid_arg("shared memory key must not contain a NUL byte")
-    match = _MEMFD_KEY.fullmatch(key)
-    if match is None:
-        if key.startswith(MEMFD_PREFIX):
-            raise invalid_arg(
-                f"shared memory key '{key}' must be 'memfd:<name>:<pid>:<fd>' (name: letters, digits, . _ -)"
-            )
-        path = _key_path(key)
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            raise _open_error(key, exc) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise invalid_arg(f"shared memory key '{key}' is not a shared memory object")
-        return fd, key.lstrip("/")
-    name, pid, number = match.group(1), int(match.group(2)), int(match.group(3))
-    # O_PATH opens nothing (no device or FIFO side effects); the checks below are on that very file.
-    try:
-        path_fd = os.open(f"/proc/{pid}/fd/{number}", os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _open_error(key, exc) from None
-    try:
-        info = os.fstat(path_fd)
-        target = os.readlink(f"/proc/self/fd/{path_fd}")
-        if not stat.S_ISREG(info.st_mode) or target != f"/memfd:{name} (deleted)":
-            raise invalid_arg(f"shared memory key '{key}' does not name a memfd called '{name}'")
-        if info.st_uid != os.geteuid():
-            raise InferenceError(
-                Status.PERMISSION_DENIED, f"shared memory key '{key}': the memfd belongs to another user"
-            )
-        try:
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _open_error(key, exc) from None
-    finally:
-        os.close(path_fd)
-    if not _shrink_sealed(fd):
-        os.close(fd)
-        raise invalid_arg(f"shared memory key '{key}': a memfd must be sealed with F_SEAL_SHRINK")
-    return fd, name
-
-
 class SharedMemoryRegistry:
     def __init__(
-        self, allow_client_shm: bool = True, key_prefixes: list[str] | None = None, max_regions: int = 1024
+        self,
+        allow_client_shm: bool = True,
+        key_prefixes: list[str] | None = None,
+        max_regions: int = 1024,
+        registration: str = PEER_CREDENTIALS,
     ) -> None:
         self.allow_client_shm = allow_client_shm
+        self.registration = registration  # [shm] registration: whose memory a client may register
         self.key_prefixes = [p.lstrip("/") for p in (key_prefixes or [])]
         self.max_regions = max_regions
         self._regions: dict[str, _Region] = {}
         self._lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str = "") -> None:
+    def register(
+        self,
+        name: str,
+        key: str,
+        offset: int,
+        byte_size: int,
+        owner: str = "",
+        peer: PeerIdentity | None = None,
+    ) -> None:
+        """`peer`: the client asking (None: an in-process caller, held to the rule for unknown clients)."""
         if not self.allow_client_shm:
             raise InferenceError(
                 Status.UNSUPPORTED,
@@ -325,7 +271,7 @@ class SharedMemoryRegistry:
                 f"failed to register shared memory region '{name}': offset must be >= 0 and byte_size > 0"
             )
         if not key.startswith(MEMFD_PREFIX):
-            _key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
+            key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
             if self.key_prefixes:
                 self._check_prefix(key, key.lstrip("/"))
         with self._lock:
@@ -337,26 +283,29 @@ class SharedMemoryRegistry:
                 raise InferenceError(
                     Status.RESOURCE_EXHAUSTED, f"too many shared memory regions (max {self.max_regions})"
                 )
-        fd, prefix_name = _open_key(key)
+        opened = open_key(key)
+        fd = opened.fd
         mapping: mmap.mmap | None = None
         try:
             if self.key_prefixes:
-                self._check_prefix(key, prefix_name)
-            size = os.fstat(fd).st_size
+                self._check_prefix(key, opened.name)
+            writable = authorize(self.registration, peer, key, opened, bool(self.key_prefixes))
+            size = opened.st.st_size
             if offset + byte_size > size:
                 raise invalid_arg(
                     f"failed to register shared memory region '{name}': offset {offset} + byte_size "
                     f"{byte_size} is past the end of '{key}' ({size} bytes)"
                 )
-            if _shrink_sealed(fd):  # cannot shrink: safe to map, zero copy
-                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if shrink_sealed(fd):  # cannot shrink: safe to map, zero copy
+                access = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, access)
                 os.close(fd)
                 fd = -1
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             raise
-        region = _Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner)
+        region = _Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner, writable)
         with self._lock:
             if name in self._regions:  # lost a race with another register of the same name
                 region.unmap()
@@ -365,12 +314,14 @@ class SharedMemoryRegistry:
                 )
             self._regions[name] = region
         log.info(
-            "shm region registered name=%s key=%s offset=%d size=%d %s",
+            "shm region registered name=%s key=%s offset=%d size=%d %s%s client=%s",
             name,
             key,
             offset,
             byte_size,
             "mapped (sealed)" if region.sealed else "read/written by copy",
+            "" if writable else ", inputs only",
+            peer.describe() if peer is not None else "in-process",
         )
 
     def _check_prefix(self, key: str, name: str) -> None:
@@ -428,13 +379,16 @@ class SharedMemoryRegistry:
             return [n for n, r in self._regions.items() if owner is None or r.owner == owner]
 
     # -- use ------------------------------------------------------------------------------------
-    def acquire(self, ref: ShmRef) -> ShmLease:
+    def acquire(self, ref: ShmRef, write: bool = False) -> ShmLease:
         """Open `ref` for one request, with every bound checked (against the registered size; a region
-        that is not mapped is also checked against its file's size when read or written)."""
+        that is not mapped is also checked against its file's size when read or written).
+        `write`: for an output (PERMISSION_DENIED where the registering client may only read)."""
         with self._lock:
             region = self._regions.get(ref.region)
             if region is None:
                 raise not_found(f"Unable to find shared memory region: '{ref.region}'")
+            if write:
+                region.check_writable("an output")
             size = region.info.byte_size
             if ref.offset < 0 or ref.byte_size < 0:
                 raise invalid_arg(f"shared memory region '{ref.region}': negative offset or byte size")
