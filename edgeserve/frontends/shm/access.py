@@ -61,7 +61,7 @@ def authorize(mode: str, peer: PeerIdentity | None, key: str, opened: Opened, pr
     bits = _bits_for(peer, st)
     if not bits & _READ:
         _log_refusal(peer, key, opened)
-        raise _denied(key, f"the client ({peer.describe()}) could not open it for reading itself")
+        raise _denied(key, f"{peer.describe()} could not open it for reading itself")
     return bool(bits & _WRITE)
 
 
