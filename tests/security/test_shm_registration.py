@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import urllib.request
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from es_server import RunningServer, free_port, start_server
+from es_server import RunningServer, free_port, start_server, wait_until
 from onnx_models import write_model
 from shm_helpers import CONFIG, MODEL, NOBODY, D, run_as
 
@@ -57,12 +58,12 @@ def public_dir() -> Iterator[Path]:
 
 
 def _serve(
-    tmp: Path, public: Path, env: dict[str, str] | None = None
+    tmp: Path, public: Path, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()
 ) -> tuple[RunningServer, dict[str, str]]:
     repo = tmp / "repo"
     write_model(repo, MODEL, "identity", config=CONFIG)
     ipc, tcp = f"ipc://{public}/{uuid.uuid4().hex[:8]}.zmq", f"tcp://127.0.0.1:{free_port()}"
-    args = ["--zmq-endpoint", ipc, "--zmq-endpoint", tcp, "--host", "0.0.0.0"]
+    args = ["--zmq-endpoint", ipc, "--zmq-endpoint", tcp, "--host", "0.0.0.0", *extra]
     running = start_server(repo, tmp, args=args, env=env)
     os.chmod(ipc.removeprefix("ipc://"), 0o666)  # local clients of any user may connect
     return running, {"ipc": ipc, "zmq-tcp": tcp, "http": running.http_url, "grpc": running.grpc_url}
@@ -266,16 +267,26 @@ def test_clients_of_unknown_user_register_only_the_servers_objects(
         ).close()
 
 
-def test_the_triton_setting_restores_the_old_rule(
+def test_the_triton_setting_restores_the_old_rule_and_changes_live(
     tmp_path_factory: pytest.TempPathFactory, public_dir: Path, secret: str
 ) -> None:
-    """[shm] registration = "triton": whatever the server's user can open, as Triton (the attack works)."""
-    running, at = _serve(
-        tmp_path_factory.mktemp("shm-triton"), public_dir, env={"EDGESERVE_SHM_REGISTRATION": "triton"}
-    )
+    """[shm] registration = "triton": whatever the server's user can open, as Triton (the attack works);
+    back to "peer-credentials" with a SIGHUP, no restart."""
+    tmp = tmp_path_factory.mktemp("shm-triton")
+    config = tmp / "edgeserve.toml"
+    config.write_text('[shm]\nregistration = "triton"\n')
+    running, at = _serve(tmp, public_dir, extra=("--config", str(config)))
     try:
         reg, echo = run_as(NOBODY, [_register("http", at, "old", secret), _echo("http", at, "old")])
         assert reg.get("ok"), reg
         assert bytes.fromhex(echo["data"]) == SECRET  # the leak this setting accepts
+        config.write_text('[shm]\nregistration = "peer-credentials"\n')
+        running.process.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "applied live: shm.registration" in running.log(), 30), running.log()[
+            -2000:
+        ]
+        (again,) = run_as(NOBODY, [_register("http", at, "again", secret)])
+        assert again["error"] == "403", again
+        assert running.alive()
     finally:
         running.stop()
