@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,13 @@ def test_zmq_peers() -> None:
 
 def test_this_libzmq_reports_ipc_peer_credentials() -> None:
     assert zmq_peer_credentials_work()
+
+
+def test_a_failed_libzmq_check_trusts_no_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / ("x" * 120)  # an ipc path longer than a Unix socket address may be
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    assert not zmq_peer_credentials_work()
 
 
 def test_groups_come_from_the_process_while_it_runs_as_that_user(tmp_path: Path) -> None:
