@@ -113,6 +113,10 @@ class ShmSection:
     # Only keys starting with one of these may be registered ([] = any key).
     key_prefixes: list[str] = field(default_factory=list)
     max_regions: int = 1024
+    # Whose memory a client may register: "peer-credentials" (a local client only memory it could
+    # open itself, found by its socket's credentials; any other client only objects of the server's
+    # user or group, or key_prefixes) or "triton" (anything the server's user can open, as Triton).
+    registration: str = "peer-credentials"
 
 
 @dataclass
@@ -232,6 +236,8 @@ class Settings:
         for name, inline_us in inline_limits.items():
             if inline_us < 0:
                 fail(f"{name}.inline_max_us", "must be 0 (always hand requests to a worker) or a time in µs")
+        if self.shm.registration not in ("peer-credentials", "triton"):
+            fail("shm.registration", f"'{self.shm.registration}' is not one of peer-credentials, triton")
         if not 0 <= self.zmq.spin_us <= MAX_SPIN_US:
             fail("zmq.spin_us", f"must be 0 (never spin) up to {MAX_SPIN_US} µs")
         if self.runtime.cpu_threads < 0:

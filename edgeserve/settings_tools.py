@@ -24,6 +24,7 @@ LIVE_SETTINGS = frozenset(
         "shm.allow_client_shm",
         "shm.key_prefixes",
         "shm.max_regions",
+        "shm.registration",
         "zmq.max_inflight_per_client",
         "zmq.inline_max_us",
         "http.inline_max_us",

@@ -42,7 +42,10 @@ class Server:
 
         self.settings = settings
         self.shm = SharedMemoryRegistry(
-            settings.shm.allow_client_shm, settings.shm.key_prefixes, settings.shm.max_regions
+            settings.shm.allow_client_shm,
+            settings.shm.key_prefixes,
+            settings.shm.max_regions,
+            settings.shm.registration,
         )
         self.repository = ModelRepository(settings, selector=PlanSelector(settings))
         self.response_cache = ResponseCache(settings.server.cache_mb * MIB)

@@ -360,7 +360,7 @@ class DataPlane:
             # runs, and an unregister while the request is in flight cannot pull the region away.
             for wanted in request.outputs or ():
                 if wanted.shm is not None:
-                    lease = self.shm.acquire(wanted.shm)
+                    lease = self.shm.acquire(wanted.shm, write=True)
                     leases.append(lease)
                     output_leases[wanted.name] = lease
         except InferenceError as exc:

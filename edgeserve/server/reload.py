@@ -56,6 +56,7 @@ async def reload_settings(server: Server, load: Callable[[], Settings]) -> list[
     current.shm.key_prefixes = list(new.shm.key_prefixes)
     shm.key_prefixes = [p.lstrip("/") for p in new.shm.key_prefixes]
     current.shm.max_regions = shm.max_regions = new.shm.max_regions
+    current.shm.registration = shm.registration = new.shm.registration
     current.zmq.max_inflight_per_client = new.zmq.max_inflight_per_client
     current.zmq.inline_max_us = new.zmq.inline_max_us
     current.http.inline_max_us = new.http.inline_max_us

@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2
 
 from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.frontends.peer import grpc_peer
 from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
 from edgeserve.scheduling.job import CURRENT_CLIENT
@@ -108,6 +109,7 @@ class InferenceServicer:
         self.policy = policy
         self.max_message_bytes = max_message_bytes
         self.inline_max_ns = 0  # set by the frontend ([grpc] inline_max_us)
+        self.local_port = 0  # the bound port, set by the frontend: finds a loopback client's socket
 
     # -- health and metadata ------------------------------------------------------------------
     async def ServerLive(self, request: Any, context: Context) -> Any:
@@ -221,7 +223,8 @@ class InferenceServicer:
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
         self.policy.check(context, admin=True)
         shm = self.dataplane.shm
-        shm.register(request.name, request.key, request.offset, request.byte_size, TRITON_OWNER)
+        peer = grpc_peer(str(context.peer() or ""), self.local_port or None)
+        shm.register(request.name, request.key, request.offset, request.byte_size, TRITON_OWNER, peer)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from edgeserve.frontends.http import codec
 from edgeserve.frontends.http.admin import config_to_json
+from edgeserve.frontends.peer import socket_peer
 from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, unavailable, unsupported
 
@@ -347,7 +348,8 @@ class Routes:
             raise invalid_arg("shared memory register request needs 'byte_size'")
         offset = codec.json_int(body.get("offset", 0), "'offset'")
         byte_size = codec.json_int(body["byte_size"], "'byte_size'")
-        self.dataplane.shm.register(region, key, offset, byte_size, TRITON_OWNER)
+        peer = socket_peer(request.transport.get_extra_info("socket") if request.transport else None)
+        self.dataplane.shm.register(region, key, offset, byte_size, TRITON_OWNER, peer)
         return _empty(200)
 
     async def shm_unregister(self, request: web.Request) -> web.Response:

@@ -11,308 +11,58 @@ maps (zero copy) only memory that provably cannot shrink: a memfd sealed with F_
 (a POSIX object in /dev/shm, Triton's system shared memory) is never mapped: inputs are copied out
 with one `pread` into server memory (a truncated file gives a short read -> INVALID_ARG naming the
 region) and outputs are written with `pwrite` after checking the file's size (a write cannot fault).
+Which keys a client may register at all, and whether outputs may be written there: access.py.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
-import stat
 import threading
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
 
+from edgeserve.frontends.peer import PeerIdentity
+from edgeserve.frontends.shm.access import PEER_CREDENTIALS, authorize
+from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
+from edgeserve.frontends.shm.region import Region, RegionInfo, ShmLease
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
 from edgeserve.protocol.inference import ShmRef
 
+__all__ = ["TRITON_OWNER", "RegionInfo", "SharedMemoryRegistry", "ShmLease"]
+
 log = logging.getLogger("edgeserve.shm")
 
-SHM_DIR = "/dev/shm"
 # Owner of regions registered over the Triton protocol (HTTP/gRPC); ZMQ rings are owned by their client,
 # so a Triton "unregister all" leaves the camera rings of ZMQ producers alone.
 TRITON_OWNER = ""
-_RESERVED_PREFIX = "triton_python_backend_shm_region_"
-# A sealed memfd of another process: "memfd:<name>:<pid>:<fd>", opened through /proc/<pid>/fd/<fd>.
-MEMFD_PREFIX = "memfd:"
-_MEMFD_KEY = re.compile(r"memfd:([A-Za-z0-9._-]{1,200}):([1-9][0-9]{0,9}):([0-9]{1,9})")
-_PAGE = mmap.PAGESIZE
-
-
-@dataclass(frozen=True, slots=True)
-class RegionInfo:
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
-
-
-class _Region:
-    """A registered region: mapped when sealed against shrinking, else only an open file."""
-
-    __slots__ = ("fd", "info", "map", "owner", "refs", "retired")
-
-    def __init__(self, info: RegionInfo, fd: int, mapping: mmap.mmap | None, owner: str) -> None:
-        self.info = info
-        self.fd = fd  # -1 for a mapped (sealed) region: the mapping keeps the memory alive
-        self.map = mapping
-        self.owner = owner  # "" for Triton-protocol regions; a client id for ZMQ rings
-        self.refs = 0
-        self.retired = False
-
-    @property
-    def sealed(self) -> bool:
-        return self.map is not None
-
-    def unmap(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-        if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:
-                # A numpy view still points into it; the mapping goes when the last view does.
-                log.debug("region %s still has live views; unmapped on release", self.info.name)
-
-    def truncated(self, start: int, size: int, have: int, what: str) -> InferenceError:
-        return invalid_arg(
-            f"shared memory region '{self.info.name}' (key '{self.info.key}') was truncated by its owner: "
-            f"{what} needs bytes {start - self.info.offset}..{start - self.info.offset + size} of the region "
-            f"(file offset {start}, {size} bytes) but the file now holds {have} bytes"
-        )
-
-    def pread(self, start: int, size: int) -> bytes:
-        """`size` bytes at file offset `start`, copied: never a fault, whatever the client does."""
-        try:
-            data = os.pread(self.fd, size, start)
-            while len(data) < size:  # tmpfs returns everything at once; other files may not
-                more = os.pread(self.fd, size - len(data), start + len(data))
-                if not more:
-                    break
-                data += more
-        except OSError as exc:
-            raise invalid_arg(
-                f"shared memory region '{self.info.name}' could not be read ({exc.strerror})"
-            ) from None
-        if len(data) < size:
-            raise self.truncated(start, size, os.fstat(self.fd).st_size, "the request")
-        return data
-
-    def pwrite(self, start: int, payload: Any, what: str) -> None:
-        """Write `payload` at file offset `start`, only within the file's current size (a pwrite
-        past the end would grow the client's file; a truncate racing this check only hurts its owner)."""
-        data = memoryview(payload).cast("B")
-        have = os.fstat(self.fd).st_size
-        if start + data.nbytes > have:
-            raise self.truncated(start, data.nbytes, have, what)
-        try:
-            done = 0
-            while done < data.nbytes:
-                written = os.pwrite(self.fd, data[done:], start + done)
-                if written <= 0:
-                    raise OSError(errno.EIO, "short write")
-                done += written
-        except OSError as exc:
-            raise invalid_arg(
-                f"shared memory region '{self.info.name}': {what} could not be written ({exc.strerror})"
-            ) from None
-
-
-class _WriteThrough(bytearray):
-    """A copy of a lease's bytes whose slice assignments are also written to the client's file.
-
-    What `ShmLease.view` gives for a region that is not mapped, so code written against a mapped
-    view (`GEN.unpack_from(lease.view, at)`, `lease.view[:n] = payload`) stays correct and safe:
-    every `view` access reads the bytes afresh."""
-
-    __slots__ = ("_region", "_start")
-
-    def __init__(self, data: bytes, region: _Region, start: int) -> None:
-        super().__init__(data)
-        self._region = region
-        self._start = start
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if not isinstance(key, slice):
-            raise TypeError("a shared memory view takes slice assignments only")
-        lo, hi, step = key.indices(len(self))
-        data = memoryview(value).cast("B")
-        if step != 1 or data.nbytes != hi - lo:
-            raise ValueError("a shared memory view takes contiguous, same-size slice assignments only")
-        self._region.pwrite(self._start + lo, data, "the output")
-        super().__setitem__(key, data)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self)
-
-
-class ShmLease:
-    """A region kept open for one request, bounded to exactly the referenced bytes.
-
-    `read()` gives the bytes (a zero-copy view of a sealed region, else one copy made with `pread`),
-    `write(payload)` stores an output. `view`: the referenced bytes as a buffer (mapped when sealed,
-    else a fresh copy whose slice assignments write through)."""
-
-    __slots__ = ("_region", "_registry", "_size", "_start", "_view")
-
-    def __init__(
-        self, registry: SharedMemoryRegistry, region: _Region, start: int, size: int, view: memoryview | None
-    ) -> None:
-        self._registry = registry
-        self._region = region
-        self._start = start  # file offset of the first referenced byte
-        self._size = size
-        self._view = view  # only for a mapped (sealed) region
-
-    @property
-    def sealed(self) -> bool:
-        return self._view is not None
-
-    @property
-    def nbytes(self) -> int:
-        return self._size
-
-    @property
-    def view(self) -> Any:
-        if self._view is not None:
-            return self._view
-        region = self._region
-        if region is None:
-            return memoryview(b"")
-        return _WriteThrough(region.pread(self._start, self._size), region, self._start)
-
-    def read(self) -> memoryview | bytes:
-        """The referenced bytes: the mapping itself when sealed (zero copy), else a copy."""
-        if self._view is not None:
-            return self._view
-        if self._region is None:
-            return b""
-        return self._region.pread(self._start, self._size)
-
-    def write(self, payload: Any, what: str = "the output") -> None:
-        """Store `payload` (at most `nbytes`) at the start of the referenced bytes."""
-        size = memoryview(payload).nbytes
-        if size > self._size:
-            raise invalid_arg(f"{what}: {size} bytes do not fit the {self._size} referenced bytes")
-        if self._view is not None:
-            self._view[:size] = payload
-        elif self._region is not None:
-            self._region.pwrite(self._start, payload, what)
-
-    def release(self) -> None:
-        if self._region is not None:
-            region, self._region = self._region, None  # type: ignore[assignment]
-            if self._view is not None:
-                self._view = memoryview(b"")
-            self._registry._release(region)
-
-    def __enter__(self) -> ShmLease:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-
-def _key_path(key: str) -> str:
-    stripped = key.lstrip("/")
-    if not stripped:
-        raise invalid_arg(f"shared memory key '{key}' is empty or only slashes")
-    if "/" in stripped or stripped in (".", ".."):
-        raise invalid_arg(f"shared memory key '{key}' must name one object in {SHM_DIR}")
-    if stripped.startswith(_RESERVED_PREFIX):
-        raise invalid_arg(f"shared memory key '{key}' uses a reserved prefix")
-    return os.path.join(SHM_DIR, stripped)
-
-
-def _open_error(key: str, exc: OSError) -> InferenceError:
-    message = f"Unable to open shared memory region: '{key}' ({exc.strerror})"
-    if exc.errno == errno.ENOENT:
-        return not_found(message)
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return InferenceError(Status.PERMISSION_DENIED, message)
-    return invalid_arg(message)
-
-
-def _shrink_sealed(fd: int) -> bool:
-    """True for a memfd/shmem file sealed against shrinking, in small pages (a hugetlb memfd can
-    still fault with SIGBUS when the huge page pool runs dry)."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:  # not a shmem file
-        return False
-    return bool(seals & fcntl.F_SEAL_SHRINK) and os.fstat(fd).st_blksize == _PAGE
-
-
-def _open_key(key: str) -> tuple[int, str]:
-    """(an O_RDWR fd of the regular file `key` names, the name key prefixes apply to)."""
-    if "\0" in key:
-        raise invalid_arg("shared memory key must not contain a NUL byte")
-    match = _MEMFD_KEY.fullmatch(key)
-    if match is None:
-        if key.startswith(MEMFD_PREFIX):
-            raise invalid_arg(
-                f"shared memory key '{key}' must be 'memfd:<name>:<pid>:<fd>' (name: letters, digits, . _ -)"
-            )
-        path = _key_path(key)
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            raise _open_error(key, exc) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise invalid_arg(f"shared memory key '{key}' is not a shared memory object")
-        return fd, key.lstrip("/")
-    name, pid, number = match.group(1), int(match.group(2)), int(match.group(3))
-    # O_PATH opens nothing (no device or FIFO side effects); the checks below are on that very file.
-    try:
-        path_fd = os.open(f"/proc/{pid}/fd/{number}", os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _open_error(key, exc) from None
-    try:
-        info = os.fstat(path_fd)
-        target = os.readlink(f"/proc/self/fd/{path_fd}")
-        if not stat.S_ISREG(info.st_mode) or target != f"/memfd:{name} (deleted)":
-            raise invalid_arg(f"shared memory key '{key}' does not name a memfd called '{name}'")
-        if info.st_uid != os.geteuid():
-            raise InferenceError(
-                Status.PERMISSION_DENIED, f"shared memory key '{key}': the memfd belongs to another user"
-            )
-        try:
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _open_error(key, exc) from None
-    finally:
-        os.close(path_fd)
-    if not _shrink_sealed(fd):
-        os.close(fd)
-        raise invalid_arg(f"shared memory key '{key}': a memfd must be sealed with F_SEAL_SHRINK")
-    return fd, name
 
 
 class SharedMemoryRegistry:
     def __init__(
-        self, allow_client_shm: bool = True, key_prefixes: list[str] | None = None, max_regions: int = 1024
+        self,
+        allow_client_shm: bool = True,
+        key_prefixes: list[str] | None = None,
+        max_regions: int = 1024,
+        registration: str = PEER_CREDENTIALS,
     ) -> None:
         self.allow_client_shm = allow_client_shm
+        self.registration = registration  # [shm] registration: whose memory a client may register
         self.key_prefixes = [p.lstrip("/") for p in (key_prefixes or [])]
         self.max_regions = max_regions
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str = "") -> None:
+    def register(
+        self,
+        name: str,
+        key: str,
+        offset: int,
+        byte_size: int,
+        owner: str = "",
+        peer: PeerIdentity | None = None,
+    ) -> None:
+        """`peer`: the client asking (None: an in-process caller, held to the rule for unknown clients)."""
         if not self.allow_client_shm:
             raise InferenceError(
                 Status.UNSUPPORTED,
@@ -325,7 +75,7 @@ class SharedMemoryRegistry:
                 f"failed to register shared memory region '{name}': offset must be >= 0 and byte_size > 0"
             )
         if not key.startswith(MEMFD_PREFIX):
-            _key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
+            key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
             if self.key_prefixes:
                 self._check_prefix(key, key.lstrip("/"))
         with self._lock:
@@ -337,26 +87,29 @@ class SharedMemoryRegistry:
                 raise InferenceError(
                     Status.RESOURCE_EXHAUSTED, f"too many shared memory regions (max {self.max_regions})"
                 )
-        fd, prefix_name = _open_key(key)
+        opened = open_key(key)
+        fd = opened.fd
         mapping: mmap.mmap | None = None
         try:
             if self.key_prefixes:
-                self._check_prefix(key, prefix_name)
-            size = os.fstat(fd).st_size
+                self._check_prefix(key, opened.name)
+            writable = authorize(self.registration, peer, key, opened, bool(self.key_prefixes))
+            size = opened.st.st_size
             if offset + byte_size > size:
                 raise invalid_arg(
                     f"failed to register shared memory region '{name}': offset {offset} + byte_size "
                     f"{byte_size} is past the end of '{key}' ({size} bytes)"
                 )
-            if _shrink_sealed(fd):  # cannot shrink: safe to map, zero copy
-                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if shrink_sealed(fd):  # cannot shrink: safe to map, zero copy
+                access = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mapping = mmap.mmap(fd, offset + byte_size, mmap.MAP_SHARED, access)
                 os.close(fd)
                 fd = -1
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             raise
-        region = _Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner)
+        region = Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner, writable)
         with self._lock:
             if name in self._regions:  # lost a race with another register of the same name
                 region.unmap()
@@ -365,12 +118,14 @@ class SharedMemoryRegistry:
                 )
             self._regions[name] = region
         log.info(
-            "shm region registered name=%s key=%s offset=%d size=%d %s",
+            "shm region registered name=%s key=%s offset=%d size=%d %s%s client=%s",
             name,
             key,
             offset,
             byte_size,
             "mapped (sealed)" if region.sealed else "read/written by copy",
+            "" if writable else ", inputs only",
+            peer.describe() if peer is not None else "in-process",
         )
 
     def _check_prefix(self, key: str, name: str) -> None:
@@ -428,13 +183,16 @@ class SharedMemoryRegistry:
             return [n for n, r in self._regions.items() if owner is None or r.owner == owner]
 
     # -- use ------------------------------------------------------------------------------------
-    def acquire(self, ref: ShmRef) -> ShmLease:
+    def acquire(self, ref: ShmRef, write: bool = False) -> ShmLease:
         """Open `ref` for one request, with every bound checked (against the registered size; a region
-        that is not mapped is also checked against its file's size when read or written)."""
+        that is not mapped is also checked against its file's size when read or written).
+        `write`: for an output (PERMISSION_DENIED where the registering client may only read)."""
         with self._lock:
             region = self._regions.get(ref.region)
             if region is None:
                 raise not_found(f"Unable to find shared memory region: '{ref.region}'")
+            if write:
+                region.check_writable("an output")
             size = region.info.byte_size
             if ref.offset < 0 or ref.byte_size < 0:
                 raise invalid_arg(f"shared memory region '{ref.region}': negative offset or byte size")
@@ -452,7 +210,7 @@ class SharedMemoryRegistry:
         view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
         return ShmLease(self, region, start, ref.byte_size, view)
 
-    def _release(self, region: _Region) -> None:
+    def _release(self, region: Region) -> None:
         with self._lock:
             region.refs -= 1
             unmap = region.retired and region.refs == 0

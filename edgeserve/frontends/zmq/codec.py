@@ -252,7 +252,7 @@ def _decode_tensors(
                     guard.release()
                     raise invalid_arg(f"{what}: shared memory cannot be combined with classification")
                 try:
-                    lease = registry.acquire(ref)
+                    lease = registry.acquire(ref, write=True)
                 except BaseException:
                     guard.release()
                     raise

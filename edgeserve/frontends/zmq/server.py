@@ -28,6 +28,7 @@ import zmq
 
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
+from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
 from edgeserve.frontends.zmq import codec, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
@@ -78,6 +79,7 @@ class ZmqFrontend:
         self._inline_runs = 0
         self._last_drop_log = 0.0
         self._collector = ZmqCollector(self)
+        self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
 
     def apply_limits(self, settings: Settings) -> None:
         """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
@@ -97,6 +99,11 @@ class ZmqFrontend:
             raise
         self._router = router
         self.bound = router.bound
+        if any(endpoint.startswith("ipc://") for endpoint in self.bound):
+            self._peer_credentials = zmq_peer_credentials_work()
+            if not self._peer_credentials:
+                log.warning("libzmq reports no credentials of ipc peers here: for shared memory they count "
+                            "as clients of unknown user ([shm] registration)")  # fmt: skip
         router.call_later(SWEEP_S, self._sweep)
         router.start()
         metrics.register_collector(self._collector)
@@ -161,7 +168,7 @@ class ZmqFrontend:
             if op == wire.OP_INFER:
                 self._infer(peer, header, msg[index + 1 :])
                 return
-            self._control(peer, op, header)
+            self._control(peer, op, header, msg[index])
         except InferenceError as exc:
             self._reply(peer, codec.error_reply(req_id, exc))
         except Exception as exc:
@@ -245,7 +252,7 @@ class ZmqFrontend:
         }
 
     # -- control messages -----------------------------------------------------------------------
-    def _control(self, peer: _Peer, op: Any, header: dict[str, Any]) -> None:
+    def _control(self, peer: _Peer, op: Any, header: dict[str, Any], frame: Any) -> None:
         req_id = header.get("id")
         shm = self.dataplane.shm
         body: dict[str, Any] = {}
@@ -264,6 +271,8 @@ class ZmqFrontend:
                 codec._field(header, "offset", int, "register", 0),
                 codec._field(header, "byte_size", int, "register"),
                 owner=peer.owner,
+                # Read per message: a routing id reused by another connection lends it nothing.
+                peer=zmq_peer(frame, self._peer_credentials),
             )
             peer.owns_regions = True
         elif op == wire.OP_UNREGISTER:
