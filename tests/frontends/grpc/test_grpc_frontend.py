@@ -17,7 +17,13 @@ from tritonclient.utils import InferenceServerException
 
 from edgeserve.config import Settings
 from edgeserve.frontends import access
-from edgeserve.frontends.grpc.auth import AccessPolicy, bearer_token, check, is_loopback_bind, is_loopback_peer
+from edgeserve.frontends.grpc.auth import (
+    AccessPolicy,
+    bearer_token,
+    check,
+    is_loopback_bind,
+    is_loopback_peer,
+)
 from edgeserve.protocol.errors import InferenceError, Status
 
 
