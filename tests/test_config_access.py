@@ -176,3 +176,23 @@ endpoints = ["ipc:///tmp/x.zmq", "tcp://*:5555", "tcp://127.0.0.1:5556"]
 def test_config_check_of_the_defaults_is_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["config", "check", "--config", str(settings_file(tmp_path, ""))]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_config_check_does_not_print_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = settings_file(
+        tmp_path,
+        """
+[http]
+token = "http-secret-0123456789"
+restricted_api = ["inference,health:infer-key=infer-secret"]
+[grpc]
+token = "grpc-secret-0123456789"
+[fleet]
+password = "broker-secret"
+""",
+    )
+    assert cli.main(["config", "check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for secret in ("http-secret", "grpc-secret", "infer-secret", "broker-secret"):
+        assert secret not in out
+    assert 'token = "<set>"' in out and '["inference,health:infer-key=<set>"]' in out

@@ -175,10 +175,10 @@ class AccessPolicy:
                 )
 
     def _token_message(self) -> str:
-        where = "header" if self.frontend == "http" else "metadata"
+        sent = "header 'Authorization" if self.frontend == "http" else "metadata 'authorization"
         return (
-            f"missing or wrong bearer token: send the {where} 'authorization: Bearer <token>' "
-            f"([{self.frontend}] token), or call from the appliance itself"
+            f"missing or wrong bearer token: send the {sent}: Bearer <token>' ([{self.frontend}] token), "
+            "or call from the appliance itself"
         )
 
 

@@ -128,7 +128,7 @@ def test_token_applies_to_network_peers_only_and_not_to_probes() -> None:
     policy = AccessPolicy("http", token="s3cret-s3cret")
     assert refusal(policy, access.INFERENCE, FakePeer(False)) == (
         Status.UNAUTHENTICATED, 401,
-        "missing or wrong bearer token: send the header 'authorization: Bearer <token>' ([http] token), "
+        "missing or wrong bearer token: send the header 'Authorization: Bearer <token>' ([http] token), "
         "or call from the appliance itself",
     )  # fmt: skip
     for wrong in ("Bearer s3cret", "bearer s3cret-s3cret-", "Basic s3cret-s3cret", "s3cret-s3cret", ""):
