@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from es_server import RunningServer, start_server
+from es_server import RunningServer, start_server, wait_until
 from http_access_helpers import FAST, model_repository
 from tritonclient.utils import InferenceServerException
 
@@ -169,3 +170,16 @@ def test_grpc_health_service_is_in_the_health_category(server: RunningServer) ->
         metadata = tuple(GRPC_INFER.items())
         answer = stub.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=30)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_supervisor_is_not_locked_out_by_restricted_apis(tmp_path: Path) -> None:
+    """`edgeserve run` hands the flags to its server; the supervisor still reads the repository and
+    the model configs over its private control socket, without Triton's header."""
+    flag = "--http-restricted-api=model-repository,model-config,statistics:admin-key=admin-value"
+    running = start_server(model_repository(tmp_path), tmp_path, command="run", args=[flag], env=FAST)
+    try:
+        assert wait_until(lambda: "serving: mlp on onnxruntime" in running.log(), 60), running.log()
+        refused = requests.post(f"{running.base}/v2/repository/index", json={}, timeout=30)
+        assert refused.status_code == 403  # the server the supervisor started enforces the flag
+    finally:
+        running.stop()
