@@ -33,12 +33,6 @@ if TYPE_CHECKING:
     from edgeserve.config import GrpcSection, HttpSection
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-# Settings an API, the broker or a fleet overlay must never change (DESIGN.md "Trust").
-SECURITY_FIELDS = frozenset(
-    f"{section}.{name}"
-    for section in ("http", "grpc")
-    for name in ("host", "tls_cert", "tls_key", "tls_client_ca", "token", "admin_loopback_only")
-) | {"http.restricted_api", "grpc.restricted_protocol"}
 
 
 @dataclass(frozen=True)
@@ -154,7 +148,8 @@ class AccessPolicy:
             local = peer.loopback()
             if not local:
                 sent = bearer(peer.header("authorization"))
-                if sent is None or not hmac.compare_digest(sent.encode(), self._token):
+                # errors="replace": a header of undecodable bytes is a wrong token, not an error
+                if sent is None or not hmac.compare_digest(sent.encode(errors="replace"), self._token):
                     raise InferenceError(Status.UNAUTHENTICATED, self._token_message())
         if endpoint is None:
             return

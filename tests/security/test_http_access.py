@@ -83,7 +83,8 @@ ATTACKS: list[tuple[str, str, bytes]] = [
 
 
 @pytest.mark.parametrize(
-    "authorization", [None, "Bearer wrong-token", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer"]
+    "authorization",
+    [None, "Bearer wrong-token", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer", "Bearer \u00ff\u00fe"],
 )
 def test_network_peer_without_the_token_gets_401_and_changes_nothing(
     server: RunningServer, authorization: str | None
