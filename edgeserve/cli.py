@@ -41,6 +41,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         overrides["logging"]["level"] = args.log_level
     if args.state_dir:
         overrides["server"]["state_dir"] = str(Path(args.state_dir).resolve())
+    if args.http_restricted_api:
+        overrides["http"]["restricted_api"] = args.http_restricted_api
+    if args.grpc_restricted_protocol:
+        overrides["grpc"]["restricted_protocol"] = args.grpc_restricted_protocol
     return overrides
 
 
@@ -72,7 +76,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
-    for name in ("load_model", "zmq_endpoint"):
+    for name in ("load_model", "zmq_endpoint", "http_restricted_api", "grpc_restricted_protocol"):
         for value in getattr(args, name) or []:
             flags += [f"--{name.replace('_', '-')}", value]
     for name in ("no_http", "no_grpc", "no_zmq"):
@@ -194,6 +198,10 @@ def _config(args: argparse.Namespace) -> int:
     print(f"# {path or 'no settings file'}: valid", end="")
     print(f"; state folder {state_dir} ({why})" if state_dir != settings.server.state_dir else "")
     print(render_effective(settings, sources), end="")
+    from edgeserve.settings_warnings import risky_settings
+
+    for warning in risky_settings(settings):
+        print(f"edgeserve config: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -271,6 +279,28 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-zmq", action="store_true")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--state-dir", type=Path, help="state folder: OTA bundles, runtime plan, caches")
+    _restricted_flag(parser, "http-restricted-api", "api", "HTTP header '<key>: <value>'")
+    _restricted_flag(
+        parser, "grpc-restricted-protocol", "protocol", "gRPC metadata 'triton-grpc-protocol-<key>'"
+    )
+
+
+def _restricted_flag(parser: argparse.ArgumentParser, option: str, feature: str, carries: str) -> None:
+    """Triton's `--<option>=<category>[,<category>...]:<key>=<value>` (repeatable)."""
+    from edgeserve.frontends.restricted import CATEGORIES, parse_group
+
+    def group(value: str) -> str:
+        try:
+            parse_group(value, option, feature)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    parser.add_argument(
+        f"--{option}", action="append", type=group, metavar="<category>[,...]:<key>=<value>",
+        help=f"requests of these categories must carry the {carries} (repeatable; categories: "
+        f"{', '.join(CATEGORIES)}); as Triton's flag",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

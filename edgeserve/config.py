@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from edgeserve.frontends.restricted import RestrictedGroups
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -67,6 +69,14 @@ class HttpSection:
     # Run a request on the event loop itself when its model's recent compute time is under this and
     # an instance is idle (two thread hand-offs saved; the loop waits that long); 0 = always hand off.
     inline_max_us: int = 100
+    tls_cert: Path | None = None  # HTTPS when tls_cert and tls_key are set
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # and clients must show a certificate from this CA (mutual TLS)
+    # Access as [grpc] (frontends/access.py): token for non-loopback peers (env EDGESERVE_HTTP_TOKEN),
+    # admin endpoints from loopback only, Triton's --http-restricted-api groups.
+    token: str = ""
+    admin_loopback_only: bool = True
+    restricted_api: RestrictedGroups = field(default_factory=RestrictedGroups)
 
 
 @dataclass
@@ -86,6 +96,7 @@ class GrpcSection:
     # Bearer token required from non-loopback peers ("" = none). Env: EDGESERVE_GRPC_TOKEN.
     token: str = ""
     admin_loopback_only: bool = True
+    restricted_protocol: RestrictedGroups = field(default_factory=RestrictedGroups)  # Triton's groups
 
 
 MAX_SPIN_US = 10_000
@@ -229,8 +240,10 @@ class Settings:
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
         self._validate_limits(fail)
-        if bool(self.grpc.tls_cert) != bool(self.grpc.tls_key):
-            fail("grpc.tls_cert", "tls_cert and tls_key must be set together")
+        from edgeserve.frontends.access import listener_problems
+
+        for path, message in listener_problems("http", self.http) + listener_problems("grpc", self.grpc):
+            fail(path, message)
         inline_limits = {"http": self.http.inline_max_us, "grpc": self.grpc.inline_max_us}
         inline_limits["zmq"] = self.zmq.inline_max_us
         for name, inline_us in inline_limits.items():
@@ -349,6 +362,11 @@ class Settings:
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check/convert a TOML or env value to the field's annotated type."""
+    if annotation is RestrictedGroups:
+        try:
+            return RestrictedGroups.from_setting(value, where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     origin = get_origin(annotation)
     args = get_args(annotation)
     if origin is not None and type(None) in args:  # Optional[X]

@@ -143,10 +143,25 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
+# Secrets `config check` shows as "<set>" (its output ends up in tickets and chats); restricted-API
+# groups keep their categories and header names, not the values.
+SECRET_SETTINGS = frozenset({"http.token", "grpc.token", "fleet.password"})
+SECRET_GROUPS = frozenset({"http.restricted_api", "grpc.restricted_protocol"})
+
+
+def _masked(name: str, value: Any) -> Any:
+    if name in SECRET_SETTINGS and value:
+        return "<set>"
+    if name in SECRET_GROUPS:
+        return [group.partition("=")[0] + "=<set>" for group in value]
+    return value
+
+
 def render_effective(settings: Settings, sources: Mapping[str, str]) -> str:
-    """The effective settings as TOML, each value annotated with where it came from."""
+    """The effective settings as TOML, each value annotated with where it came from (secrets masked)."""
     lines: list[str] = []
     for section, values in to_dict(settings).items():
+        values = {key: _masked(f"{section}.{key}", value) for key, value in values.items()}
         lines.append(f"[{section}]")
         width = max(len(key) + 3 + len(_toml_value(v)) for key, v in values.items())
         for key, value in values.items():

@@ -1,30 +1,32 @@
-"""Who may call what: loopback detection, the bearer token for remote peers, admin RPCs, TLS credentials.
+"""The gRPC side of frontends/access.py: the peer of a call, its metadata, TLS credentials.
 
-- Loopback peers (127.0.0.0/8, ::1, IPv4-mapped loopback, Unix sockets) are trusted: camera pipelines
-  on the box and the supervisor talk to the server that way.
-- When `grpc.token` is set, every other peer must send `authorization: Bearer <token>` metadata.
-- With `grpc.admin_loopback_only`, admin RPCs (load/unload, shm register/unregister, log settings
-  updates) are refused to non-loopback peers whatever their token.
+The policy itself (token, admin RPCs from loopback only, Triton's restricted protocols) is shared with
+HTTP; this module only reads a `grpc.aio.ServicerContext` for it.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
-import ipaddress
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from edgeserve.config import GrpcSection
-from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.frontends.access import (
+    AccessPolicy,
+    Endpoint,
+    bearer,
+    exposure_warnings,
+    is_loopback_address,
+    is_loopback_bind,
+    read_tls_files,
+)
+
+__all__ = ["AccessPolicy", "GrpcPeer", "bearer_token", "is_loopback_bind", "is_loopback_peer"]
 
 log = logging.getLogger("edgeserve.grpc")
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def peer_host(peer: str) -> str | None:
@@ -44,84 +46,55 @@ def is_loopback_peer(peer: str) -> bool:
     if peer.startswith(("unix:", "unix-abstract:")):
         return True
     host = peer_host(peer)
-    if host is None:
-        return False
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
+    return host is not None and is_loopback_address(host)
 
 
-def is_loopback_bind(host: str) -> bool:
-    if host.startswith(("unix:", "unix-abstract:")) or host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bearer_token(metadata: Iterable[Any] | None) -> str | None:
+def metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:
     for item in metadata or ():
-        key, value = item[0], item[1]
-        if key == "authorization":
-            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
-            scheme, _, token = text.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                return token.strip()
-            return None
+        if item[0] == key:
+            value = item[1]
+            return value.decode("latin-1") if isinstance(value, bytes) else str(value)
     return None
 
 
-class AccessPolicy:
-    def __init__(self, token: str = "", admin_loopback_only: bool = True) -> None:
-        self._token = token.encode()
-        self.admin_loopback_only = admin_loopback_only
+def bearer_token(metadata: Iterable[Any] | None) -> str | None:
+    return bearer(metadata_value(metadata, "authorization"))
 
-    def check(self, context: grpc.aio.ServicerContext[Any, Any], admin: bool) -> None:
-        """Raises UNAUTHENTICATED / PERMISSION_DENIED; loopback peers always pass."""
-        if not self._token and not (admin and self.admin_loopback_only):
-            return  # nothing to check: keep the inference path free of peer parsing
-        if is_loopback_peer(context.peer() or ""):
-            return
-        if self._token:
-            sent = bearer_token(context.invocation_metadata())
-            if sent is None or not hmac.compare_digest(sent.encode(), self._token):
-                raise InferenceError(
-                    Status.UNAUTHENTICATED,
-                    "missing or wrong bearer token: send 'authorization: Bearer <token>' metadata",
-                )
-        if admin and self.admin_loopback_only:
-            raise InferenceError(
-                Status.PERMISSION_DENIED,
-                "this RPC is allowed only from the appliance itself (loopback); "
-                "set [grpc] admin_loopback_only = false to allow it remotely",
-            )
+
+class GrpcPeer:
+    __slots__ = ("context",)
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def loopback(self) -> bool:
+        return is_loopback_peer(self.context.peer() or "")
+
+    def private(self) -> bool:
+        return False  # the supervisor's private door is HTTP on a Unix socket
+
+    def header(self, name: str) -> str | None:
+        return metadata_value(self.context.invocation_metadata(), name)
+
+
+def check(policy: AccessPolicy, context: Any, endpoint: Endpoint | None) -> None:
+    """Raises the policy's InferenceError for this call."""
+    if policy.needs_check(endpoint):
+        policy.check(endpoint, GrpcPeer(context))
 
 
 def server_credentials(settings: GrpcSection) -> grpc.ServerCredentials | None:
     """TLS credentials when `tls_cert`/`tls_key` are set; mutual TLS when `tls_client_ca` is set too."""
     if not settings.tls_cert or not settings.tls_key:
         return None
-    key = Path(settings.tls_key).read_bytes()
-    cert = Path(settings.tls_cert).read_bytes()
-    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    cert, key, client_ca = read_tls_files("grpc", settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
 
 
 def warn_about_exposure(settings: GrpcSection, secure: bool) -> None:
-    if is_loopback_bind(settings.host):
-        return
-    if not settings.token and not secure:
-        log.warning(
-            "grpc listens on %s without TLS and without a token: anyone on the network can run "
-            "inference (set [grpc] token and tls_cert/tls_key)",
-            settings.host,
-        )
-    elif settings.token and not secure:
-        log.warning("grpc token is sent in clear text on %s: set [grpc] tls_cert/tls_key", settings.host)
+    for warning in exposure_warnings(
+        "grpc", settings.host, settings.token, secure, bool(settings.tls_client_ca)
+    ):
+        log.warning("%s", warning)

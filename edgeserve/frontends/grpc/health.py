@@ -2,7 +2,8 @@
 
 Like Triton, SERVING means the server is live. The overall service ("") and
 "inference.GRPCInferenceService" are both known; Check re-reads liveness on every call, and Watch
-streams see the change at the next Check or when the frontend stops.
+streams see the change at the next Check or when the frontend stops. Access as ServerLive: no token
+needed, Triton's restricted `health` category applies.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
+from edgeserve.frontends.access import SERVER_HEALTH, AccessPolicy
+from edgeserve.frontends.grpc.auth import check
+from edgeserve.protocol.errors import InferenceError
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import DataPlane
@@ -23,7 +28,7 @@ SERVICE_NAMES = ("", "inference.GRPCInferenceService")
 class HealthService:
     """Wraps grpc_health's asyncio servicer; inert (with a warning) when the package is missing."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, policy: AccessPolicy | None = None) -> None:
         self.dataplane = dataplane
         self._servicer: Any = None
         try:
@@ -35,10 +40,23 @@ class HealthService:
         self._pb2_grpc = health_pb2_grpc
         outer = self
 
+        async def allowed(context: Any) -> None:
+            if policy is None:
+                return
+            try:
+                check(policy, context, SERVER_HEALTH)
+            except InferenceError as exc:
+                await context.abort(grpc.StatusCode[exc.grpc_status_name], exc.message)
+
         class _Servicer(health.aio.HealthServicer):  # type: ignore[misc]
             async def Check(self, request: Any, context: Any) -> Any:
+                await allowed(context)
                 await outer.refresh()
                 return await super().Check(request, context)
+
+            async def Watch(self, request: Any, context: Any) -> None:
+                await allowed(context)
+                await super().Watch(request, context)
 
         self._servicer = _Servicer()
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from tritonclient.grpc import service_pb2
 
+from edgeserve.frontends import access
 from edgeserve.frontends.grpc import wire
-from edgeserve.frontends.grpc.auth import AccessPolicy, server_credentials, warn_about_exposure
+from edgeserve.frontends.grpc.auth import server_credentials, warn_about_exposure
 from edgeserve.frontends.grpc.health import HealthService
 from edgeserve.frontends.grpc.servicer import InferenceServicer, guarded
 from edgeserve.frontends.grpc.stream import StreamHandler
@@ -56,26 +57,26 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(_ClientGone())
 
 SERVICE = "inference.GRPCInferenceService"
 
-# RPC -> request message name (unary RPCs; the response is whatever the handler returns)
-UNARY_RPCS: dict[str, str] = {
-    "ServerLive": "ServerLiveRequest",
-    "ServerReady": "ServerReadyRequest",
-    "ModelReady": "ModelReadyRequest",
-    "ServerMetadata": "ServerMetadataRequest",
-    "ModelMetadata": "ModelMetadataRequest",
-    "ModelConfig": "ModelConfigRequest",
-    "ModelStatistics": "ModelStatisticsRequest",
-    "RepositoryIndex": "RepositoryIndexRequest",
-    "RepositoryModelLoad": "RepositoryModelLoadRequest",
-    "RepositoryModelUnload": "RepositoryModelUnloadRequest",
-    "SystemSharedMemoryStatus": "SystemSharedMemoryStatusRequest",
-    "SystemSharedMemoryRegister": "SystemSharedMemoryRegisterRequest",
-    "SystemSharedMemoryUnregister": "SystemSharedMemoryUnregisterRequest",
-    "CudaSharedMemoryStatus": "CudaSharedMemoryStatusRequest",
-    "CudaSharedMemoryRegister": "CudaSharedMemoryRegisterRequest",
-    "CudaSharedMemoryUnregister": "CudaSharedMemoryUnregisterRequest",
-    "TraceSetting": "TraceSettingRequest",
-    "LogSettings": "LogSettingsRequest",
+# RPC -> (request message name, what it does for the access policy); the response is the handler's.
+UNARY_RPCS: dict[str, tuple[str, access.Endpoint]] = {
+    "ServerLive": ("ServerLiveRequest", access.SERVER_HEALTH),
+    "ServerReady": ("ServerReadyRequest", access.SERVER_HEALTH),
+    "ModelReady": ("ModelReadyRequest", access.MODEL_READY),
+    "ServerMetadata": ("ServerMetadataRequest", access.METADATA),
+    "ModelMetadata": ("ModelMetadataRequest", access.METADATA),
+    "ModelConfig": ("ModelConfigRequest", access.MODEL_CONFIG),
+    "ModelStatistics": ("ModelStatisticsRequest", access.STATISTICS),
+    "RepositoryIndex": ("RepositoryIndexRequest", access.REPOSITORY_INDEX),
+    "RepositoryModelLoad": ("RepositoryModelLoadRequest", access.MODEL_CONTROL),
+    "RepositoryModelUnload": ("RepositoryModelUnloadRequest", access.MODEL_CONTROL),
+    "SystemSharedMemoryStatus": ("SystemSharedMemoryStatusRequest", access.SHM_STATUS),
+    "SystemSharedMemoryRegister": ("SystemSharedMemoryRegisterRequest", access.SHM_CONTROL),
+    "SystemSharedMemoryUnregister": ("SystemSharedMemoryUnregisterRequest", access.SHM_CONTROL),
+    "CudaSharedMemoryStatus": ("CudaSharedMemoryStatusRequest", access.SHM_STATUS),
+    "CudaSharedMemoryRegister": ("CudaSharedMemoryRegisterRequest", access.SHM_CONTROL),
+    "CudaSharedMemoryUnregister": ("CudaSharedMemoryUnregisterRequest", access.SHM_CONTROL),
+    "TraceSetting": ("TraceSettingRequest", access.TRACE),
+    "LogSettings": ("LogSettingsRequest", access.LOG_READ),  # an update checks LOG_UPDATE too
 }
 
 STREAM_MAX_INFLIGHT = 1024
@@ -117,13 +118,13 @@ class GrpcFrontend:
         self.dataplane = dataplane
         self.settings = settings.grpc
         self.max_message_bytes = request_limit(int(self.settings.max_message_bytes), settings)
-        self.policy = AccessPolicy(self.settings.token, self.settings.admin_loopback_only)
+        self.policy = access.AccessPolicy.from_settings("grpc", self.settings)
         self.servicer = InferenceServicer(dataplane, self.policy, self.max_message_bytes)
         self.stream = StreamHandler(
             dataplane, self.policy, self.max_message_bytes, STREAM_MAX_INFLIGHT,
             idle_timeout_s=self.settings.stream_idle_timeout_s,
         )  # fmt: skip
-        self.health = HealthService(dataplane)
+        self.health = HealthService(dataplane, self.policy)
         self.apply_limits(settings)
         self.server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -135,14 +136,14 @@ class GrpcFrontend:
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-        for rpc, request_type in UNARY_RPCS.items():
+        for rpc, (request_type, endpoint) in UNARY_RPCS.items():
             handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-                guarded(getattr(self.servicer, rpc), self.policy),
+                guarded(getattr(self.servicer, rpc), self.policy, endpoint),
                 request_deserializer=wire.safe_deserializer(getattr(service_pb2, request_type)),
                 response_serializer=_serialize,
             )
         handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-            guarded(self.servicer.ModelInfer, self.policy, tag_client=True),
+            guarded(self.servicer.ModelInfer, self.policy, access.INFERENCE, tag_client=True),
             request_deserializer=wire.deserialize_infer_request,
             response_serializer=wire.identity,
         )

@@ -15,8 +15,9 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
+from edgeserve.frontends import access
 from edgeserve.frontends.grpc import codec, wire
-from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.frontends.grpc.auth import AccessPolicy, GrpcPeer, check
 from edgeserve.frontends.peer import grpc_peer
 from edgeserve.frontends.shm.registry import TRITON_OWNER
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
@@ -45,16 +46,21 @@ def peer_client(context: Context) -> str:
     return head if sep and tail.isdigit() else peer
 
 
-def guarded(handler: Handler, policy: AccessPolicy, tag_client: bool = False) -> Handler:
-    """Access check, malformed-request answer and error mapping around one unary handler.
+def guarded(
+    handler: Handler, policy: AccessPolicy, endpoint: access.Endpoint | None = None, tag_client: bool = False
+) -> Handler:
+    """Access check (`endpoint`: what the RPC does), malformed-request answer and error mapping around
+    one unary handler.
 
     `tag_client`: the RPC's jobs carry the peer's address (fair shares of a full model queue)."""
+    checked = policy.needs_check(endpoint)  # the settings are fixed for the frontend's life
 
     async def call(request: Any, context: Context) -> Any:
         # CURRENT_CLIENT directly, not client_scope(): a generator context manager per RPC costs ~2 µs
         token = CURRENT_CLIENT.set(peer_client(context)) if tag_client else None
         try:
-            policy.check(context, admin=False)
+            if checked:
+                policy.check(endpoint, GrpcPeer(context))
             if isinstance(request, wire.Malformed):
                 raise internal(request.message)
             return await handler(request, context)
@@ -183,7 +189,6 @@ class InferenceServicer:
         return response
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         if request.repository_name:
             raise unsupported("'repository_name' specification is not supported")
         if not request.model_name:
@@ -193,7 +198,6 @@ class InferenceServicer:
         return service_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         if request.repository_name:
             raise unsupported("'repository_name' specification is not supported")
         unload_dependents = False
@@ -221,14 +225,12 @@ class InferenceServicer:
         return response
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         shm = self.dataplane.shm
         peer = grpc_peer(str(context.peer() or ""), self.local_port or None)
         shm.register(request.name, request.key, request.offset, request.byte_size, TRITON_OWNER, peer)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         self.dataplane.shm.unregister_triton(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
@@ -238,14 +240,12 @@ class InferenceServicer:
         return service_pb2.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         raise unsupported(
             "CUDA shared memory is not supported by edgeserve on this device (no GPU backend with CUDA IPC); "
             "use system shared memory"
         )
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        self.policy.check(context, admin=True)
         return service_pb2.CudaSharedMemoryUnregisterResponse()  # no CUDA region can exist
 
     # -- settings -------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class InferenceServicer:
                 raise invalid_arg(f"log setting '{key}' has no value")
             updates[key] = getattr(value, kind)
         if updates:
-            self.policy.check(context, admin=True)
+            check(self.policy, context, access.LOG_UPDATE)
         current = self.dataplane.log_settings(updates or None)
         response = service_pb2.LogSettingsResponse()
         for key, setting in current.items():

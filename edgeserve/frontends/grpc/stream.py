@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from edgeserve.frontends.access import INFERENCE
 from edgeserve.frontends.grpc import codec, wire
-from edgeserve.frontends.grpc.auth import AccessPolicy
+from edgeserve.frontends.grpc.auth import AccessPolicy, check
 from edgeserve.frontends.grpc.servicer import grpc_code, peer_client
 from edgeserve.protocol.errors import InferenceError, internal
 from edgeserve.protocol.inference import InferResponse
@@ -75,7 +76,7 @@ class StreamHandler:
 
     async def handle(self, request_iterator: Any, context: Context) -> None:
         try:
-            self.policy.check(context, admin=False)
+            check(self.policy, context, INFERENCE)
         except InferenceError as exc:
             await context.abort(grpc_code(exc), exc.message)
         self.open_streams += 1

@@ -5,6 +5,9 @@ Connection bounds (`ConnectionGuard`, wrapped around aiohttp's protocol): at mos
 are answered 503 and closed at once); a request whose headers, or whose started body, stall longer
 than `header_timeout_s` is closed (slowloris); an idle keep-alive connection is closed after
 `keepalive_timeout_s`. The request body limit is `max_input_bytes` (frontends/limits.py).
+
+Access (frontends/access.py, as gRPC): `[http] token` for non-loopback peers, admin endpoints from
+loopback only, Triton's restricted APIs; HTTPS with `tls_cert`/`tls_key` (+ `tls_client_ca`: mutual TLS).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
+from edgeserve.frontends import access
+from edgeserve.frontends.http import security
 from edgeserve.frontends.http.routes import HttpError, Routes, error_response
 from edgeserve.frontends.limits import request_limit
-from edgeserve.protocol.errors import InferenceError
+from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import client_scope
 
 if TYPE_CHECKING:
@@ -58,12 +63,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     guard: ConnectionGuard | None = request.app.get(GUARD_KEY)
     conn = guard.begin(request) if guard is not None else None
     try:
+        security.check(request.app[POLICY_KEY], request)
         with client_scope(request.remote or ""):
             return await handler(request)
     except InferenceError as exc:
         if exc.http_status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.path, exc.http_status, exc.message)
-        return error_response(exc.http_status, exc.message)
+        response = error_response(exc.http_status, exc.message)
+        if exc.status is Status.UNAUTHENTICATED:
+            response.headers.update(security.CHALLENGE)
+        return response
     except HttpError as exc:
         if exc.status == 413:
             return error_response(413, f"{exc.message} ([http] max_input_bytes)")
@@ -186,7 +195,7 @@ class ConnectionGuard:
             self.refused += 1
             return f"too many connections (max {self.max_total}, [http] max_connections)"
         # Local processes (camera pipelines, scripts) share 127.0.0.1: only the total bounds them.
-        local = conn.client in ("", "::1") or conn.client.startswith("127.")
+        local = conn.client in ("", "unix") or access.is_loopback_address(conn.client)
         if not local and self.per_client.get(conn.client, 0) >= self.max_per_client:
             self.refused += 1
             return (
@@ -246,13 +255,19 @@ GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("edgeserve_connection_guard"
 
 
 ROUTES_KEY: web.AppKey[Routes] = web.AppKey("edgeserve_routes", Routes)
+POLICY_KEY: web.AppKey[access.AccessPolicy] = web.AppKey("edgeserve_access", access.AccessPolicy)
 
 
-def build_app(dataplane: DataPlane, max_input_bytes: int) -> web.Application:
+def build_app(
+    dataplane: DataPlane, max_input_bytes: int, policy: access.AccessPolicy | None = None
+) -> web.Application:
+    """`policy`: who may call what (None = open, as tests of the routes alone want it)."""
     app = web.Application(client_max_size=max_input_bytes, middlewares=[error_middleware])
     routes = Routes(dataplane, max_input_bytes)
     routes.register(app)
+    security.check_routes(app)
     app[ROUTES_KEY] = routes
+    app[POLICY_KEY] = policy or access.AccessPolicy("http", admin_loopback_only=False)
     return app
 
 
@@ -268,8 +283,8 @@ class HttpFrontend:
         self.host = settings.http.host
         self.port = settings.http.port  # the bound port once started (port 0 picks a free one)
         self.max_input_bytes = request_limit(settings.http.max_input_bytes, settings)
-        self.app = build_app(dataplane, self.max_input_bytes)
         http = settings.http
+        self.app = build_app(dataplane, self.max_input_bytes, access.AccessPolicy.from_settings("http", http))
         self.guard = ConnectionGuard(
             http.max_connections, http.max_connections_per_client, http.header_timeout_s
         )
@@ -291,14 +306,19 @@ class HttpFrontend:
             keepalive_timeout=self.settings.http.keepalive_timeout_s,
         )
         await runner.setup()
+        http = self.settings.http
         try:
             if self.unix_path is not None:
                 await web.UnixSite(runner, str(self.unix_path)).start()
                 self.unix_path.chmod(0o600)
             if self.tcp:
-                site = _GuardedSite(
-                    runner, self.guard, self.host, self.port, backlog=1024, reuse_address=True
-                )
+                tls = security.ssl_context(http)
+                for warning in access.exposure_warnings(
+                    "http", self.host, http.token, tls is not None, bool(http.tls_client_ca)
+                ):
+                    log.warning("%s", warning)
+                site = _GuardedSite(runner, self.guard, self.host, self.port, backlog=1024,
+                                    reuse_address=True, ssl_context=tls)  # fmt: skip
                 await site.start()
         except OSError as exc:
             await runner.cleanup()
@@ -311,7 +331,8 @@ class HttpFrontend:
                 self.port = int(address[1])
                 break
         if self.tcp:
-            log.info("http frontend listening on http://%s:%d", self.host, self.port)
+            scheme = "https" if http.tls_cert else "http"
+            log.info("http frontend listening on %s://%s:%d", scheme, self.host, self.port)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish for up to `grace_s`, then close."""
@@ -335,9 +356,12 @@ class _GuardedSite(web.TCPSite):
         await web.BaseSite.start(self)  # TCPSite.start, with the guard around the protocol factory
         server = self._runner.server
         assert server is not None
+        # A TLS handshake that stalls is bounded like stalled headers (the guard sees it only after).
+        handshake_s = self._guard.stall_timeout_s if self._ssl_context else None
         self._server = await asyncio.get_running_loop().create_server(
             self._guard.wrap(server), self._host, self._port, ssl=self._ssl_context,
             backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=handshake_s,
         )  # fmt: skip
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -16,7 +16,14 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from edgeserve.config import Settings
-from edgeserve.frontends.grpc.auth import AccessPolicy, bearer_token, is_loopback_bind, is_loopback_peer
+from edgeserve.frontends import access
+from edgeserve.frontends.grpc.auth import (
+    AccessPolicy,
+    bearer_token,
+    check,
+    is_loopback_bind,
+    is_loopback_peer,
+)
 from edgeserve.protocol.errors import InferenceError, Status
 
 
@@ -334,7 +341,7 @@ class FakeContext:
 
 def _denied(policy: AccessPolicy, context: FakeContext, admin: bool) -> Status | None:
     try:
-        policy.check(context, admin)
+        check(policy, context, access.MODEL_CONTROL if admin else access.INFERENCE)
     except InferenceError as exc:
         return exc.status
     return None
@@ -343,7 +350,7 @@ def _denied(policy: AccessPolicy, context: FakeContext, admin: bool) -> Status |
 def test_access_policy() -> None:
     remote = "ipv4:192.168.1.20:5000"
     good = (("authorization", "Bearer s3cret"),)
-    policy = AccessPolicy(token="s3cret", admin_loopback_only=True)
+    policy = AccessPolicy("grpc", token="s3cret", admin_loopback_only=True)
     assert _denied(policy, FakeContext("ipv4:127.0.0.1:1"), admin=True) is None
     assert _denied(policy, FakeContext(remote), admin=False) is Status.UNAUTHENTICATED
     assert (
@@ -352,7 +359,7 @@ def test_access_policy() -> None:
     )
     assert _denied(policy, FakeContext(remote, good), admin=False) is None
     assert _denied(policy, FakeContext(remote, good), admin=True) is Status.PERMISSION_DENIED
-    open_policy = AccessPolicy(token="", admin_loopback_only=False)
+    open_policy = AccessPolicy("grpc", token="", admin_loopback_only=False)
     assert _denied(open_policy, FakeContext(remote), admin=True) is None
     assert bearer_token((("authorization", "bearer abc "),)) == "abc"
     assert bearer_token((("authorization", "Basic abc"),)) is None
@@ -372,7 +379,7 @@ def test_guarded_handler_maps_policy_errors(tmp_path: Path) -> None:
     async def handler(request: Any, context: Any) -> str:
         return "ok"
 
-    call = guarded(handler, AccessPolicy(token="t"))
+    call = guarded(handler, AccessPolicy("grpc", token="t"), access.INFERENCE)
     assert asyncio.run(call(None, AbortingContext("ipv4:127.0.0.1:9"))) == "ok"
     asyncio.run(call(None, AbortingContext("ipv4:10.1.1.1:9")))
     assert aborted[-1][0] == grpc.StatusCode.UNAUTHENTICATED
