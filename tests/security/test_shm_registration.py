@@ -64,6 +64,13 @@ def _serve(
     write_model(repo, MODEL, "identity", config=CONFIG)
     ipc, tcp = f"ipc://{public}/{uuid.uuid4().hex[:8]}.zmq", f"tcp://127.0.0.1:{free_port()}"
     args = ["--zmq-endpoint", ipc, "--zmq-endpoint", tcp, "--host", "0.0.0.0", *extra]
+    # The LAN cases register from a non-loopback address: admin endpoints must be open to the network
+    # for the shm rule (not the admin rule) to be what answers them.
+    env = {
+        "EDGESERVE_HTTP_ADMIN_LOOPBACK_ONLY": "false",
+        "EDGESERVE_GRPC_ADMIN_LOOPBACK_ONLY": "false",
+        **(env or {}),
+    }
     running = start_server(repo, tmp, args=args, env=env)
     os.chmod(ipc.removeprefix("ipc://"), 0o666)  # local clients of any user may connect
     return running, {"ipc": ipc, "zmq-tcp": tcp, "http": running.http_url, "grpc": running.grpc_url}
