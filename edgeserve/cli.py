@@ -99,6 +99,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:  # restarting the server would not make the folder appear
         print(f"edgeserve: cannot start: {problem}", file=sys.stderr)
         return 1
+    if _log_file_refused(args, settings):
+        return 2
     log = settings.logging
     setup_logging(log.level, log.format, log.file, log.max_bytes, log.backups)
     return Supervisor(loader, _serve_flags(args), _config_path(args), _overrides(args)).run()
@@ -129,6 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
     if supervised:
         _die_with_supervisor()
     else:  # alone, the server is the one to finish or undo an interrupted bundle install
+        if _log_file_refused(args, settings):
+            return 2
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
@@ -146,6 +150,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _log_file_refused(args: argparse.Namespace, settings: Settings) -> bool:
+    """A `[logging] file` in a key folder is refused at start (a log line could become a key)."""
+    from edgeserve.ota.trust import log_file_problem
+
+    problem = log_file_problem(settings, settings.server.state_dir)
+    if problem is not None:
+        print(f"edgeserve: {_config_path(args) or 'settings'}: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def _recover_bundles(state_dir: Path) -> None:

@@ -25,7 +25,8 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
-from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox
+from edgeserve.fleet.desired import DesiredRefused, parse_desired
+from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox, hex_or_none, unhex_or_none
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
@@ -39,6 +40,7 @@ from edgeserve.fleet.protocol import (
     parse_command,
     utc,
 )
+from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
 
 log = logging.getLogger("edgeserve.fleet")
@@ -84,6 +86,7 @@ class FleetAgent:
         self._last_health: dict[str, Any] | None = None
         self._reported_dirty = threading.Event()
         self._info_due = threading.Event()
+        self._desired_refused = ""  # why the last desired state was not acted on ("" = it was)
         self._pending_replies: list[tuple[_Reply, dict[str, Any]]] = []
         self._threads: list[threading.Thread] = []
         self.client = make_client(
@@ -196,7 +199,7 @@ class FleetAgent:
             elif message.topic.startswith(self.topics.cmd("")):
                 self._on_command(message)
         except Exception:  # a bad message must never stop the network loop
-            log.exception("fleet message on %s could not be handled", message.topic)
+            log.exception("fleet message on %s could not be handled", safe(message.topic))
 
     def _reply_to(self, message: mqtt.MQTTMessage, cmd_id: str | None) -> _Reply | None:
         props = getattr(message, "properties", None)
@@ -224,12 +227,12 @@ class FleetAgent:
                 reply,
                 cmd_id,
                 REJECTED,
-                error=f"command for device {raw.get('device')}, this is {self.device}",
+                error=f"command for device {safe(raw.get('device'), 64)}, this is {self.device}",
             )
         try:
             command = parse_command(verb, message.payload)
         except CommandError as exc:
-            log.info("fleet command %s on %s rejected: %s", cmd_id, verb, exc)
+            log.info("fleet command %s on %s rejected: %s", safe(cmd_id), safe(verb), safe(exc, 400))
             return self._answer(reply, cmd_id, REJECTED, error=str(exc))
         assert reply is not None
         seen = self.ledger.get(command.cmd_id)
@@ -264,7 +267,7 @@ class FleetAgent:
                 return
             # Recorded before the worker can see it: the final outcome is always written after this.
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
-                                        "correlation": _hex(job.reply.correlation)})  # fmt: skip
+                                        "correlation": hex_or_none(job.reply.correlation)})  # fmt: skip
             ahead = len(self._jobs)
             self._jobs[cmd_id] = job
             self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=ahead)
@@ -272,27 +275,26 @@ class FleetAgent:
 
     def _on_desired(self, message: mqtt.MQTTMessage) -> None:
         try:
-            desired = json.loads(message.payload or b"{}")
-            generation = int(desired.get("generation", 0))
-        except (ValueError, TypeError, AttributeError):
-            log.warning("fleet: desired state is not JSON with a generation; ignored")
+            desired = parse_desired(message.payload)
+        except DesiredRefused as exc:  # told to the fleet in `reported`; nothing else changes
+            self._desired_refused = str(exc)
+            log.warning("fleet: %s; ignored", safe(exc, 200))
+            self._reported_dirty.set()
             return
+        if desired is None:  # the manager cleared its retained desired state
+            return
+        self._desired_refused = ""
+        generation = desired.generation
         if generation <= self._generation.read().get("generation", 0):
             self._reported_dirty.set()
             return
-        bundle = desired.get("bundle") or {}
-        if not isinstance(bundle, dict) or not isinstance(bundle.get("url"), str):
+        if desired.url is None:
             self._generation.write(generation, "ignored: no bundle.url in the desired state")
             self._reported_dirty.set()
             return
         now = datetime.now(timezone.utc)
-        command = Command(
-            f"desired-{generation}",
-            "deploy_bundle",
-            now,
-            now,
-            {"url": bundle["url"], "sha256": bundle.get("sha256"), "generation": generation},
-        )
+        args = {"url": desired.url, "sha256": desired.sha256, "generation": generation}
+        command = Command(f"desired-{generation}", "deploy_bundle", now, now, args)
         if self.ledger.get(command.cmd_id) is None:
             self._enqueue_long(_Job(command, _Reply(self.topics.resp(command.cmd_id))))
 
@@ -369,13 +371,13 @@ class FleetAgent:
         if job.command.verb in LONG_VERBS:
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": status, **fields})
         self._answer(job.reply, cmd_id, status, **fields)
-        log.info("fleet command %s (%s): %s %s", cmd_id, job.command.verb, status, fields.get("error", ""))
+        log.info("fleet command %s (%s): %s %s", safe(cmd_id), job.command.verb, status,
+                 safe(fields.get("error", ""), 400))  # fmt: skip
 
     def _answer(self, reply: _Reply | None, cmd_id: str | None, status: str, **fields: Any) -> None:
         if reply is None:  # no cmd_id and no ResponseTopic: nobody to tell
-            log.warning(
-                "fleet: a command without cmd_id or ResponseTopic was %s: %s", status, fields.get("error")
-            )
+            log.warning("fleet: a command without cmd_id or ResponseTopic was %s: %s", status,
+                        safe(fields.get("error"), 400))  # fmt: skip
             return
         body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": _now(), **fields}
         self._publish(reply.topic, body, correlation=reply.correlation)
@@ -387,7 +389,7 @@ class FleetAgent:
             error = "interrupted: the device restarted while it ran; what was under way was undone"
             self.ledger.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
             reply = _Reply(
-                str(entry.get("reply") or self.topics.resp(cmd_id)), _unhex(entry.get("correlation"))
+                str(entry.get("reply") or self.topics.resp(cmd_id)), unhex_or_none(entry.get("correlation"))
             )
             self._pending_replies.append((reply, {"cmd_id": cmd_id, "status": FAILED, "error": error}))
 
@@ -401,6 +403,8 @@ class FleetAgent:
                 reply, body = self._pending_replies.pop(0)
                 self._answer(reply, body.pop("cmd_id"), body.pop("status"), **body)
             self._flush_events()
+            if self._info_due.is_set():  # the broker may have lost it: at once after every connect
+                self._publish_info()
             now = time.monotonic()
             if self._reported_dirty.is_set():
                 self._reported_dirty.clear()
@@ -437,6 +441,7 @@ class FleetAgent:
                 **status,
                 "generation": applied.get("generation", 0),
                 "generation_outcome": applied.get("outcome", ""),
+                "desired_refused": self._desired_refused,
                 "running": running,
                 "queued": self._long.qsize(),
                 "at": _now(),
@@ -444,21 +449,14 @@ class FleetAgent:
             retain=True,
         )
 
+    def _publish_info(self) -> None:
+        self._info_due.clear()
+        identity = {"device": self.device, "fleet": self.settings.fleet, "edgeserve": self.version}
+        with contextlib.suppress(Exception):
+            self._publish(self.topics.info, {**identity, "boot_id": self.boot_id, **self.services.info()},
+                          retain=True)  # fmt: skip
+
     def _publish_health_and_metrics(self) -> None:
-        if self._info_due.is_set():
-            self._info_due.clear()
-            with contextlib.suppress(Exception):
-                self._publish(
-                    self.topics.info,
-                    {
-                        "device": self.device,
-                        "fleet": self.settings.fleet,
-                        "edgeserve": self.version,
-                        "boot_id": self.boot_id,
-                        **self.services.info(),
-                    },
-                    retain=True,
-                )
         self._publish_health()
         try:
             metrics = self.services.metrics()
@@ -492,14 +490,3 @@ class FleetAgent:
 
 def _now() -> str:
     return utc(datetime.now(timezone.utc))
-
-
-def _hex(data: bytes | None) -> str | None:
-    return data.hex() if data is not None else None
-
-
-def _unhex(text: Any) -> bytes | None:
-    try:
-        return bytes.fromhex(text) if isinstance(text, str) else None
-    except ValueError:
-        return None

@@ -16,6 +16,18 @@ from edgeserve.fsutil import write_json_atomic
 RUNNING = "RUNNING"  # a ledger mark: accepted, no final status yet
 
 
+def hex_or_none(data: bytes | None) -> str | None:
+    """MQTT 5 CorrelationData as the ledger keeps it (JSON has no bytes)."""
+    return data.hex() if data is not None else None
+
+
+def unhex_or_none(text: Any) -> bytes | None:
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 class CommandLedger:
     """cmd_id -> the command's first outcome (bounded, oldest forgotten first), fsync'd on change."""
 

@@ -72,7 +72,7 @@ def _keygen(args: argparse.Namespace) -> int:
     except FileExistsError:
         return _fail(f"{args.out / (args.name + '.key')} exists; not overwriting a key")
     print(
-        f"{private} (private, keep it off devices)\n{public} (copy to <state_dir>/trust/ on devices)\n"
+        f"{private} (private, keep it off devices)\n{public} (copy to <trust_dir>/bundles/ on devices)\n"
         f"key_id {kid}"
     )
     return 0
@@ -184,6 +184,7 @@ def _offline_installer(args: argparse.Namespace) -> Any:
     from edgeserve.ota.installer import Installer
     from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
+    from edgeserve.ota.trust import trust_dir_for
     from edgeserve.supervisor.report import device_accelerators
 
     settings, state_dir, config, sources = _settings(args)
@@ -199,7 +200,8 @@ def _offline_installer(args: argparse.Namespace) -> Any:
         configured = "server.model_repository" in sources
         return set(list_models(repository)) if configured and repository.is_dir() else set()
 
-    return Installer(Store(state_dir), OfflineActivator(trial), accelerators=device_accelerators(settings),
+    store = Store(state_dir, trust_dir_for(settings, state_dir))
+    return Installer(store, OfflineActivator(trial), accelerators=device_accelerators(settings),
                      policy=Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20),
                      other_models=repository_models)  # fmt: skip
 
