@@ -355,6 +355,9 @@ class FleetAgent:
         if command.verb == "deploy_bundle" and "generation" in command.args:
             self._generation.write(int(command.args["generation"]), "applied")
             self._reported_dirty.set()
+        elif command.verb == "revoke_key":  # info and health say what is trusted now
+            self._info_due.set()
+            self._reported_dirty.set()
         return result
 
     def _cancel(self, cmd_id: str) -> dict[str, Any]:
