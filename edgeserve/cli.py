@@ -205,6 +205,12 @@ def _config(args: argparse.Namespace) -> int:
         print(f"edgeserve config: {exc}", file=sys.stderr)
         return 2
     state_dir, why = resolve_state_dir(settings, sources)
+    from edgeserve.ota.trust import log_file_problem
+
+    problem = log_file_problem(settings, state_dir)
+    if problem is not None:  # `run` would refuse to start
+        print(f"edgeserve config: {path or 'settings'}: {problem}", file=sys.stderr)
+        return 2
     print(f"# {path or 'no settings file'}: valid", end="")
     print(f"; state folder {state_dir} ({why})" if state_dir != settings.server.state_dir else "")
     print(render_effective(settings, sources), end="")

@@ -35,7 +35,8 @@ def add_commands(sub: Any, config_flag: Any) -> None:
 
     verify = actions.add_parser("verify", help="check signature, manifest and every file hash")
     verify.add_argument("file", type=Path)
-    verify.add_argument("--trust", type=Path, required=True, help="folder of trusted *.pub keys")
+    verify.add_argument("--trust", type=Path, required=True,
+                        help="folder of trusted *.pub keys (or a trust folder: its bundles/)")  # fmt: skip
     verify.set_defaults(func=_verify)
 
     inspect = actions.add_parser("inspect", help="show a bundle's manifest")

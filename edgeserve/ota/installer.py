@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from edgeserve.fleet.safe_text import safe
 from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused, StoreError
 from edgeserve.ota.manifest import Manifest, parse_manifest
@@ -118,7 +119,7 @@ class Installer:
             except StoreError as exc:
                 return self._fail(FAILED, str(exc), report)
             except Exception as exc:  # the device must end in a known state whatever broke
-                log.exception("install of %s failed unexpectedly", source)
+                log.exception("install of %s failed unexpectedly", safe(source))
                 return self._fail(FAILED, f"internal error: {type(exc).__name__}: {exc}", report)
 
     def _install(self, install_id: str, source: str, report: Report, sha256: str | None,
@@ -253,7 +254,7 @@ class Installer:
             self.store.finish(state, reason)
         self.store.gc()
         report(state, None, reason)
-        log.warning("install %s: %s", state, reason)
+        log.warning("install %s: %s", state, safe(reason, 400))  # it may quote a URL from the fleet
         return Outcome(
             False, state, reason, str(record.get("name", "")), int(record.get("version", 0) or 0), code
         )

@@ -202,3 +202,23 @@ def test_a_log_file_inside_the_trust_folder_is_refused(tmp_path: Path) -> None:
     settings.logging.file = tmp_path / "logs" / "edgeserve.log"
     assert log_file_problem(settings, state) is None
     assert trust_dir_for(settings, state) == tmp_path / "etc-trust"
+
+
+def test_config_check_refuses_a_log_file_in_the_trust_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "edgeserve.toml"
+    config.write_text(
+        f'[ota]\ntrust_dir = "{tmp_path}/etc-trust"\n'
+        f'[logging]\nfile = "{tmp_path}/etc-trust/bundles/log.pub"\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "edgeserve", "config", "check", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "EDGESERVE_SERVER_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "logging.file" in result.stderr and "inside the trust folder" in result.stderr
