@@ -2,7 +2,8 @@
 
     edgeserve fleet devices
     edgeserve fleet send cam-01 get_status
-    edgeserve fleet send cam-01 set_config '{"server": {"log_level": "DEBUG"}}'
+    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'   # allowlist: fleet/allowlist.py
+    edgeserve fleet send cam-01 revoke_key '{"key_id": "<16 hex>", "role": "bundle"}'
     edgeserve fleet deploy https://repo/bundle-v8.tar --devices 'cam-*' --canary 10% --wave-size 20 \
         --pause 30 --max-failure-ratio 0.05 --sha256 <hex>
     edgeserve fleet watch --seconds 60
