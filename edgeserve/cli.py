@@ -103,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:  # restarting the server would not make the folder appear
         print(f"edgeserve: cannot start: {problem}", file=sys.stderr)
         return 1
+    if _log_file_refused(args, settings):
+        return 2
     log = settings.logging
     setup_logging(log.level, log.format, log.file, log.max_bytes, log.backups)
     return Supervisor(loader, _serve_flags(args), _config_path(args), _overrides(args)).run()
@@ -133,6 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
     if supervised:
         _die_with_supervisor()
     else:  # alone, the server is the one to finish or undo an interrupted bundle install
+        if _log_file_refused(args, settings):
+            return 2
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
@@ -150,6 +154,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"edgeserve: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _log_file_refused(args: argparse.Namespace, settings: Settings) -> bool:
+    """A `[logging] file` in a key folder is refused at start (a log line could become a key)."""
+    from edgeserve.ota.trust import log_file_problem
+
+    problem = log_file_problem(settings, settings.server.state_dir)
+    if problem is not None:
+        print(f"edgeserve: {_config_path(args) or 'settings'}: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def _recover_bundles(state_dir: Path) -> None:
@@ -195,6 +209,12 @@ def _config(args: argparse.Namespace) -> int:
         print(f"edgeserve config: {exc}", file=sys.stderr)
         return 2
     state_dir, why = resolve_state_dir(settings, sources)
+    from edgeserve.ota.trust import log_file_problem
+
+    problem = log_file_problem(settings, state_dir)
+    if problem is not None:  # `run` would refuse to start
+        print(f"edgeserve config: {path or 'settings'}: {problem}", file=sys.stderr)
+        return 2
     print(f"# {path or 'no settings file'}: valid", end="")
     print(f"; state folder {state_dir} ({why})" if state_dir != settings.server.state_dir else "")
     print(render_effective(settings, sources), end="")

@@ -181,6 +181,9 @@ class OtaSection:
     # Memory a trial beside the serving models may take; 0 = what the kernel says is available. Too
     # little for a second copy -> drain, unload, load in place (the downtime is reported).
     trial_memory_mb: int = 0
+    # Trusted keys: bundles/*.pub sign bundles, commands/*.pub sign fleet commands (edgeserve/ota/trust.py).
+    # Unset = <state_dir>/trust; the systemd install uses /etc/edgeserve/trust (read-only to the service).
+    trust_dir: Path | None = None
 
 
 MAX_COMMAND_LIFETIME_S = 30 * 86400  # [fleet] max_command_lifetime_s may not be set above this
@@ -294,6 +297,11 @@ class Settings:
             fail("ota.max_unpacked_mb", "must be a positive size in MB")
         if self.ota.crash_rollback_restarts < 0:
             fail("ota.crash_rollback_restarts", "must be 0 (never roll back on crashes) or a count")
+        if self.ota.trust_dir is not None and not self.ota.trust_dir.is_absolute():
+            fail(
+                "ota.trust_dir",
+                f"'{self.ota.trust_dir}' must be an absolute path (e.g. /etc/edgeserve/trust)",
+            )
         self._validate_fleet(fail)
         if self.server.exit_timeout_s < 0:
             fail("server.exit_timeout_s", "must be 0 or a number of seconds")
@@ -483,8 +491,10 @@ def load_settings_with_sources(
     sources: dict[str, str] = {}
     if path is not None:
         _apply(settings, _read_toml(path), str(path), sources)
-    if overlay is not None:
-        _apply(settings, _read_toml(overlay), str(overlay), sources)
+    if overlay is not None:  # only what a fleet command may set: a key put there otherwise is dropped
+        from edgeserve.fleet.allowlist import only_allowed
+
+        _apply(settings, only_allowed(_read_toml(overlay), str(overlay)), str(overlay), sources)
     env = os.environ if environ is None else environ
     env_values = _env_overrides(env)
     if env_values:

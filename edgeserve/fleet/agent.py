@@ -25,9 +25,10 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
+from edgeserve.fleet.desired import DesiredRefused, parse_desired
 from edgeserve.fleet.gate import CommandGate
 from edgeserve.fleet.gate import Reply as _Reply
-from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox, from_hex, to_hex
+from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox, hex_or_none
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
@@ -43,6 +44,7 @@ from edgeserve.fleet.protocol import (
 )
 from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
+from edgeserve.ota.trust import TrustStore, default_trust_dir
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -56,14 +58,22 @@ class _Job:
 
 class FleetAgent:
     def __init__(
-        self, settings: FleetSection, state_dir: Path, services: DeviceServices, version: str
+        self,
+        settings: FleetSection,
+        state_dir: Path,
+        services: DeviceServices,
+        version: str,
+        trust: TrustStore | None = None,
     ) -> None:
         self.settings = settings
         self.services = services
         self.version = version
         self.device = device_id(settings)
         self.topics = Topics(settings.fleet, self.device)
-        self.gate = CommandGate(settings, self.topics, state_dir)
+        # Command keys: [fleet] command_keys, else <trust_dir>/commands, less the keys the fleet revoked.
+        self.gate = CommandGate(
+            settings, self.topics, trust or TrustStore(default_trust_dir(state_dir), state_dir)
+        )
         self.v5 = settings.protocol == "5"
         folder = state_dir / "fleet"
         folder.mkdir(parents=True, exist_ok=True)
@@ -223,12 +233,12 @@ class FleetAgent:
                 reply,
                 cmd_id,
                 REJECTED,
-                error=f"command for device {raw.get('device')}, this is {self.device}",
+                error=f"command for device {safe(raw.get('device'), 64)}, this is {self.device}",
             )
         try:
             command = parse_command(verb, message.payload)
         except CommandError as exc:
-            log.info("fleet command %s on %s rejected: %s", safe(cmd_id), safe(verb), safe(exc, 300))
+            log.info("fleet command %s on %s rejected: %s", safe(cmd_id), safe(verb), safe(exc, 400))
             return self._answer(reply, cmd_id, REJECTED, error=str(exc))
         assert reply is not None
         seen = self.ledger.get(command.cmd_id)
@@ -263,7 +273,7 @@ class FleetAgent:
                 return
             # Recorded before the worker can see it: the final outcome is always written after this.
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
-                                        "correlation": to_hex(job.reply.correlation)})  # fmt: skip
+                                        "correlation": hex_or_none(job.reply.correlation)})  # fmt: skip
             ahead = len(self._jobs)
             self._jobs[cmd_id] = job
             self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=ahead)
@@ -271,27 +281,25 @@ class FleetAgent:
 
     def _on_desired(self, message: mqtt.MQTTMessage) -> None:
         try:
-            desired = json.loads(message.payload or b"{}")
-            generation = int(desired.get("generation", 0))
-        except (ValueError, TypeError, AttributeError):
-            log.warning("fleet: desired state is not JSON with a generation; ignored")
+            desired = parse_desired(message.payload)
+        except DesiredRefused as exc:  # told to the fleet in `reported`; nothing else changes
+            self.gate.refuse_desired(str(exc))
+            log.warning("fleet: %s; ignored", safe(exc, 200))
+            self._reported_dirty.set()
             return
+        if desired is None:  # the manager cleared its retained desired state
+            return
+        generation = desired.generation
         if generation <= self._generation.read().get("generation", 0):
             self._reported_dirty.set()
             return
-        bundle = desired.get("bundle") or {}
-        if not isinstance(bundle, dict) or not isinstance(bundle.get("url"), str):
+        if desired.url is None:
             self._generation.write(generation, "ignored: no bundle.url in the desired state")
             self._reported_dirty.set()
             return
         now = datetime.now(timezone.utc)
-        command = Command(
-            f"desired-{generation}",
-            "deploy_bundle",
-            now,
-            now,
-            {"url": bundle["url"], "sha256": bundle.get("sha256"), "generation": generation},
-        )
+        args = {"url": desired.url, "sha256": desired.sha256, "generation": generation}
+        command = Command(f"desired-{generation}", "deploy_bundle", now, now, args)
         if self.ledger.get(command.cmd_id) is None:
             self._enqueue_long(_Job(command, _Reply(self.topics.resp(command.cmd_id))))
 
@@ -352,6 +360,9 @@ class FleetAgent:
         if command.verb == "deploy_bundle" and "generation" in command.args:
             self._generation.write(int(command.args["generation"]), "applied")
             self._reported_dirty.set()
+        elif command.verb == "revoke_key":  # info and health say what is trusted now
+            self._info_due.set()
+            self._reported_dirty.set()
         return result
 
     def _cancel(self, cmd_id: str) -> dict[str, Any]:
@@ -368,15 +379,15 @@ class FleetAgent:
         if job.command.verb in LONG_VERBS:
             self.ledger.record(cmd_id, {"verb": job.command.verb, "status": status, **fields})
         self._answer(job.reply, cmd_id, status, **fields)
-        error = safe(fields.get("error", ""), 300)
-        log.info("fleet command %s (%s): %s %s", cmd_id, job.command.verb, status, error)
+        log.info("fleet command %s (%s): %s %s", safe(cmd_id), job.command.verb, status,
+                 safe(fields.get("error", ""), 400))  # fmt: skip
 
     def _answer(self, reply: _Reply | None, cmd_id: str | None, status: str, **fields: Any) -> None:
         if reply is not None and not self.gate.may_publish(reply.topic):  # e.g. an old ledger's reply topic
             reply = self.gate.reply_to(mqtt.MQTTMessage(), cmd_id)
         if reply is None:  # no cmd_id and no ResponseTopic: nobody to tell
-            error = safe(fields.get("error"), 300)
-            log.warning("fleet: a command without cmd_id or ResponseTopic was %s: %s", status, error)
+            log.warning("fleet: a command without cmd_id or ResponseTopic was %s: %s", status,
+                        safe(fields.get("error"), 400))  # fmt: skip
             return
         body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": _now(), **fields}
         self._publish(reply.topic, body, correlation=reply.correlation)
@@ -384,13 +395,9 @@ class FleetAgent:
     def _finish_interrupted(self) -> None:
         """Commands an earlier run accepted and never finished: FAILED (the installer's recovery at
         start undid whatever was half done), answered as soon as the broker is back."""
-        for cmd_id, entry in self.ledger.interrupted():
-            error = "interrupted: the device restarted while it ran; what was under way was undone"
-            self.ledger.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
-            reply = _Reply(
-                str(entry.get("reply") or self.topics.resp(cmd_id)), from_hex(entry.get("correlation"))
-            )
-            self._pending_replies.append((reply, {"cmd_id": cmd_id, "status": FAILED, "error": error}))
+        for topic, correlation, answer in self.ledger.fail_interrupted():
+            reply = _Reply(topic or self.topics.resp(answer["cmd_id"]), correlation)
+            self._pending_replies.append((reply, answer))
 
     # -- state out --------------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -402,6 +409,8 @@ class FleetAgent:
                 reply, body = self._pending_replies.pop(0)
                 self._answer(reply, body.pop("cmd_id"), body.pop("status"), **body)
             self._flush_events()
+            if self._info_due.is_set():  # the broker may have lost it: at once after every connect
+                self._publish_info()
             now = time.monotonic()
             if self._reported_dirty.is_set():
                 self._reported_dirty.clear()
@@ -446,21 +455,14 @@ class FleetAgent:
             retain=True,
         )
 
+    def _publish_info(self) -> None:
+        self._info_due.clear()
+        identity = {"device": self.device, "fleet": self.settings.fleet, "edgeserve": self.version}
+        with contextlib.suppress(Exception):
+            self._publish(self.topics.info, {**identity, "boot_id": self.boot_id, **self.services.info()},
+                          retain=True)  # fmt: skip
+
     def _publish_health_and_metrics(self) -> None:
-        if self._info_due.is_set():
-            self._info_due.clear()
-            with contextlib.suppress(Exception):
-                self._publish(
-                    self.topics.info,
-                    {
-                        "device": self.device,
-                        "fleet": self.settings.fleet,
-                        "edgeserve": self.version,
-                        "boot_id": self.boot_id,
-                        **self.services.info(),
-                    },
-                    retain=True,
-                )
         self._publish_health()
         try:
             metrics = self.services.metrics()

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -32,6 +32,8 @@ from edgeserve.fleet.protocol import (
 )
 from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_envelope, peek_cmd_id
+from edgeserve.ota.errors import BundleRefused
+from edgeserve.ota.trust import TrustStore
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -41,9 +43,9 @@ UNSIGNED = (
 )
 
 
-def default_command_keys(state_dir: Path) -> Path:
-    """Where the trusted command keys are when `[fleet] command_keys` is not set."""
-    return state_dir / "trust" / "commands"
+def default_command_keys(trust_dir: Path) -> Path:
+    """Where the trusted command keys are when `[fleet] command_keys` is not set: `<trust_dir>/commands`."""
+    return trust_dir / "commands"
 
 
 @dataclass
@@ -59,12 +61,22 @@ class Admission:
     cmd_id: str | None = None  # a well-formed cmd_id to address the answer to
 
 
+def _revoked_commands(trust: TrustStore) -> frozenset[str] | None:
+    """The command key ids the fleet revoked; None (trust no command key) when the list is unreadable."""
+    try:
+        return frozenset(trust.revoked("command"))
+    except BundleRefused as exc:
+        log.warning("fleet: %s; no command key is trusted until it is repaired", safe(exc, 300))
+        return None
+
+
 class CommandGate:
-    def __init__(self, settings: FleetSection, topics: Topics, state_dir: Path) -> None:
+    def __init__(self, settings: FleetSection, topics: Topics, trust: TrustStore) -> None:
         self.topics = topics
         self.require = settings.require_signed_commands
         self.max_lifetime_s = settings.max_command_lifetime_s
-        self.keys = CommandKeys(settings.command_keys or default_command_keys(state_dir))
+        folder = settings.command_keys or default_command_keys(trust.trust_dir)
+        self.keys = CommandKeys(folder, lambda: _revoked_commands(trust))
         self.desired_rejected: dict[str, str] | None = None  # the last desired state, when it was refused
         name = SEGMENT_RE.pattern.strip("^$")  # one topic level, as the fleet tool's client id is
         self._inbox = re.compile(rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/{name}/resp$")
@@ -100,7 +112,7 @@ class CommandGate:
             what = "desired state" if desired else f"command {safe(raw_id)}"
             log.warning("fleet: %s on %s REJECTED: %s", what, safe(topic), safe(exc, 300))
             if desired:
-                self.desired_rejected = {"status": REJECTED, "error": str(exc), "at": utc(now)}
+                self.refuse_desired(str(exc), now)
             return Admission(error=str(exc), cmd_id=cmd_id)
         if desired:
             self.desired_rejected = None
@@ -108,6 +120,14 @@ class CommandGate:
         inner.payload, inner.qos, inner.retain = text, message.qos, message.retain
         inner.properties = getattr(message, "properties", None)
         return Admission(inner, cmd_id=cmd_id)
+
+    def refuse_desired(self, reason: str, now: datetime | None = None) -> None:
+        """The last desired state was not acted on (shown in `reported`, so it cannot pin the device)."""
+        self.desired_rejected = {
+            "status": REJECTED,
+            "error": reason,
+            "at": utc(now or datetime.now(timezone.utc)),
+        }
 
     def _verified(self, topic: str, payload: bytes, what: str) -> bytes:
         if len(payload) > MAX_PAYLOAD_BYTES:

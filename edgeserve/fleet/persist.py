@@ -13,7 +13,20 @@ from typing import Any
 
 from edgeserve.fsutil import write_json_atomic
 
+FAILED = "FAILED"  # as protocol.FAILED (persist stays free of protocol imports)
 RUNNING = "RUNNING"  # a ledger mark: accepted, no final status yet
+
+
+def hex_or_none(data: bytes | None) -> str | None:
+    """MQTT 5 CorrelationData as the ledger keeps it (JSON has no bytes)."""
+    return data.hex() if data is not None else None
+
+
+def unhex_or_none(text: Any) -> bytes | None:
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
 
 
 class CommandLedger:
@@ -50,16 +63,15 @@ class CommandLedger:
         with self._lock:
             return [(k, dict(v)) for k, v in self._entries.items() if v.get("status") == RUNNING]
 
-
-def to_hex(data: bytes | None) -> str | None:
-    return data.hex() if data is not None else None
-
-
-def from_hex(text: Any) -> bytes | None:
-    try:
-        return bytes.fromhex(text) if isinstance(text, str) else None
-    except ValueError:
-        return None
+    def fail_interrupted(self) -> list[tuple[str, bytes | None, dict[str, Any]]]:
+        """Record every interrupted command as FAILED; (reply topic or "", correlation, answer) of each."""
+        error = "interrupted: the device restarted while it ran; what was under way was undone"
+        answers = []
+        for cmd_id, entry in self.interrupted():
+            self.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
+            answer = {"cmd_id": cmd_id, "status": FAILED, "error": error}
+            answers.append((str(entry.get("reply") or ""), unhex_or_none(entry.get("correlation")), answer))
+        return answers
 
 
 class Generation:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from edgeserve.fleet.allowlist import refused_keys
+
 PREFIX = "es/v1"
 VERBS = ("deploy_bundle", "rollback", "activate_model", "deactivate_model", "set_config", "restart_runtime",
-         "get_status", "cancel", "gc")  # fmt: skip
+         "get_status", "cancel", "gc", "revoke_key")  # fmt: skip
 LONG_VERBS = frozenset({"deploy_bundle", "rollback", "restart_runtime", "set_config", "activate_model",
                         "deactivate_model", "gc"})  # fmt: skip
 ACCEPTED, IN_PROGRESS, SUCCEEDED, FAILED, REJECTED = (
@@ -35,6 +37,10 @@ FINAL = frozenset({SUCCEEDED, FAILED, REJECTED})
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PAYLOAD_BYTES = 256 * 1024
+# A bundle URL: printable ASCII without spaces (it reaches logs, events and the downloader), bounded.
+URL_RE = re.compile(r"^(https?|file)://[!-~]{1,2040}$")
+KEY_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+REVOCABLE_ROLES = ("bundle", "command")  # the key files stay (read-only folder); the ids are refused
 
 
 class CommandError(ValueError):
@@ -116,8 +122,11 @@ def _require(args: dict[str, Any], key: str, kind: type, verb: str) -> Any:
 def check_args(verb: str, args: dict[str, Any]) -> None:
     if verb == "deploy_bundle":
         url = _require(args, "url", str, verb)
-        if not re.match(r"^(https?|file)://", url):
-            raise CommandError("deploy_bundle args.url must be an http(s):// or file:// URL")
+        if not URL_RE.match(url):
+            raise CommandError(
+                "deploy_bundle args.url must be an http(s):// or file:// URL of printable ASCII without "
+                "spaces, at most 2048 characters"
+            )
         sha = args.get("sha256")
         if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-fA-F]{64}", sha)):
             raise CommandError("deploy_bundle args.sha256 must be 64 hex digits")
@@ -130,6 +139,14 @@ def check_args(verb: str, args: dict[str, Any]) -> None:
     elif verb == "set_config":
         if not args or not all(isinstance(v, dict) and v for v in args.values()):
             raise CommandError("set_config args must be {section: {key: value}}")
+        refused = refused_keys(args)
+        if refused:  # all of them named, none applied
+            raise CommandError(f"set_config may not change: {'; '.join(refused)}; nothing was applied")
+    elif verb == "revoke_key":
+        if not KEY_ID_RE.match(_require(args, "key_id", str, verb)):
+            raise CommandError("revoke_key args.key_id must be 16 lowercase hex digits (the key id)")
+        if args.get("role") not in REVOCABLE_ROLES:
+            raise CommandError(f"revoke_key args.role must be one of: {', '.join(REVOCABLE_ROLES)}")
     elif verb == "cancel" and not ID_RE.match(_require(args, "cmd_id", str, verb)):
         raise CommandError("cancel args.cmd_id is not a command id")
 

@@ -16,7 +16,7 @@ import binascii
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, Command, CommandError, parse_command, utc
 from edgeserve.fleet.safe_text import safe
-from edgeserve.ota.signing import SIGNATURE_BYTES, TrustedKey, key_id, load_private
+from edgeserve.ota.signing import (
+    SIGNATURE_BYTES,
+    TrustedKey,
+    key_id,
+    load_private,
+    parse_public,
+    read_key_file,
+)
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,11 +42,7 @@ VERSION = 1
 DOMAIN = b"edgeserve-command-v1\n"
 FIELDS = frozenset({"v", "key_id", "sig", "command"})
 CLOCK_SKEW_S = 300  # issued_at may be this far ahead of the device's clock (NTP not yet synced)
-MAX_KEY_FILE_BYTES = 4096
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
-_PEM = re.compile(
-    rb"\A-----BEGIN PUBLIC KEY-----\r?\n(?:[A-Za-z0-9+/=]{1,76}\r?\n)+-----END PUBLIC KEY-----\s*\Z"
-)
 
 
 def signed_bytes(topic: str, command_text: str) -> bytes:
@@ -165,37 +168,27 @@ def peek_cmd_id(payload: bytes) -> object:
     return body.get("cmd_id") if isinstance(body, dict) else None
 
 
-def load_command_keys(folder: Path) -> tuple[dict[str, TrustedKey], list[str]]:
-    """The trusted command keys in `folder` (every `*.pub` holding exactly one PEM public key block, as
-    `edgeserve keygen` writes it), and one warning per file that was ignored."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+def load_command_keys(
+    folder: Path, revoked: frozenset[str] = frozenset()
+) -> tuple[dict[str, TrustedKey], list[str]]:
+    """The trusted command keys in `folder` (every `*.pub` holding exactly one PEM public key, as
+    `edgeserve keygen --role command` writes it, read by the trust store's one parser) less the `revoked`
+    key ids, and one warning per file that was ignored."""
     keys: dict[str, TrustedKey] = {}
     warnings: list[str] = []
     if not folder.is_dir():
         return keys, warnings
     for path in sorted(folder.glob("*.pub")):
         try:
-            with open(path, "rb") as fh:
-                data = fh.read(MAX_KEY_FILE_BYTES + 1)
-        except OSError as exc:
-            warnings.append(f"command key {path} ignored: {exc.strerror or exc}")
+            public = parse_public(read_key_file(path))
+        except (OSError, ValueError) as exc:
+            warnings.append(f"command key {safe(path, 200)} ignored: {safe(exc, 200)}")
             continue
-        if len(data) > MAX_KEY_FILE_BYTES or not _PEM.match(data):
-            warnings.append(
-                f"command key {path} ignored: not exactly one PEM public key block (as `edgeserve keygen "
-                "--role command` writes it)"
-            )
+        kid = key_id(public)
+        if kid in revoked:
+            warnings.append(f"command key {safe(path, 200)} ignored: key id {kid} was revoked by the fleet")
             continue
-        try:
-            public = serialization.load_pem_public_key(data)
-        except ValueError:
-            public = None
-        if not isinstance(public, Ed25519PublicKey):
-            warnings.append(f"command key {path} ignored: not an Ed25519 public key")
-            continue
-        keys[key_id(public)] = TrustedKey(key_id(public), path, public)
+        keys[kid] = TrustedKey(kid, path, public)
     return keys, warnings
 
 
@@ -203,15 +196,20 @@ class CommandKeys:
     """The trusted command keys of a folder, read again when its `*.pub` files change (a rotation needs
     no restart); each ignored file is warned about once per change."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, revoked: Callable[[], frozenset[str] | None] = frozenset) -> None:
         self.folder = folder
+        self._revoked = revoked
         self._stamp: object = None
         self._keys: dict[str, TrustedKey] = {}
 
     def current(self) -> dict[str, TrustedKey]:
-        stamp = self._listing()
+        revoked = self._revoked()
+        if revoked is None:  # the revocation list is unreadable: fail closed
+            self._stamp = None
+            return {}
+        stamp = (self._listing(), revoked)
         if stamp != self._stamp:
-            self._keys, warnings = load_command_keys(self.folder)
+            self._keys, warnings = load_command_keys(self.folder, revoked)
             for warning in warnings:
                 log.warning("fleet: %s", warning)
             self._stamp = stamp

@@ -38,7 +38,8 @@ def add_commands(sub: Any, config_flag: Any) -> None:
 
     verify = actions.add_parser("verify", help="check signature, manifest and every file hash")
     verify.add_argument("file", type=Path)
-    verify.add_argument("--trust", type=Path, required=True, help="folder of trusted *.pub keys")
+    verify.add_argument("--trust", type=Path, required=True,
+                        help="folder of trusted *.pub keys (or a trust folder: its bundles/)")  # fmt: skip
     verify.set_defaults(func=_verify)
 
     inspect = actions.add_parser("inspect", help="show a bundle's manifest")
@@ -77,9 +78,9 @@ def _keygen(args: argparse.Namespace) -> int:
         return _fail(f"{args.out / (name + '.key')} exists; not overwriting a key")
     if args.role == "command":
         private_note = "private: keep it offline; fleet tools sign with it (--key or $EDGESERVE_FLEET_KEY)"
-        where = "the [fleet] command_keys folder of every device, default <state_dir>/trust/commands/"
+        where = "the [fleet] command_keys folder of every device, default <trust_dir>/commands/"
     else:
-        private_note, where = "private, keep it off devices", "<state_dir>/trust/ on devices"
+        private_note, where = "private, keep it off devices", "<trust_dir>/bundles/ on devices"
     print(f"{private} ({private_note})\n{public} (copy to {where})\nkey_id {kid} (role: {args.role})")
     return 0
 
@@ -190,6 +191,7 @@ def _offline_installer(args: argparse.Namespace) -> Any:
     from edgeserve.ota.installer import Installer
     from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
+    from edgeserve.ota.trust import trust_dir_for
     from edgeserve.supervisor.report import device_accelerators
 
     settings, state_dir, config, sources = _settings(args)
@@ -205,7 +207,8 @@ def _offline_installer(args: argparse.Namespace) -> Any:
         configured = "server.model_repository" in sources
         return set(list_models(repository)) if configured and repository.is_dir() else set()
 
-    return Installer(Store(state_dir), OfflineActivator(trial), accelerators=device_accelerators(settings),
+    store = Store(state_dir, trust_dir_for(settings, state_dir))
+    return Installer(store, OfflineActivator(trial), accelerators=device_accelerators(settings),
                      policy=Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20),
                      other_models=repository_models)  # fmt: skip
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edgeserve.ota import archive, signing
+from edgeserve.fleet.safe_text import safe
+from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused, StoreError
 from edgeserve.ota.manifest import Manifest, parse_manifest
 from edgeserve.ota.policy import Policy, check_disk, check_manifest
@@ -118,7 +119,7 @@ class Installer:
             except StoreError as exc:
                 return self._fail(FAILED, str(exc), report)
             except Exception as exc:  # the device must end in a known state whatever broke
-                log.exception("install of %s failed unexpectedly", source)
+                log.exception("install of %s failed unexpectedly", safe(source))
                 return self._fail(FAILED, f"internal error: {type(exc).__name__}: {exc}", report)
 
     def _install(self, install_id: str, source: str, report: Report, sha256: str | None,
@@ -132,7 +133,7 @@ class Installer:
             declared = str(json.loads(body).get("key_id", ""))
         except (ValueError, AttributeError):
             declared = ""
-        signing.verify(body, signature, declared, self.store.trust_dir)
+        self.store.trust.verify_bundle(body, signature, declared)
         manifest = parse_manifest(body)
         self.store.transition(VERIFYING, name=manifest.name, version=manifest.version)
         check_manifest(manifest, installed_versions=self.store.journal()["installed"], policy=self.policy,
@@ -253,7 +254,7 @@ class Installer:
             self.store.finish(state, reason)
         self.store.gc()
         report(state, None, reason)
-        log.warning("install %s: %s", state, reason)
+        log.warning("install %s: %s", state, safe(reason, 400))  # it may quote a URL from the fleet
         return Outcome(
             False, state, reason, str(record.get("name", "")), int(record.get("version", 0) or 0), code
         )
@@ -269,6 +270,9 @@ class Installer:
                 raise StoreError(f"version {to_version} is not kept on this device (kept: {kept})")
             if active is not None and active.path == target.path:
                 return Outcome(True, COMMITTED, f"{target.label} already serves", target.name, target.version)
+            revoked = self.store.trust.revoked_signer(target.path)
+            if revoked is not None:
+                raise StoreError(f"{target.label} is signed by revoked key {revoked}: not rolled back to it")
             report(ROLLING_BACK, None, f"{active.label if active else '-'} -> {target.label}")
             self.store.point(self.store.current_link, target)
             try:

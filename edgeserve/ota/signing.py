@@ -4,7 +4,10 @@ public keys, key_id = the first 16 hex digits of sha256 over the raw 32-byte pub
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +16,8 @@ from edgeserve.ota.errors import BundleRefused
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+log = logging.getLogger("edgeserve.ota")
 
 SIGNATURE_BYTES = 64
 
@@ -56,12 +61,45 @@ def load_private(path: Path) -> Ed25519PrivateKey:
 
 
 def load_public(path: Path) -> Ed25519PublicKey:
+    """The key of a trust file: exactly one PEM Ed25519 public key (see `parse_public`)."""
+    return parse_public(read_key_file(path))
+
+
+MAX_KEY_FILE_BYTES = 4096  # one Ed25519 PEM is 113 bytes
+# Exactly one "PUBLIC KEY" PEM block, whitespace around it and nothing else: a file that merely
+# contains a key (a log line into which a key was smuggled, a note with a key pasted in) is no key.
+_PEM = re.compile(
+    rb"\A\s*(-----BEGIN PUBLIC KEY-----\r?\n"
+    rb"(?:[A-Za-z0-9+/]{1,76}={0,2}\r?\n){1,4}"
+    rb"-----END PUBLIC KEY-----)\s*\Z"
+)
+
+
+def read_key_file(path: Path) -> bytes:
+    """The bytes of a trust file (a regular file, small); ValueError says why not."""
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise ValueError("not a regular file")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_KEY_FILE_BYTES + 1)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"over {MAX_KEY_FILE_BYTES} bytes: not one public key")
+    return data
+
+
+def parse_public(data: bytes) -> Ed25519PublicKey:
+    """Exactly one PEM SubjectPublicKeyInfo Ed25519 key, as `keygen` writes it; ValueError says why not."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    key = serialization.load_pem_public_key(path.read_bytes())
+    match = _PEM.match(data)
+    if match is None:
+        raise ValueError("not exactly one PEM public key (only whitespace may surround it)")
+    try:
+        key = serialization.load_pem_public_key(match.group(1))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"unreadable PEM public key: {exc}") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise ValueError(f"{path} is not an Ed25519 public key")
+        raise ValueError(f"a {type(key).__name__.lstrip('_')}, not an Ed25519 public key")
     return key
 
 
@@ -72,37 +110,73 @@ class TrustedKey:
     key: Ed25519PublicKey
 
 
-def trusted_keys(trust_dir: Path) -> dict[str, TrustedKey]:
-    """Every `*.pub` in the trust folder (several: key rotation); unreadable files are skipped."""
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A trust problem is logged once per process, not at every verification or `info`."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
+def key_folder(trust_dir: Path) -> Path:
+    """Where the bundle keys are: `<trust_dir>/bundles/` when it exists, else the folder itself (a plain
+    folder of keys, as `edgeserve bundle verify --trust` takes, or a device's pre-0.x flat layout)."""
+    bundles = trust_dir / "bundles"
+    return bundles if bundles.is_dir() else trust_dir
+
+
+def trusted_keys(folder: Path, role: str = "bundle") -> dict[str, TrustedKey]:
+    """Every valid `*.pub` in `folder` (several: key rotation). A file that is not exactly one PEM
+    Ed25519 public key is skipped with a warning."""
+    from edgeserve.fleet.safe_text import safe
+
     keys: dict[str, TrustedKey] = {}
-    if not trust_dir.is_dir():
+    if not folder.is_dir():
         return keys
-    for path in sorted(trust_dir.glob("*.pub")):
+    for path in sorted(folder.glob("*.pub")):
         try:
             public = load_public(path)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            warn_once(f"{role} key file {safe(path, 200)} ignored: {safe(exc, 200)}")
             continue
         keys[key_id(public)] = TrustedKey(key_id(public), path, public)
     return keys
 
 
-def verify(manifest_bytes: bytes, signature: bytes, declared_key_id: str, trust_dir: Path) -> TrustedKey:
-    """The trusted key whose signature over the exact manifest bytes holds; refuses otherwise."""
+def verify(
+    manifest_bytes: bytes,
+    signature: bytes,
+    declared_key_id: str,
+    trust_dir: Path,
+    revoked: Mapping[str, str] | None = None,
+) -> TrustedKey:
+    """The trusted key whose signature over the exact manifest bytes holds; refuses otherwise.
+    `revoked`: key id -> why it is no longer trusted (refused even while its file is still there)."""
     from cryptography.exceptions import InvalidSignature
+
+    from edgeserve.fleet.safe_text import safe
 
     if len(signature) != SIGNATURE_BYTES:
         raise BundleRefused(
             "signature", f"manifest.sig is {len(signature)} bytes, not a 64-byte Ed25519 signature"
         )
-    keys = trusted_keys(trust_dir)
+    if revoked and declared_key_id in revoked:
+        raise BundleRefused(
+            "revoked", f"signed by revoked key {declared_key_id} ({revoked[declared_key_id]})"
+        )
+    folder = key_folder(trust_dir)
+    keys = trusted_keys(folder)
     if not keys:
         raise BundleRefused(
-            "signature", f"no trusted public key (*.pub) in {trust_dir}: every bundle is refused"
+            "signature", f"no trusted public key (*.pub) in {folder}: every bundle is refused"
         )
     trusted = keys.get(declared_key_id)
     if trusted is None:
         raise BundleRefused(
-            "signature", f"signed by unknown key {declared_key_id} (trusted: {', '.join(sorted(keys))})"
+            "signature",
+            f"signed by unknown key {safe(declared_key_id, 40)} (trusted: {', '.join(sorted(keys))})",
         )
     try:
         trusted.key.verify(signature, manifest_bytes)

@@ -6,7 +6,8 @@
     ota/previous -> bundles/.. kept for rollback
     ota/staging/<id>/          a fresh extraction folder per install
     ota/downloads/             resumable downloads (.part)
-    trust/*.pub                trusted signing keys
+    revoked-keys.json          bundle keys revoked by the fleet (ota/trust.py); the trusted keys are in
+                               [ota] trust_dir (default <state_dir>/trust), see ota/trust.py
 
 Every journal write is fsync'd before the step it announces, so after a power cut `recover()` knows
 exactly what was under way and undoes it: the old bundle serves, whole.
@@ -28,6 +29,7 @@ from typing import Any
 
 from edgeserve.fsutil import fsync_dir, replace_symlink, write_json_atomic
 from edgeserve.ota.errors import StoreError
+from edgeserve.ota.trust import TrustStore, default_trust_dir
 
 log = logging.getLogger("edgeserve.ota")
 
@@ -62,10 +64,10 @@ def _parse_dirname(dirname: str) -> tuple[str, int] | None:
 
 
 class Store:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, trust_dir: Path | None = None) -> None:
         self.state_dir = state_dir
         self.root = state_dir / "ota"
-        self.trust_dir = state_dir / "trust"
+        self.trust = TrustStore(trust_dir or default_trust_dir(state_dir), state_dir)
         self.bundles = self.root / "bundles"
         self.staging = self.root / "staging"
         self.downloads = self.root / "downloads"
@@ -74,7 +76,8 @@ class Store:
         self.previous_link = self.root / "previous"
 
     def ensure(self) -> None:
-        for folder in (self.root, self.bundles, self.staging, self.downloads, self.trust_dir):
+        # Not the trust folder: it may be read-only (/etc/edgeserve/trust under systemd).
+        for folder in (self.root, self.bundles, self.staging, self.downloads):
             folder.mkdir(parents=True, exist_ok=True)
 
     # -- journal ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer
 from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
+from edgeserve.ota.trust import TrustStore, trust_dir_for
 from edgeserve.supervisor.control import ServerControl
 from edgeserve.supervisor.report import device_accelerators
 
@@ -51,6 +52,8 @@ class BundleKeeper:
 
         repository = settings.server.model_repository
         ota = settings.ota
+        # [ota] trust_dir is live: each install reads the folder the settings name now
+        self.store.trust = TrustStore(trust_dir_for(settings, self.store.state_dir), self.store.state_dir)
 
         def trial_log(line: str) -> None:
             forward_line(f"[trial] {line}")
@@ -78,6 +81,10 @@ class BundleKeeper:
         self.crashes += 1
         previous, active = self.store.previous(), self.store.active()
         if not limit or self.crashes < limit or previous is None:
+            return None
+        revoked = self.store.trust.revoked_signer(previous.path)
+        if revoked is not None:  # the fleet revoked its signer: crashing beats running what it signed
+            log.error("%s is signed by revoked key %s: no crash-loop rollback to it", previous.label, revoked)
             return None
         reason = f"the server crashed {self.crashes} times after {active.label if active else '-'}"
         try:

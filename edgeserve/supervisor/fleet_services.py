@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 from edgeserve.config import ConfigError, load_settings_with_sources
+from edgeserve.fleet.allowlist import only_allowed, refused_keys
 from edgeserve.fleet.services import FleetCommandFailed, Report
 from edgeserve.fsutil import write_text_atomic
-from edgeserve.ota.errors import StoreError
+from edgeserve.ota.errors import BundleRefused, StoreError
 from edgeserve.settings_tools import OVERLAY, load_layered_with_overlay, restart_fields, toml_text
 from edgeserve.supervisor.control import ServerControl, ServerUnreachable
 
@@ -62,6 +63,18 @@ class SupervisorServices:
             raise FleetCommandFailed(str(exc)) from None
         return {"removed": removed}
 
+    def revoke_key(self, key_id: str, role: str, cmd_id: str) -> dict[str, Any]:
+        """Persisted before the answer; the active bundle keeps serving (health says it is revoked)."""
+        try:
+            result = self.sup.store.trust.revoke(key_id, role, f"fleet command {cmd_id}")
+        except (BundleRefused, OSError) as exc:
+            raise FleetCommandFailed(f"revocation not recorded: {exc}") from None
+        active = self.sup.store.active()
+        return {
+            **result,
+            "active_signer_revoked": bool(active and self.sup.store.trust.revoked_signer(active.path)),
+        }
+
     # -- models and settings ----------------------------------------------------------------------
     def set_model(self, model: str, active: bool) -> dict[str, Any]:
         """Load/unload now through the server's API, and persist the model list in the overlay."""
@@ -82,12 +95,15 @@ class SupervisorServices:
 
     def set_config(self, changes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Validate on top of the current overlay, persist it, then reload (live or a restart)."""
+        refused = refused_keys(changes)  # the agent refuses these before; never persist one anyway
+        if refused:
+            raise FleetCommandFailed(f"refused: set_config may not change: {'; '.join(refused)}")
         overlay_path = self.sup.state_dir / OVERLAY
         current: dict[str, dict[str, Any]] = {}
         if overlay_path.is_file():
             import tomllib
 
-            current = tomllib.loads(overlay_path.read_text())
+            current = only_allowed(tomllib.loads(overlay_path.read_text()), str(overlay_path))
         merged = {section: dict(values) for section, values in current.items()}
         for section, values in changes.items():
             merged.setdefault(section, {}).update(values)
@@ -164,9 +180,11 @@ class SupervisorServices:
             }
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        active = self.sup.store.active()
         return {
             "hardware": hardware,
             "backends": dict(self.sup.backends),
+            "trust": self.sup.store.trust.describe(active.path if active else None),
             "edgeserve": __version__,
             "bundle": {
                 k: v
@@ -188,6 +206,12 @@ class SupervisorServices:
             ]
         if self.sup.last_error:
             checks.append(f"last error: {self.sup.last_error}")
+        active = self.sup.store.active()
+        revoked = self.sup.store.trust.revoked_signer(active.path) if active else None
+        if active is not None and revoked is not None:
+            checks.append(
+                f"{active.label} is signed by revoked key {revoked}: deploy a bundle signed by a trusted key"
+            )
         status = "failing" if not self.sup.server_ready else ("degraded" if checks else "ok")
         return {"status": status, "checks": checks}
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edgeserve.fleet.safe_text import safe
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
@@ -90,7 +91,7 @@ class OtaService:
                 conn.settimeout(None)
                 _send(conn, self._handle(request, lambda event: _send(conn, event)))
         except (OSError, ValueError) as exc:
-            log.warning("bundle request failed: %s", exc)
+            log.warning("bundle request failed: %s", safe(exc, 200))
         finally:
             self._slots.release()
 
@@ -105,7 +106,7 @@ class OtaService:
             if op == "status":
                 return {"event": "done", "ok": True, "status": self.store.status()}
             if op == "install" and isinstance(request.get("source"), str):
-                log.info("bundle install requested: %s", request["source"])
+                log.info("bundle install requested: %s", safe(request["source"], 300))
                 outcome = self.make_installer().install(
                     request["source"], report, sha256=request.get("sha256")
                 )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from edgeserve.fleet.agent import FleetAgent
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
+from edgeserve.ota.trust import trust_dir_for
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
 from edgeserve.supervisor.bundles import BundleKeeper
 from edgeserve.supervisor.child import ServerProcess, describe_exit
@@ -97,7 +98,7 @@ class Supervisor:
         self._last_status = ""
         self._signals: list[int] = []
         self._wake = threading.Event()
-        self.store = Store(self.state_dir)
+        self.store = Store(self.state_dir, trust_dir_for(self.settings, self.state_dir))
         self.bundles = BundleKeeper(self.store, self.control)
         self.ota: OtaService | None = None
         self.agent: FleetAgent | None = None
@@ -356,7 +357,9 @@ class Supervisor:
         except ImportError as exc:  # paho-mqtt missing: serve anyway, say why there is no agent
             log.error("fleet agent off: %s (pip install 'edgeserve[fleet]')", exc)
             return
-        self.agent = FleetAgent(self.settings.fleet, self.state_dir, SupervisorServices(self), __version__)
+        self.agent = FleetAgent(
+            self.settings.fleet, self.state_dir, SupervisorServices(self), __version__, self.store.trust
+        )
         self.agent.start()
 
     def _stop_agent(self) -> None:

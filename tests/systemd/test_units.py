@@ -254,6 +254,22 @@ def test_exec_start_uses_the_shipped_settings() -> None:
     assert str(settings.runtime.cache_dir) == "/var/cache/edgeserve"  # CacheDirectory=edgeserve
 
 
+def test_trusted_keys_are_read_only_to_the_service() -> None:
+    """The key folders live under /etc/edgeserve, which the service may read and never write: a
+    fleet command or a log line cannot turn into a trusted key."""
+    items = entries(UNIT)
+    settings = load_settings(SYSTEMD / "edgeserve.toml", environ={})
+    trust = settings.ota.trust_dir
+    assert trust is not None and trust.is_relative_to("/etc/edgeserve"), trust
+    assert last(items, "ConfigurationDirectory") == "edgeserve"  # root-owned, unlike StateDirectory=
+    read_only = [Path(p.lstrip("-")) for v in values(items, "ReadOnlyPaths") for p in v.split()]
+    assert any(trust.is_relative_to(p) for p in read_only), read_only
+    writable = [Path(p.lstrip("-")) for v in values(items, "ReadWritePaths") for p in v.split()]
+    assert not any(trust.is_relative_to(p) or p.is_relative_to(trust) for p in writable), writable
+    assert last(items, "ProtectSystem") == "strict"
+    assert settings.logging.file is None or not settings.logging.file.is_relative_to(trust)
+
+
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
     text = (SYSTEMD / "edgeserve.sysusers").read_text()
     assert re.search(r"^u edgeserve\s", text, re.M)
