@@ -159,6 +159,6 @@ class CommandGate:
         if topic and self.is_inbox(str(topic)):
             return Reply(str(topic), bytes(correlation) if correlation is not None else None)
         if topic:
-            log.warning("fleet: ResponseTopic %s ignored (not %s/%s/manager/<name>/resp); answering on "
+            log.warning("fleet: ResponseTopic '%s' ignored (not %s/%s/manager/<name>/resp); answering on "
                         "resp/<cmd_id>", safe(topic), PREFIX, self.topics.fleet)  # fmt: skip
         return Reply(self.topics.resp(cmd_id)) if cmd_id and ID_RE.match(cmd_id) else None

@@ -125,11 +125,12 @@ def test_a_good_desired_state_and_its_bundle_checks() -> None:
 
 def test_revoke_key_arguments() -> None:
     check_args("revoke_key", {"key_id": "0123456789abcdef", "role": "bundle"})
+    check_args("revoke_key", {"key_id": "0123456789abcdef", "role": "command"})
     for args, match in (
         ({"key_id": "0123456789ABCDEF", "role": "bundle"}, "16 lowercase hex"),
         ({"key_id": "0123", "role": "bundle"}, "16 lowercase hex"),
         ({"role": "bundle"}, "args.key_id"),
-        ({"key_id": "0123456789abcdef", "role": "command"}, "role must be one of: bundle"),
+        ({"key_id": "0123456789abcdef", "role": "bundles"}, "role must be one of: bundle, command"),
         ({"key_id": "0123456789abcdef"}, "role must be one of"),
     ):
         with pytest.raises(CommandError, match=match):

@@ -124,13 +124,13 @@ def test_command_keys_folder_takes_only_single_pem_blocks(
 
 
 def test_safe_escapes_and_caps() -> None:
-    assert safe("cmd-1") == "'cmd-1'"
-    assert safe("a\nb\x1b[2J\u202e") == "'a\\nb\\x1b[2J\\u202e'"
+    assert safe("cmd-1") == "cmd-1"
+    assert safe("a\nb\x1b[2J\u202e") == "a\\nb\\x1b[2J\\u202e"
     long = safe("x" * 10_000)
-    assert long.endswith("...(10000 chars)") and len(long) < 150
+    assert long.endswith("…(10000 chars)") and len(long) < 150
     escapes = safe("\x00" * 500, limit=50)
     assert "\x00" not in escapes and len(escapes) < 80 and escapes.endswith("(500 chars)")
-    assert safe(b"\xffok") == "'\\\\xffok'" and safe(None) == "'None'"
+    assert safe(b"\xffok") == "\\\\xffok" and safe(None) == "None"
 
 
 def test_fleet_signing_settings_are_validated(tmp_path: Path) -> None:

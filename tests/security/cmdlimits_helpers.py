@@ -4,7 +4,6 @@ as `<state>/trust/bundles/` and `<state>/trust/commands/`."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "fleet"), str(TESTS / "ota"), str(TESTS / "supervisor")]
 
+import fleet_keys  # noqa: E402
 from appliance import Appliance, start_appliance  # noqa: E402
 from broker import Mosquitto, find_mosquitto  # noqa: E402
 from commander import Commander  # noqa: E402
@@ -52,6 +52,7 @@ def install_offline(fleet: Fleet, version: int, **bundle: object) -> None:
 def start_device(broker: Mosquitto, state: Path, tmp: Path, extra: str = "") -> Appliance:
     """`edgeserve run` serving the state folder's bundle, its agent on `broker` as lab/cam-1."""
     (tmp / "empty").mkdir(parents=True, exist_ok=True)
+    fleet_keys.trust(state / "trust" / "commands")  # the Commander signs with the test command key
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "{FLEET}"\ndevice_id = "{DEVICE}"\n'
         "metrics_interval_s = 1.0\n[ota]\ntrial_window_s = 1.0\n"
@@ -70,5 +71,7 @@ def manager_for(broker: Mosquitto) -> Commander:
 def publish_desired(manager: Commander, body: dict[str, object] | bytes) -> None:
     """The manager's retained desired state (as tests/fleet/test_device_agent.py publishes it; once
     desired states are signed, this is the one place that signs them)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    manager.client.publish(f"{manager.base}/desired", data, qos=1, retain=True).wait_for_publish(5)
+    if isinstance(body, bytes):  # raw bytes as they are (b"" clears the retained state)
+        manager.client.publish(f"{manager.base}/desired", body, qos=1, retain=True).wait_for_publish(5)
+    else:
+        manager.set_desired(body)  # signed for the desired topic with the test command key

@@ -144,9 +144,7 @@ def test_signature_by_an_untrusted_key_or_by_the_bundle_key_is_refused(rig: Rig)
     bundle_key = load_private(rig.fleet.key)
     refused(rig, rig.manager.send("set_config", SET_DEBUG, key=bundle_key), "not a trusted command key")
     # OTHER_KEY's .pub sits in the command_keys folder inside a two-block file: ignored, said so in the log.
-    assert re.search(
-        r"command key \S*two-blocks\.pub ignored: not exactly one PEM public key block", rig.log()
-    )
+    assert re.search(r"command key \S*two-blocks\.pub ignored: not exactly one PEM public key", rig.log())
 
 
 def test_a_valid_envelope_replayed_on_another_topic_is_refused(rig: Rig) -> None:
@@ -246,7 +244,7 @@ def test_untrusted_text_is_escaped_and_capped_in_the_log(rig: Rig) -> None:
     assert "\x1b" not in log and "\u202e" not in log
     assert "evil\\nFORGED-LOG-LINE" in log  # escaped, still readable
     assert max(len(run) for run in re.findall("x+", log)) < 200  # capped, the length named instead
-    assert f"...({len(evil)} chars)" in log
+    assert f"…({len(evil)} chars)" in log
 
 
 # -- desired states -----------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_a_revoked_bundle_key_stays_revoked_after_a_restart(tmp_path: Path) -> N
         health = manager.wait_on("health", lambda b: any("revoked key" in c for c in b.get("checks", [])))
         assert health["status"] == "degraded"
         command = manager.wait(manager.send("revoke_key", {"key_id": leaked, "role": "command"}))
-        assert command["status"] == "REJECTED" and "role must be one of: bundle" in command["error"]
+        assert command["status"] == "SUCCEEDED" and command["result"]["known_here"] is False, command
     finally:
         manager.close()
         device.stop()
@@ -196,3 +196,47 @@ def test_a_key_in_the_command_folder_does_not_verify_bundles(tmp_path: Path) -> 
     assert status(state)["active_version"] is None
     install_offline(bundles_key, 2)  # the bundle key in its own folder does
     assert status(state)["active_version"] == 2
+
+
+def test_a_revoked_command_key_signs_nothing_more_even_after_a_restart(tmp_path: Path) -> None:
+    """A leaked command key revoked by a signed command: its next command is REJECTED although its .pub is
+    still in the (read-only) command folder, a second key keeps commanding the device, and the
+    revocation holds after a restart."""
+    from fleet_keys import COMMAND_KEY, OTHER_KEY
+    from fleet_keys import trust as trust_command_key
+
+    broker = Mosquitto(tmp_path / "broker").start()
+    state = tmp_path / "state"
+    fleet = signer(tmp_path, "fleet", state)
+    trust(fleet, "bundles")
+    install_offline(fleet, 1)
+    trust_command_key(state / "trust" / "commands", OTHER_KEY, "second")  # the rotation's new key
+    leaked = key_id_of_private(COMMAND_KEY)
+    device = start_device(broker, state, tmp_path)
+    manager = manager_for(broker)
+    try:
+        done = manager.wait(manager.send("revoke_key", {"key_id": leaked, "role": "command"}, key=OTHER_KEY))
+        assert done["status"] == "SUCCEEDED" and done["result"]["known_here"] is True, done
+        refused = manager.wait(manager.send("get_status"))  # signed with the leaked key
+        assert refused["status"] == "REJECTED" and "not a trusted command key" in refused["error"], refused
+        assert manager.wait(manager.send("get_status", key=OTHER_KEY))["status"] == "SUCCEEDED"
+    finally:
+        manager.close()
+        device.stop()
+    assert (state / "trust" / "commands" / "test-commands.pub").exists()  # the file is still there
+    device = start_device(broker, state, tmp_path / "restarted")
+    manager = manager_for(broker)
+    try:
+        refused = manager.wait(manager.send("get_status"))
+        assert refused["status"] == "REJECTED" and "not a trusted command key" in refused["error"], refused
+        assert manager.wait(manager.send("get_status", key=OTHER_KEY))["status"] == "SUCCEEDED"
+    finally:
+        manager.close()
+        device.stop()
+        broker.stop()
+
+
+def key_id_of_private(key: object) -> str:
+    from edgeserve.ota.signing import key_id
+
+    return key_id(key.public_key())  # type: ignore[attr-defined]
