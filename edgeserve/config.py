@@ -166,6 +166,11 @@ class OtaSection:
     # Memory a trial beside the serving models may take; 0 = what the kernel says is available. Too
     # little for a second copy -> drain, unload, load in place (the downtime is reported).
     trial_memory_mb: int = 0
+    # Fleet-initiated downloads (deploy_bundle, desired state): http(s) only, never to this device's
+    # loopback or link-local addresses (cloud metadata included). Operator installs are not limited.
+    allow_file_urls: bool = False  # also file:// URLs and local paths
+    allow_loopback_urls: bool = False  # also 127/8, ::1, 0.0.0.0 (labs, tests)
+    allow_link_local_urls: bool = False  # also 169.254/16, fe80::/10 (a mirror on a direct cable)
 
 
 @dataclass

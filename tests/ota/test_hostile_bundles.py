@@ -925,8 +925,9 @@ def _(env: Env) -> Attack:
 
 @attack("folder-then-file-same-name")
 def _(env: Env) -> Attack:
+    """The folder comes first: no listed file lies under it, so it is refused before the clash."""
     members = [directory(FILES[0][0] + "/"), *good_members()]
-    return Attack(env.manifest(), members, "duplicate", r"twice")
+    return Attack(env.manifest(), members, "extra", r"folder models/m/1/model\.bin.*no file of the signed")
 
 
 @attack("file-then-folder-same-name")
@@ -935,18 +936,16 @@ def _(env: Env) -> Attack:
     return Attack(env.manifest(), members, "duplicate", r"twice")
 
 
-
-
 @attack("file-then-folder-inside-it")
 def _(env: Env) -> Attack:
     members = [*good_members(), directory(FILES[0][0] + "/sub/")]
-    return Attack(env.manifest(), members, ("duplicate", "path", "type"), r"model\.bin")
+    return Attack(env.manifest(), members, ("duplicate", "path", "type", "extra"), r"model\.bin")
 
 
 @attack("folder-inside-then-file")
 def _(env: Env) -> Attack:
     members = [directory(FILES[0][0] + "/sub/"), *good_members()]
-    return Attack(env.manifest(), members, ("duplicate", "path", "type"), r"model\.bin")
+    return Attack(env.manifest(), members, ("duplicate", "path", "type", "extra"), r"model\.bin")
 
 
 @attack("manifest-lists-a-file-and-a-file-below-it")
@@ -976,9 +975,14 @@ def _(env: Env) -> Attack:
 
 @attack("bomb-many-folders")
 def _(env: Env) -> Attack:
+    """Folders no listed file needs: the first one is refused (the decompression cap would stop the rest)."""
     members = [*good_members(), *(directory(f"models/m/1/d{i:05d}/") for i in range(12_000))]
     return Attack(
-        env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1
+        env.manifest(),
+        members,
+        "extra",
+        r"d00000.*no file of the signed",
+        max_staged_bytes=len(MODEL) + len(CONFIG) + 1,
     )
 
 
