@@ -117,7 +117,11 @@ def parse_address(text: str) -> IPAddress | None:
 def check_url(url: str, policy: UrlPolicy, *, redirect: bool = False) -> None:
     """The scheme, and the host when it is an IP literal (names are checked when they are resolved)."""
     what = "redirect to" if redirect else "URL"
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+    except ValueError as exc:
+        raise UrlRefused(f"{what} {url!r} refused: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme in ("", "file") and not redirect:
         if not policy.allow_file:
@@ -128,10 +132,6 @@ def check_url(url: str, policy: UrlPolicy, *, redirect: bool = False) -> None:
         return
     if scheme not in ("http", "https"):
         raise UrlRefused(f"{what} {url!r} refused: only http(s):// is allowed")
-    try:
-        host = parts.hostname
-    except ValueError as exc:
-        raise UrlRefused(f"{what} {url!r} refused: {exc}") from None
     if not host:
         raise UrlRefused(f"{what} {url!r} refused: no host")
     address = parse_address(host)
@@ -203,10 +203,15 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def __init__(self, policy: UrlPolicy) -> None:
         self.policy = policy
 
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
-                         newurl: str) -> urllib.request.Request | None:  # fmt: skip
-        check_url(newurl, self.policy, redirect=True)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+    def http_error_302(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                       headers: Any) -> Any:  # fmt: skip
+        # Before urllib looks at it: every Location is judged by the policy (and refused as such).
+        location = headers.get("location") or headers.get("uri")
+        if location:
+            check_url(urllib.parse.urljoin(req.full_url, location), self.policy, redirect=True)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
 def checked_opener(policy: UrlPolicy, context: ssl.SSLContext | None) -> urllib.request.OpenerDirector:

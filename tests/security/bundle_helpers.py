@@ -18,7 +18,12 @@ for folder in (TESTS, TESTS / "ota", TESTS / "fleet", TESTS / "supervisor"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from appliance import wait_until as wait_until  # noqa: E402  (re-exported: tests import this module first)
+# Re-exported: the tests import them from here, so that this module (which sets sys.path) comes first.
+from appliance import Appliance as Appliance  # noqa: E402
+from appliance import start_appliance as start_appliance  # noqa: E402
+from appliance import wait_until as wait_until  # noqa: E402
+from broker import Mosquitto as Mosquitto  # noqa: E402
+from broker import find_mosquitto as find_mosquitto  # noqa: E402
 from hostile import Bundle, Signer, directory, manifest_for, regular  # noqa: E402
 from ota_fixtures import Fleet  # noqa: E402
 
