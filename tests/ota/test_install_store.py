@@ -3,10 +3,11 @@ leave everything as it was, trial failures, rollback to a kept version, garbage 
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
-from ota_fixtures import Fleet, make_fleet, mlp_check
+from ota_fixtures import Fleet, edgeserve, make_fleet, mlp_check
 
 from edgeserve.ota.activate import OfflineActivator, TrialRunner
 from edgeserve.ota.errors import StoreError
@@ -113,3 +114,15 @@ def test_one_install_at_a_time_per_store(fleet: Fleet) -> None:
     store = Store(fleet.state)
     with store.lock(), pytest.raises(StoreError, match="another install"):
         _installer(fleet).install(str(fleet.bundle(1)), lambda *a: None)
+
+
+def test_cli_prints_a_refusal_once(fleet: Fleet) -> None:
+    """One line per phase, then the reason once (not again as a FAILED phase, nor as a log warning)."""
+    bundle = make_fleet(fleet.tmp / "stranger").bundle(1)
+    result = edgeserve("bundle", "install", str(bundle), "--state-dir", str(fleet.state))
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    phases = [line.split()[0] for line in lines[:-1]]
+    assert [phase for phase, _ in itertools.groupby(phases)] == ["DOWNLOADING", "VERIFYING"], lines
+    assert lines[-1].startswith("edgeserve: refused: signature: signed by unknown key"), lines
+    assert result.stderr.count("signed by unknown key") == 1, result.stderr
