@@ -59,13 +59,13 @@ def active_models(state_dir: Path) -> Path | None:
     return models if models.is_dir() else None
 
 
-# What download.py writes beside a download while it arrives (longest first: matched as suffixes).
+# A download and what download.py writes beside it while it arrives.
 DOWNLOAD_SUFFIXES = ("", ".part", ".part.meta", ".part.meta.tmp")
 
 
-def download_name(filename: str) -> str:
+def download_of(filename: str) -> str:
     """The download a file in downloads/ belongs to."""
-    for suffix in sorted(DOWNLOAD_SUFFIXES, key=len, reverse=True):
+    for suffix in sorted(DOWNLOAD_SUFFIXES, key=len, reverse=True):  # the longest suffix that matches
         if suffix and filename.endswith(suffix):
             return filename[: -len(suffix)]
     return filename
@@ -279,7 +279,7 @@ class Store:
         if not self.downloads.is_dir():
             return removed
         for entry in sorted(self.downloads.iterdir()):
-            if download_name(entry.name) in keep:
+            if download_of(entry.name) in keep:
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
