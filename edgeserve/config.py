@@ -184,6 +184,11 @@ class OtaSection:
     # Trusted keys: bundles/*.pub sign bundles, commands/*.pub sign fleet commands (edgeserve/ota/trust.py).
     # Unset = <state_dir>/trust; the systemd install uses /etc/edgeserve/trust (read-only to the service).
     trust_dir: Path | None = None
+    # Fleet-initiated downloads (deploy_bundle, desired state): http(s) only, never to this device's
+    # loopback or link-local addresses (cloud metadata included). Operator installs are not limited.
+    allow_file_urls: bool = False  # also file:// URLs and local paths
+    allow_loopback_urls: bool = False  # also 127/8, ::1, 0.0.0.0 (labs, tests)
+    allow_link_local_urls: bool = False  # also 169.254/16, fe80::/10 (a mirror on a direct cable)
 
 
 MAX_COMMAND_LIFETIME_S = 30 * 86400  # [fleet] max_command_lifetime_s may not be set above this

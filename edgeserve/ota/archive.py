@@ -2,9 +2,9 @@
 `manifest.json`, second `manifest.sig`, then the model files under `models/`.
 
 Reading never trusts the archive: the decompressed stream is capped, members are checked against an
-allowlist of our own (regular files and folders under models/, no links, devices, FIFOs, setuid bits,
-duplicates, absolute paths or ".."), tarfile's `data_filter` is applied on top, and every byte written
-is counted and hashed against the signed manifest.
+allowlist of our own (regular files the manifest lists, and only the folders their paths imply; no
+links, devices, FIFOs, setuid bits, duplicates, absolute paths or ".."), tarfile's `data_filter` is
+applied on top, and every byte written is counted and hashed against the signed manifest.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import tarfile
 import zlib
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO, cast
 
 from edgeserve.ota.errors import BundleRefused
@@ -116,6 +116,8 @@ def read_header(path: Path) -> tuple[bytes, bytes]:
 def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | None = None) -> None:
     """Unpack the models/ files into `dest` (a fresh, empty folder), checking each against the manifest."""
     expected = {f.path: f for f in manifest.files}
+    # The only folders a bundle may carry: those the signed file list implies.
+    folders = {str(parent) for path in expected for parent in PurePosixPath(path).parents} - {"."}
     total = manifest.unpacked_size
     # Tar headers and padding: 3 blocks a member is generous (pax headers for long names).
     cap = total + MAX_MANIFEST_BYTES + 2048 * (len(expected) + 16) + 64 * 1024
@@ -135,8 +137,12 @@ def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | Non
                 raise BundleRefused("duplicate", f"{name} appears twice in the archive")
             seen.add(name)
             if member.isdir():
-                if name.count("/") < 1 or name.split("/")[0] != "models":
+                if name.split("/")[0] != "models":
                     raise BundleRefused("path", f"folder {name!r} is outside models/")
+                if name not in folders:  # an empty model version or stray folder would be served
+                    raise BundleRefused(
+                        "extra", f"folder {name} is in the archive but holds no file of the signed manifest"
+                    )
                 try:
                     (dest / name).mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):

@@ -15,7 +15,14 @@ from typing import Any
 from edgeserve import __version__
 from edgeserve.ota.archive import add_bytes, read_header
 from edgeserve.ota.errors import BundleRefused
-from edgeserve.ota.manifest import FORMAT, Manifest, dump_manifest, parse_manifest, rfc3339
+from edgeserve.ota.manifest import (
+    FORMAT,
+    Manifest,
+    check_security_version,
+    dump_manifest,
+    parse_manifest,
+    rfc3339,
+)
 from edgeserve.ota.signing import key_id, load_private, verify
 
 DEFAULT_ARCH = ["x86_64", "aarch64"]
@@ -79,10 +86,12 @@ class BuildRequest:
     expires: str | None = None
     checks: Path | None = None
     compress: bool = True
+    security_version: int = 0  # raise it when a bundle fixes a vulnerability: older ones stop installing
 
 
 def build_bundle(request: BuildRequest) -> dict[str, Any]:
     """Write the signed bundle; returns its manifest."""
+    check_security_version(request.security_version)  # before hashing gigabytes
     private = load_private(request.key)
     repo = request.repo
     names = request.models or sorted(
@@ -110,6 +119,7 @@ def build_bundle(request: BuildRequest) -> dict[str, Any]:
         "files": files,
         "unpacked_size": sum(f["size"] for f in files),
         "key_id": key_id(private.public_key()),
+        "security_version": request.security_version,
     }
     if request.accelerators:
         manifest["compatible"]["accelerators"] = request.accelerators

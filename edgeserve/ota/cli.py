@@ -34,6 +34,9 @@ def add_commands(sub: Any, config_flag: Any) -> None:
     build.add_argument("--expires", help="lifetime (30d, 12h) or an RFC 3339 time; default 90d")
     build.add_argument("--checks", type=Path, help="JSON list of checks run during the trial")
     build.add_argument("--no-gzip", action="store_true")
+    build.add_argument("--security-version", type=int, default=0,
+                       help="0..2^31-1 (default 0): devices that committed a higher one refuse this bundle, "
+                       "whatever its name; raise it when a bundle fixes a vulnerability")  # fmt: skip
     build.set_defaults(func=_build)
 
     verify = actions.add_parser("verify", help="check signature, manifest and every file hash")
@@ -91,7 +94,8 @@ def _build(args: argparse.Namespace) -> int:
 
     request = BuildRequest(args.repo, args.name, args.version, args.key, args.out, models=args.model,
                            arch=args.arch, accelerators=args.accelerator, expires=args.expires,
-                           checks=args.checks, compress=not args.no_gzip)  # fmt: skip
+                           checks=args.checks, compress=not args.no_gzip,
+                           security_version=args.security_version)  # fmt: skip
     try:
         manifest = build_bundle(request)
     except (OSError, ValueError, BundleRefused) as exc:
@@ -99,7 +103,7 @@ def _build(args: argparse.Namespace) -> int:
     models = ", ".join(f"{m} {v}" for m, v in manifest["models"].items())
     print(f"{args.out}: {manifest['name']} v{manifest['version']} ({models}; {len(manifest['files'])} files, "
           f"{manifest['unpacked_size']} bytes unpacked, key {manifest['key_id']}, "
-          f"expires {manifest['expires_at']})")  # fmt: skip
+          f"security_version {manifest['security_version']}, expires {manifest['expires_at']})")  # fmt: skip
     return 0
 
 
@@ -136,6 +140,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{args.file}: {info['bytes']} bytes, signature {info['signature_bytes']} bytes")
     for key in ("name", "version", "created_at", "expires_at", "key_id", "unpacked_size"):
         print(f"  {key:14} {m.get(key)}")
+    print(f"  {'security':14} {m.get('security_version', 0)}")
     print(f"  {'compatible':14} {json.dumps(m.get('compatible'))}")
     for model, versions in (m.get("models") or {}).items():
         print(f"  model {model}: versions {versions}")
@@ -159,7 +164,10 @@ def _settings(args: argparse.Namespace) -> tuple[Any, Path, Path | None, dict[st
 
 
 class _Progress:
-    """One line per state, a percentage in place on a terminal: the install shows where it is."""
+    """One line per state, a percentage in place on a terminal: the install shows where it is. The end
+    (COMMITTED, FAILED, ROLLED_BACK) is not a phase: `_finish` prints it, once."""
+
+    ENDS = ("COMMITTED", "FAILED", "ROLLED_BACK")
 
     def __init__(self) -> None:
         self.state = ""
@@ -167,6 +175,8 @@ class _Progress:
         self.tty = sys.stderr.isatty()
 
     def __call__(self, state: str, progress: float | None, message: str) -> None:
+        if state in self.ENDS:
+            return
         now = time.monotonic()
         # Percentages are throttled; a new state or a note (no percentage) always shows.
         if state == self.state and progress is not None and now - self.last < (0.1 if self.tty else 2.0):
@@ -213,6 +223,18 @@ def _offline_installer(args: argparse.Namespace) -> Any:
                      other_models=repository_models)  # fmt: skip
 
 
+def _quiet_installer_log() -> None:
+    """Offline, the installer's warnings (meant for the appliance's log) would repeat on stderr what the
+    progress lines and the final line say; errors (an unexpected failure's traceback) still show."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.ERROR)
+    logger = logging.getLogger("edgeserve.ota")
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
 def _through_appliance(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | None:
     from edgeserve.supervisor.ota_service import call
 
@@ -242,6 +264,7 @@ def _install(args: argparse.Namespace) -> int:
     if result is not None:
         return _finish(result)
     installer = _offline_installer(args)
+    _quiet_installer_log()
     progress = _Progress()
     try:
         with installer.store.lock():
@@ -264,6 +287,7 @@ def _rollback(args: argparse.Namespace) -> int:
     from edgeserve.ota.installer import recover
 
     progress = _Progress()
+    _quiet_installer_log()
     try:
         installer = _offline_installer(args)
         with installer.store.lock():
@@ -290,6 +314,7 @@ def _status(args: argparse.Namespace) -> int:
     print(f"previous         {status['previous_version'] or 'none'}")
     print(f"state            {status['state']}")
     print(f"kept versions    {status['kept_versions']}")
+    print(f"security floor   {status['security_floor']} (lower security_version bundles are refused)")
     for entry in status["history"][-10:]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.get("finished_at", 0)))
         what = f"{entry.get('name', '')} v{entry.get('version', '')}".strip()

@@ -12,9 +12,7 @@ prefix. When the transfer is complete the whole file is hashed again from disk, 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
-import json
 import os
 import random
 import re
@@ -28,11 +26,30 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
+
+from edgeserve.ota.download_files import (
+    Cancelled,
+    DownloadError,
+    Meta,
+    Progress,
+    Reporter,
+    check_cancel,
+    copy_local,
+    fsync,
+    fsync_dir,
+    load_meta,
+    local_path,
+    remove,
+    save_meta,
+    sha256_file,
+    size,
+    write_all,
+    write_error,
+)
+from edgeserve.ota.url_policy import UrlPolicy, UrlRefused, check_url, checked_opener
 
 __all__ = ["DownloadError", "Progress", "download"]
-
-Progress = Callable[[int, int | None], None]  # (bytes so far, total or None)
 
 CHUNK = 64 * 1024
 FSYNC_EVERY = 8 * 1024 * 1024
@@ -42,12 +59,9 @@ USER_AGENT = "edgeserve-ota/1"
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)\s*/\s*(\d+|\*)\s*$", re.IGNORECASE)
 
-
-class DownloadError(Exception):
-    """The download failed or was refused; the message is one line for an operator."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+# Before bytes are written: called with what is still to come (Content-Length minus what is on disk);
+# it raises to refuse (the installer's statvfs preflight).
+SpaceCheck = Callable[[int], None]
 
 
 class _Retry(Exception):
@@ -56,19 +70,6 @@ class _Retry(Exception):
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class _Cancelled(Exception):
-    pass
-
-
-@dataclass
-class _Meta:
-    url: str
-    etag: str | None = None
-    last_modified: str | None = None
-    total: int | None = None
-    expected_sha256: str | None = None
 
 
 def download(
@@ -83,6 +84,8 @@ def download(
     backoff_s: float = 1.0,
     cancel: threading.Event | None = None,
     ca_file: Path | None = None,
+    url_policy: UrlPolicy | None = None,
+    space_check: SpaceCheck | None = None,
 ) -> str:
     """Fetch `url` into `dest` (complete file) resumably; returns the sha256 hex of the whole file.
 
@@ -91,6 +94,9 @@ def download(
     with exponential backoff and jitter, resuming from the ``.part`` file; an attempt that grows the
     ``.part`` beyond anything seen before does not use up a try. Other 4xx fail at once. `cancel` is
     checked between attempts, while waiting, and between chunks; a cancelled download keeps its ``.part``.
+    With `url_policy` (fleet downloads, see url_policy.py) the URL, every redirect and every address
+    connected to are checked, and no proxy is used. `space_check` sees the bytes still to come as soon
+    as the server declares them, before any is written.
     """
     dest = Path(dest)
     if expected_sha256 is not None:
@@ -99,9 +105,14 @@ def download(
             raise DownloadError(f"expected_sha256 is not a sha256 hex digest: {expected_sha256!r}")
     if attempts < 1:
         raise DownloadError(f"attempts must be at least 1, not {attempts}")
+    if url_policy is not None:
+        try:
+            check_url(url, url_policy)
+        except UrlRefused as exc:
+            raise DownloadError(str(exc), "url") from None
     part = dest.with_name(dest.name + ".part")
     meta_path = dest.with_name(dest.name + ".part.meta")
-    reporter = _Reporter(progress)
+    reporter = Reporter(progress, PROGRESS_INTERVAL_S)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -110,81 +121,84 @@ def download(
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     try:
         if scheme in ("http", "https"):
-            _fetch_http(
-                url, part, meta_path, expected_sha256, max_bytes, reporter, stall_timeout_s, attempts,
-                backoff_s, cancel, ca_file,
-            )  # fmt: skip
+            job = _Transfer(url, part, meta_path, expected_sha256, max_bytes, reporter, stall_timeout_s,
+                            cancel, space_check, _opener(url, ca_file, url_policy))  # fmt: skip
+            _fetch_http(job, attempts, backoff_s)
         elif scheme == "file" or "://" not in url:
-            _copy_local(_local_path(url), part, meta_path, max_bytes, reporter, cancel)
+            copy_local(local_path(url), part, meta_path, max_bytes, reporter, cancel)
         else:
             raise DownloadError(f"unsupported URL scheme {scheme!r}: {url}")
-    except _Cancelled:
+    except Cancelled:
         raise DownloadError(f"download cancelled: {url}") from None
+    except UrlRefused as exc:  # at connect time, or a redirect
+        raise DownloadError(str(exc), "url") from None
 
-    digest = _sha256_file(part)
+    digest = sha256_file(part)
     if expected_sha256 is not None and digest != expected_sha256:
-        _remove(part, meta_path)
+        remove(part, meta_path)
         raise DownloadError(
-            f"sha256 mismatch for {url}: expected {expected_sha256}, got {digest}; partial file deleted"
+            f"sha256 mismatch for {url}: expected {expected_sha256}, got {digest}; partial file deleted",
+            "hash",
         )
     try:
         os.replace(part, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except OSError as exc:
         raise DownloadError(f"cannot move the download into place at {dest}: {exc}") from exc
-    _remove(meta_path)
-    size = _size(dest)
-    reporter(size, size, final=True)
+    remove(meta_path)
+    done = size(dest)
+    reporter(done, done, final=True)
     return digest
 
 
 # --- http(s) -------------------------------------------------------------------------------------------
 
 
-def _fetch_http(
-    url: str,
-    part: Path,
-    meta_path: Path,
-    expected_sha256: str | None,
-    max_bytes: int | None,
-    reporter: _Reporter,
-    stall_timeout_s: float,
-    attempts: int,
-    backoff_s: float,
-    cancel: threading.Event | None,
-    ca_file: Path | None,
-) -> None:
-    opener = _opener(url, ca_file)
+@dataclass
+class _Transfer:
+    url: str
+    part: Path
+    meta_path: Path
+    expected_sha256: str | None
+    max_bytes: int | None
+    reporter: Reporter
+    stall_timeout_s: float
+    cancel: threading.Event | None
+    space_check: SpaceCheck | None
+    opener: urllib.request.OpenerDirector
+
+
+def _fetch_http(job: _Transfer, attempts: int, backoff_s: float) -> None:
     failures = 0
     restarted_416 = False
-    best_size = _size(part)
+    best_size = size(job.part)
     while True:
-        _check_cancel(cancel)
+        check_cancel(job.cancel)
         try:
-            _attempt(
-                opener, url, part, meta_path, expected_sha256, max_bytes, reporter, stall_timeout_s, cancel
-            )
+            _attempt(job)
             return
         except _Restart416:
             if restarted_416:
-                raise DownloadError(f"server keeps answering 416 (range not satisfiable) for {url}") from None
+                raise DownloadError(
+                    f"server keeps answering 416 (range not satisfiable) for {job.url}"
+                ) from None
             restarted_416 = True
-            _remove(part, meta_path)
+            remove(job.part, job.meta_path)
             continue
         except _Retry as exc:
-            size = _size(part)
-            if size > best_size:  # progress: this try is not used up
-                best_size = size
+            now = size(job.part)
+            if now > best_size:  # progress: this try is not used up
+                best_size = now
                 failures = 0
             failures += 1
             if failures >= attempts:
-                raise DownloadError(f"download failed after {attempts} attempts: {exc} ({url})") from None
+                raise DownloadError(f"download failed after {attempts} attempts: {exc} ({job.url})") from None
             delay = min(MAX_BACKOFF_S, backoff_s * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
             if exc.retry_after is not None:
                 delay = max(delay, min(exc.retry_after, MAX_BACKOFF_S))
-            if cancel is not None:
-                if cancel.wait(delay):
-                    raise _Cancelled() from None
+            if job.cancel is not None:
+                if job.cancel.wait(delay):
+                    raise Cancelled() from None
             else:
                 time.sleep(delay)
 
@@ -193,36 +207,33 @@ class _Restart416(Exception):
     pass
 
 
-def _opener(url: str, ca_file: Path | None) -> urllib.request.OpenerDirector:
-    handlers: list[urllib.request.BaseHandler] = []
+def _opener(url: str, ca_file: Path | None, policy: UrlPolicy | None) -> urllib.request.OpenerDirector:
+    context: ssl.SSLContext | None = None
     if urllib.parse.urlsplit(url).scheme.lower() == "https" or ca_file is not None:
         try:
             context = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
         except (OSError, ssl.SSLError) as exc:
             raise DownloadError(f"cannot load CA file {ca_file}: {exc}") from exc
+    if policy is not None:
+        return checked_opener(policy, context)
+    handlers: list[urllib.request.BaseHandler] = []
+    if context is not None:
         handlers.append(urllib.request.HTTPSHandler(context=context))
     return urllib.request.build_opener(*handlers)
 
 
-def _attempt(
-    opener: urllib.request.OpenerDirector,
-    url: str,
-    part: Path,
-    meta_path: Path,
-    expected_sha256: str | None,
-    max_bytes: int | None,
-    reporter: _Reporter,
-    stall_timeout_s: float,
-    cancel: threading.Event | None,
-) -> None:
-    meta = _load_meta(meta_path)
-    offset = _size(part)
+def _attempt(job: _Transfer) -> None:
+    url, part, meta_path = job.url, job.part, job.meta_path
+    meta = load_meta(meta_path)
+    offset = size(part)
     resumable = (
         offset > 0
         and meta is not None
         and meta.url == url
         # a .part for another bundle at the same URL; with no hash on one side the validators decide
-        and (None in (meta.expected_sha256, expected_sha256) or meta.expected_sha256 == expected_sha256)
+        and (
+            None in (meta.expected_sha256, job.expected_sha256) or meta.expected_sha256 == job.expected_sha256
+        )
     )
     if offset > 0 and not resumable:
         offset = 0  # a .part we know nothing about (or for another URL/bundle): start over
@@ -235,10 +246,10 @@ def _attempt(
             headers["If-Range"] = meta.last_modified
     request = urllib.request.Request(url, headers=headers)
     try:
-        response = opener.open(request, timeout=stall_timeout_s)
+        response = job.opener.open(request, timeout=job.stall_timeout_s)
     except urllib.error.HTTPError as exc:
         with contextlib.closing(exc):
-            _http_error(exc, url, part, offset, meta)
+            _http_error(exc, url, offset, meta)
         return  # 416 with a complete .part
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, ssl.SSLCertVerificationError):
@@ -260,7 +271,7 @@ def _attempt(
             )
             if offset == 0 or start != offset or changed:
                 # Not the continuation we asked for: the file changed, or an odd server. Start over.
-                _remove(part, meta_path)
+                remove(part, meta_path)
                 raise _Retry("server sent a range that does not continue the partial file; starting over")
         elif status == 200:
             offset = 0
@@ -270,22 +281,26 @@ def _attempt(
         else:
             raise _Retry(f"unexpected HTTP status {status}")
 
-        if max_bytes is not None and total is not None and total > max_bytes:
-            _remove(part, meta_path)
-            raise DownloadError(f"refused {url}: {total} bytes is more than the limit of {max_bytes}")
+        if job.max_bytes is not None and total is not None and total > job.max_bytes:
+            remove(part, meta_path)
+            raise DownloadError(
+                f"refused {url}: {total} bytes is more than the limit of {job.max_bytes}", "size"
+            )
+        if job.space_check is not None and total is not None:
+            job.space_check(max(total - offset, 0))
         if status == 200:
             # Truncate first, then remember the new validators: a kill between the two must never leave
             # an old prefix next to new validators.
-            _remove(meta_path)
+            remove(meta_path)
             try:
                 part.write_bytes(b"")
             except OSError as exc:
-                raise DownloadError(f"cannot write {part}: {exc}") from exc
-            _save_meta(meta_path, _Meta(url, etag, last_modified, total, expected_sha256))
-        _receive(response, url, part, offset, total, max_bytes, reporter, cancel)
+                raise write_error(part, exc) from exc
+            save_meta(meta_path, Meta(url, etag, last_modified, total, job.expected_sha256))
+        _receive(job, response, offset, total)
 
 
-def _http_error(exc: urllib.error.HTTPError, url: str, part: Path, offset: int, meta: _Meta | None) -> None:
+def _http_error(exc: urllib.error.HTTPError, url: str, offset: int, meta: Meta | None) -> None:
     code = exc.code
     if code == 416 and offset > 0:
         total: int | None = None
@@ -305,130 +320,49 @@ def _http_error(exc: urllib.error.HTTPError, url: str, part: Path, offset: int, 
     raise DownloadError(f"HTTP {code} {what}: {url}") from exc
 
 
-def _receive(
-    response: http.client.HTTPResponse,
-    url: str,
-    part: Path,
-    offset: int,
-    total: int | None,
-    max_bytes: int | None,
-    reporter: _Reporter,
-    cancel: threading.Event | None,
-) -> None:
+def _receive(job: _Transfer, response: http.client.HTTPResponse, offset: int, total: int | None) -> None:
+    part, max_bytes = job.part, job.max_bytes
     received = offset
     try:
         out: BinaryIO = open(part, "ab", buffering=0)  # noqa: SIM115
     except OSError as exc:
-        raise DownloadError(f"cannot write {part}: {exc}") from exc
+        raise write_error(part, exc) from exc
     with out:
         unsynced = 0
-        reporter(received, total)
+        job.reporter(received, total)
         while True:
-            if cancel is not None and cancel.is_set():
-                _fsync(out, part)
-                raise _Cancelled()
+            if job.cancel is not None and job.cancel.is_set():
+                fsync(out, part)
+                raise Cancelled()
             try:
                 chunk = response.read1(CHUNK)  # what has arrived: a kill loses nothing received
             except (OSError, http.client.HTTPException) as exc:
-                _fsync(out, part)
+                fsync(out, part)
                 raise _Retry(_describe(exc)) from exc
             if not chunk:
                 break
             if max_bytes is not None and received + len(chunk) > max_bytes:
                 out.close()
-                _remove(part, part.with_name(part.name + ".meta"))
-                raise DownloadError(f"refused {url}: more than the limit of {max_bytes} bytes arrived")
+                remove(part, job.meta_path)
+                raise DownloadError(
+                    f"refused {job.url}: more than the limit of {max_bytes} bytes arrived", "size"
+                )
             try:
-                _write_all(out, chunk)
+                write_all(out, chunk)
             except OSError as exc:
-                raise DownloadError(f"cannot write {part}: {exc}") from exc
+                raise write_error(part, exc) from exc
             received += len(chunk)
             unsynced += len(chunk)
             if unsynced >= FSYNC_EVERY:
-                _fsync(out, part)
+                fsync(out, part)
                 unsynced = 0
-            reporter(received, total)
-        _fsync(out, part)
+            job.reporter(received, total)
+        fsync(out, part)
     if total is not None and received != total:
         raise _Retry(f"connection closed after {received} of {total} bytes")
 
 
-# --- file:// and plain paths ---------------------------------------------------------------------------
-
-
-def _local_path(url: str) -> Path:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() != "file":
-        return Path(url).expanduser()
-    if parts.netloc not in ("", "localhost"):
-        raise DownloadError(f"file URL with a remote host is not supported: {url}")
-    return Path(urllib.request.url2pathname(parts.path))
-
-
-def _copy_local(
-    source: Path,
-    part: Path,
-    meta_path: Path,
-    max_bytes: int | None,
-    reporter: _Reporter,
-    cancel: threading.Event | None,
-) -> None:
-    try:
-        src = open(source, "rb")  # noqa: SIM115
-    except FileNotFoundError:
-        raise DownloadError(f"not found: {source}") from None
-    except OSError as exc:
-        raise DownloadError(f"cannot read {source}: {exc}") from exc
-    with src:
-        total = os.fstat(src.fileno()).st_size
-        if max_bytes is not None and total > max_bytes:
-            raise DownloadError(f"refused {source}: {total} bytes is more than the limit of {max_bytes}")
-        _remove(meta_path)  # a local copy always starts from 0; it is fast
-        received = 0
-        try:
-            with open(part, "wb") as out:
-                reporter(0, total)
-                while True:
-                    _check_cancel(cancel)
-                    chunk = src.read(1024 * 1024)
-                    if not chunk:
-                        break
-                    received += len(chunk)
-                    if max_bytes is not None and received > max_bytes:
-                        raise DownloadError(f"refused {source}: more than the limit of {max_bytes} bytes")
-                    out.write(chunk)
-                    reporter(received, total)
-                out.flush()
-                os.fsync(out.fileno())
-        except (DownloadError, _Cancelled):
-            _remove(part)
-            raise
-        except OSError as exc:
-            raise DownloadError(f"cannot copy {source} to {part}: {exc}") from exc
-
-
 # --- helpers -------------------------------------------------------------------------------------------
-
-
-class _Reporter:
-    """Calls `progress` at most every PROGRESS_INTERVAL_S, plus once at the end."""
-
-    def __init__(self, progress: Progress | None) -> None:
-        self.progress = progress
-        self.last = float("-inf")
-
-    def __call__(self, done: int, total: int | None, *, final: bool = False) -> None:
-        if self.progress is None:
-            return
-        now = time.monotonic()
-        if final or now - self.last >= PROGRESS_INTERVAL_S:
-            self.last = now
-            self.progress(done, total)
-
-
-def _check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise _Cancelled()
 
 
 def _parse_content_range(value: str | None, url: str) -> tuple[int, int | None]:
@@ -457,93 +391,3 @@ def _describe(exc: BaseException) -> str:
         return "connection closed mid-transfer"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"
-
-
-def _write_all(out: BinaryIO, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = out.write(view)
-        if written is None:  # pragma: no cover - only non-blocking files return None
-            continue
-        view = view[written:]
-
-
-def _fsync(out: BinaryIO, part: Path) -> None:
-    try:
-        os.fsync(out.fileno())
-    except OSError as exc:
-        raise DownloadError(f"cannot write {part}: {exc}") from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1024 * 1024):
-                digest.update(chunk)
-    except OSError as exc:
-        raise DownloadError(f"cannot read back {path}: {exc}") from exc
-    return digest.hexdigest()
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _remove(*paths: Path) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _load_meta(path: Path) -> _Meta | None:
-    try:
-        raw: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
-        return None
-
-    def text(key: str) -> str | None:
-        value = raw.get(key)
-        return value if isinstance(value, str) else None
-
-    total = raw.get("total")
-    return _Meta(
-        url=raw["url"],
-        etag=text("etag"),
-        last_modified=text("last_modified"),
-        total=total if isinstance(total, int) and not isinstance(total, bool) else None,
-        expected_sha256=text("expected_sha256"),
-    )
-
-
-def _save_meta(path: Path, meta: _Meta) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    body = {
-        "url": meta.url,
-        "etag": meta.etag,
-        "last_modified": meta.last_modified,
-        "total": meta.total,
-        "expected_sha256": meta.expected_sha256,
-    }
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(body, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise DownloadError(f"cannot write {path}: {exc}") from exc

@@ -8,7 +8,6 @@ one rename of the `current` link switch the device over.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,11 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from edgeserve.fleet.safe_text import safe
 from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused, StoreError
+from edgeserve.ota.fetch import download_name, fetch
 from edgeserve.ota.manifest import Manifest, parse_manifest
 from edgeserve.ota.policy import Policy, check_disk, check_manifest
 from edgeserve.ota.store import (
@@ -38,10 +38,13 @@ from edgeserve.ota.store import (
     Store,
     Version,
 )  # fmt: skip
+from edgeserve.ota.url_policy import UrlPolicy
 
 log = logging.getLogger("edgeserve.ota")
 
 Report = Callable[[str, float | None, str], None]  # (state, progress 0..1 or None, message)
+# Who asked: the operator on the device (any file or URL) or the fleet (URLs under the URL policy).
+Origin = Literal["operator", "fleet"]
 
 
 def hold_point(store: Store, point: str) -> None:
@@ -78,14 +81,6 @@ class Outcome:
                 "version": self.version, "code": self.code}  # fmt: skip
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class Installer:
     def __init__(
         self,
@@ -96,22 +91,28 @@ class Installer:
         arch: str | None = None,
         accelerators: set[str] | None = None,
         other_models: Callable[[], set[str]] = set,
+        url_policy: UrlPolicy | None = None,
     ) -> None:
         self.store = store
         self.activator = activator
         self.policy = policy or Policy()
+        self.url_policy = url_policy or UrlPolicy()  # for fleet-initiated installs only
         self.arch = arch or platform.machine()
         self.accelerators = accelerators or set()
         self.other_models = other_models  # model names served from --model-repository
 
     # -- install ----------------------------------------------------------------------------------
     def install(self, source: str, report: Report, *, sha256: str | None = None,
-                cancel: threading.Event | None = None) -> Outcome:  # fmt: skip
+                cancel: threading.Event | None = None, origin: Origin = "operator") -> Outcome:  # fmt: skip
         with self.store.lock():
             self.store.ensure()
-            record = self.store.begin(source)
+            name = download_name(source)
+            record = self.store.begin(source, origin=origin, **({"download": name} if name else {}))
+            url_policy = self.url_policy if origin == "fleet" else None
             try:
-                return self._install(record["id"], source, report, sha256, cancel)
+                bundle = fetch(self.store, source, report, sha256=sha256, cancel=cancel, policy=self.policy,
+                               url_policy=url_policy)  # fmt: skip
+                return self._install(record["id"], bundle, report, cancel)
             except BundleRefused as exc:
                 return self._fail(FAILED, f"refused: {exc}", report, code=exc.reason)
             except TrialFailed as exc:
@@ -122,9 +123,9 @@ class Installer:
                 log.exception("install of %s failed unexpectedly", safe(source))
                 return self._fail(FAILED, f"internal error: {type(exc).__name__}: {exc}", report)
 
-    def _install(self, install_id: str, source: str, report: Report, sha256: str | None,
-                 cancel: threading.Event | None) -> Outcome:  # fmt: skip
-        bundle = self._fetch(source, report, sha256, cancel)
+    def _install(
+        self, install_id: str, bundle: Path, report: Report, cancel: threading.Event | None
+    ) -> Outcome:
         hold_point(self.store, DOWNLOADING)
         self.store.transition(VERIFYING)
         report(VERIFYING, None, "checking the signature and the manifest")
@@ -137,7 +138,8 @@ class Installer:
         manifest = parse_manifest(body)
         self.store.transition(VERIFYING, name=manifest.name, version=manifest.version)
         check_manifest(manifest, installed_versions=self.store.journal()["installed"], policy=self.policy,
-                       arch=self.arch, accelerators=self.accelerators)  # fmt: skip
+                       security_floor=self.store.security_floor(), arch=self.arch,
+                       accelerators=self.accelerators)  # fmt: skip
         clash = set(manifest.models) & self.other_models()
         if clash:
             raise BundleRefused(
@@ -184,40 +186,15 @@ class Installer:
             return self._fail(ROLLED_BACK, f"after the switch: {exc}", report)
         self.store.point(self.store.previous_link, old)
         hold_point(self.store, "ACTIVATED")
-        record = self.store.finish(
-            COMMITTED, f"{new.label} serves", installed=(manifest.name, manifest.version)
-        )
-        report(COMMITTED, 1.0, f"{new.label} serves" + (f" (previous: {old.label})" if old else ""))
-        if bundle.parent == self.store.downloads:
-            bundle.unlink(missing_ok=True)
-        removed = self.store.gc()
+        label = f"{new.label} serves"
+        record = self.store.finish(COMMITTED, label, installed=(manifest.name, manifest.version),
+                                   security_version=manifest.security_version)  # fmt: skip
+        report(COMMITTED, 1.0, label + (f" (previous: {old.label})" if old else ""))
+        removed = self.store.gc()  # the download too: it is no install's any more
         if removed:
-            log.info("removed old bundles: %s", ", ".join(removed))
+            log.info("gc removed: %s", ", ".join(removed))
         log.info("install %s committed: %s", record.get("id"), new.label)
         return Outcome(True, COMMITTED, f"{new.label} serves", manifest.name, manifest.version)
-
-    def _fetch(self, source: str, report: Report, sha256: str | None, cancel: threading.Event | None) -> Path:
-        report(DOWNLOADING, 0.0, source)
-        if "://" in source and not source.startswith("file://"):
-            from edgeserve.ota.download import DownloadError, download
-
-            target = self.store.downloads / (hashlib.sha256(source.encode()).hexdigest()[:24] + ".esb")
-            cap = self.policy.max_unpacked_bytes + archive.MAX_MANIFEST_BYTES
-            try:
-                download(source, target, expected_sha256=sha256, max_bytes=cap, cancel=cancel,
-                         progress=lambda done, total: report(DOWNLOADING, done / total if total else None,
-                                                             f"{done} bytes"))  # fmt: skip
-            except DownloadError as exc:
-                code = "hash" if "sha256" in str(exc) else "download"
-                raise BundleRefused(code, str(exc)) from None
-            return target
-        path = Path(source.removeprefix("file://"))
-        if not path.is_file():
-            raise BundleRefused("download", f"no bundle file at {path}")
-        if sha256 is not None and _sha256(path) != sha256.lower():
-            raise BundleRefused("hash", f"{path} does not have the expected sha256")
-        report(DOWNLOADING, 1.0, f"{path} ({path.stat().st_size} bytes)")
-        return path
 
     @staticmethod
     def _size(path: Path) -> int:
@@ -250,6 +227,8 @@ class Installer:
                 import shutil
 
                 shutil.rmtree(staged, ignore_errors=True)
+        if record.get("download"):  # a refused or failed download never stays behind
+            self.store.remove_download(str(record["download"]))
         if record:
             self.store.finish(state, reason)
         self.store.gc()
@@ -320,6 +299,11 @@ def recover(store: Store) -> str | None:
     reason = f"interrupted in {state} (restart or power loss): undone, {serving} serves"
     outcome = ROLLED_BACK if record.get("switching") else FAILED
     store.finish(outcome, reason)
+    download = record.get("download")
+    if download and state == DOWNLOADING:  # cut off mid-transfer: the next install of that URL resumes it
+        store.mark_resumable(str(download), str(record.get("source", "")))
+    elif download:
+        store.remove_download(str(download))
     store.gc()
     log.warning("install %s of %s %s", record.get("id"), label, reason)
     return f"{label}: {reason}"

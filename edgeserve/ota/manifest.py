@@ -2,7 +2,8 @@
 
 Layout (fixed, other tools build and check bundles): format, name, version, created_at, expires_at,
 compatible {arch, accelerators?, min_edgeserve}, models {name: [versions]}, files [{path, sha256,
-size}], unpacked_size, key_id, checks? (sample inputs, expected outputs, tolerance).
+size}], unpacked_size, key_id, checks? (sample inputs, expected outputs, tolerance), security_version?
+(0 when absent: manifests signed before it existed stay valid).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ FORMAT = 1
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+MAX_SECURITY_VERSION = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Manifest:
     unpacked_size: int
     key_id: str
     checks: list[Check] = field(default_factory=list)
+    # Across bundle names: a device refuses a bundle below the highest security_version it committed.
+    security_version: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,6 +126,15 @@ def _checks(value: Any, models: dict[str, list[int]]) -> list[Check]:
             raise BundleRefused("manifest", f"{where}.tolerance must be a number >= 0")
         checks.append(Check(str(model), inputs, expected, float(tolerance)))
     return checks
+
+
+def check_security_version(value: Any) -> int:
+    """0..2**31-1, an integer (not a bool, not a float); refusal names the field and the range."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SECURITY_VERSION:
+        raise BundleRefused(
+            "manifest", f"security_version {value!r} must be an integer from 0 to {MAX_SECURITY_VERSION}"
+        )
+    return value
 
 
 def parse_manifest(raw: bytes) -> Manifest:
@@ -203,6 +216,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         unpacked_size=unpacked,
         key_id=key_id,
         checks=_checks(data.get("checks"), models),
+        security_version=check_security_version(data.get("security_version", 0)),
         raw=data,
     )
 

@@ -36,11 +36,13 @@ def check_manifest(
     *,
     installed_versions: dict[str, int],
     policy: Policy,
+    security_floor: int = 0,
     arch: str | None = None,
     accelerators: set[str] | None = None,
     now: datetime | None = None,
 ) -> None:
-    """Refuse an expired, replayed, older, oversized or incompatible bundle (each its own reason)."""
+    """Refuse an expired, replayed, older, oversized or incompatible bundle (each its own reason).
+    `security_floor` is the highest security_version this device ever committed, whatever the name."""
     moment = now or datetime.now(timezone.utc)
     if manifest.expires_at <= moment:
         raise BundleRefused(
@@ -55,6 +57,12 @@ def check_manifest(
             "downgrade",
             f"{manifest.name} v{manifest.version} is older than installed v{highest} "
             "(roll back explicitly instead)",
+        )
+    if manifest.security_version < security_floor:
+        raise BundleRefused(
+            "security_version",
+            f"{manifest.name} v{manifest.version} has security_version {manifest.security_version}, below "
+            f"this device's floor of {security_floor} (roll back explicitly to a kept version instead)",
         )
     here = normal_arch(arch or platform.machine())
     if here not in {normal_arch(a) for a in manifest.arch}:

@@ -5,12 +5,15 @@
     ota/current -> bundles/..  what the server serves (one rename switches it)
     ota/previous -> bundles/.. kept for rollback
     ota/staging/<id>/          a fresh extraction folder per install
-    ota/downloads/             resumable downloads (.part)
-    revoked-keys.json          bundle keys revoked by the fleet (ota/trust.py); the trusted keys are in
+    ota/downloads/             the running install's download (.part while it arrives); nothing else
+    revoked-keys.json          keys revoked by the fleet (ota/trust.py); the trusted keys are in
                                [ota] trust_dir (default <state_dir>/trust), see ota/trust.py
 
 Every journal write is fsync'd before the step it announces, so after a power cut `recover()` knows
-exactly what was under way and undoes it: the old bundle serves, whole.
+exactly what was under way and undoes it: the old bundle serves, whole. The journal also holds what must
+never go backwards: the highest version committed per bundle name (`installed`) and the highest
+`security_version` committed under any name (`security_floor`), each raised in the same atomic write
+that records the commit.
 """
 
 from __future__ import annotations
@@ -56,6 +59,23 @@ def active_models(state_dir: Path) -> Path | None:
         return None
     models = link.resolve() / "models"
     return models if models.is_dir() else None
+
+
+# A download and what download.py writes beside it while it arrives.
+DOWNLOAD_SUFFIXES = ("", ".part", ".part.meta", ".part.meta.tmp")
+
+
+def download_of(filename: str) -> str:
+    """The download a file in downloads/ belongs to."""
+    for suffix in sorted(DOWNLOAD_SUFFIXES, key=len, reverse=True):  # the longest suffix that matches
+        if suffix and filename.endswith(suffix):
+            return filename[: -len(suffix)]
+    return filename
+
+
+def _floor(journal: dict[str, Any]) -> int:
+    value = journal.get("security_floor", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _parse_dirname(dirname: str) -> tuple[str, int] | None:
@@ -104,13 +124,15 @@ class Store:
         data["history"] = data["history"][-HISTORY_KEPT:]
         write_json_atomic(self.journal_path, data)
 
-    def begin(self, source: str) -> dict[str, Any]:
+    def begin(self, source: str, **fields: Any) -> dict[str, Any]:
         journal = self.journal()
         if journal["install"] is not None:
             raise StoreError(f"another install is recorded as running: {journal['install'].get('id')}")
         record = {"id": uuid.uuid4().hex[:12], "source": source, "state": DOWNLOADING,
                   "started_at": time.time(), "transitions": [[DOWNLOADING, time.time()]]}  # fmt: skip
+        record.update(fields)
         journal["install"] = record
+        journal.pop("resumable", None)  # the downloads folder is this install's now
         self.write_journal(journal)
         return record
 
@@ -126,9 +148,14 @@ class Store:
         return dict(record)
 
     def finish(
-        self, outcome: str, reason: str = "", installed: tuple[str, int] | None = None
+        self,
+        outcome: str,
+        reason: str = "",
+        installed: tuple[str, int] | None = None,
+        security_version: int = 0,
     ) -> dict[str, Any]:
-        """End the install with a terminal state; it goes to the history."""
+        """End the install with a terminal state; it goes to the history. A commit (`installed`) raises the
+        version high-water marks in the same atomic write."""
         journal = self.journal()
         record = journal["install"] or {}
         record.update({"state": outcome, "finished_at": time.time(), "reason": reason})
@@ -138,8 +165,36 @@ class Store:
         if installed is not None:
             name, version = installed
             journal["installed"][name] = max(version, int(journal["installed"].get(name, 0)))
+            journal["security_floor"] = max(security_version, _floor(journal))
         self.write_journal(journal)
         return record
+
+    def security_floor(self) -> int:
+        """The lowest security_version this device still installs: the highest it committed, and never
+        below what serves now (should the journal ever be lost)."""
+        active = self.active()
+        serving = 0
+        if active is not None:
+            import json
+
+            try:
+                value = json.loads((active.path / "manifest.json").read_bytes()).get("security_version", 0)
+                serving = value if isinstance(value, int) and not isinstance(value, bool) else 0
+            except (OSError, ValueError, AttributeError):
+                pass
+        return max(_floor(self.journal()), serving)
+
+    def mark_resumable(self, download: str, source: str) -> None:
+        """A download a restart cut off: kept (only it) for the next install of the same URL to resume."""
+        journal = self.journal()
+        journal["resumable"] = {"download": download, "source": source}
+        self.write_journal(journal)
+
+    def remove_download(self, name: str) -> None:
+        """The file and what download.py keeps beside it while it arrives."""
+        for suffix in DOWNLOAD_SUFFIXES:
+            with contextlib.suppress(FileNotFoundError):
+                (self.downloads / (name + suffix)).unlink()
 
     def record_event(self, outcome: str, reason: str, **fields: Any) -> None:
         """A history entry that is not an install (rollback, recovery)."""
@@ -201,8 +256,9 @@ class Store:
         fsync_dir(self.bundles)
         return Version(name, version, target)
 
-    def gc(self) -> list[str]:
-        """Remove every bundle but the active and previous one, and stale staging folders."""
+    def gc(self, *, keep_resumable: bool = True) -> list[str]:
+        """Remove every bundle but the active and previous one, stale staging folders and every download but
+        the running install's (and, unless told otherwise, the one a restart cut off)."""
         keep = {v.path for v in (self.active(), self.previous()) if v is not None}
         removed: list[str] = []
         for version in self.kept():
@@ -215,6 +271,25 @@ class Store:
             for folder in self.staging.iterdir():
                 if folder.name != running:
                     shutil.rmtree(folder, ignore_errors=True)
+        in_progress = (journal["install"] or {}).get("download")
+        resumable = (journal.get("resumable") or {}).get("download") if keep_resumable else None
+        removed += self.clear_downloads({str(name) for name in (in_progress, resumable) if name})
+        return removed
+
+    def clear_downloads(self, keep: set[str]) -> list[str]:
+        """Everything in downloads/ that is not (a part of) a download named in `keep`."""
+        removed: list[str] = []
+        if not self.downloads.is_dir():
+            return removed
+        for entry in sorted(self.downloads.iterdir()):
+            if download_of(entry.name) in keep:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+            removed.append(f"downloads/{entry.name}")
         return removed
 
     @contextlib.contextmanager
@@ -244,5 +319,6 @@ class Store:
             "install": install,
             "kept_versions": [v.version for v in self.kept()],
             "installed": journal["installed"],
+            "security_floor": self.security_floor(),
             "history": journal["history"],
         }

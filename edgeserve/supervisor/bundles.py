@@ -14,6 +14,7 @@ from edgeserve.ota.installer import Installer
 from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
 from edgeserve.ota.trust import TrustStore, trust_dir_for
+from edgeserve.ota.url_policy import UrlPolicy
 from edgeserve.supervisor.control import ServerControl
 from edgeserve.supervisor.report import device_accelerators
 
@@ -67,8 +68,9 @@ class BundleKeeper:
                                   window_s=min(ota.trial_window_s, 5.0),
                                   memory_bytes=ota.trial_memory_mb * 2**20 or None)  # fmt: skip
         policy = Policy(max_unpacked_bytes=ota.max_unpacked_mb * 2**20)
+        urls = UrlPolicy(ota.allow_file_urls, ota.allow_loopback_urls, ota.allow_link_local_urls)
         return Installer(self.store, activator, policy=policy, accelerators=device_accelerators(settings),
-                         other_models=repository_models)  # fmt: skip
+                         other_models=repository_models, url_policy=urls)  # fmt: skip
 
     def committed(self) -> None:
         self.committed_at = time.monotonic()

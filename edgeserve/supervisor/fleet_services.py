@@ -30,7 +30,8 @@ class SupervisorServices:
         self, url: str, sha256: str | None, report: Report, cancel: threading.Event
     ) -> dict[str, Any]:
         try:
-            outcome = self.sup.make_installer().install(url, report, sha256=sha256, cancel=cancel)
+            installer = self.sup.make_installer()  # a fleet download: under the [ota] URL rules
+            outcome = installer.install(url, report, sha256=sha256, cancel=cancel, origin="fleet")
         except StoreError as exc:
             raise FleetCommandFailed(str(exc)) from None
         self.sup.on_install(outcome)
@@ -58,7 +59,7 @@ class SupervisorServices:
     def gc(self) -> dict[str, Any]:
         try:
             with self.sup.store.lock():
-                removed = self.sup.store.gc()
+                removed = self.sup.store.gc(keep_resumable=False)
         except StoreError as exc:
             raise FleetCommandFailed(str(exc)) from None
         return {"removed": removed}

@@ -4,7 +4,7 @@
 #   ota/recipes/build-and-publish.sh --repo models --name vision --version 7 \
 #       --key /secure/fleet-2025.key --trust fleet-trust/ --publish /srv/bundles \
 #       [--checks ota/recipes/checks-mlp.json] [--model mlp ...] [--arch aarch64 ...] \
-#       [--accelerator cuda ...] [--expires 30d] [--no-gzip]
+#       [--accelerator cuda ...] [--expires 30d] [--security-version N] [--no-gzip]
 #
 # --trust is the folder of public keys the devices trust (the same *.pub files as their
 # <state_dir>/trust/): the bundle is verified against it before anything is published, so a bundle
@@ -37,7 +37,7 @@ while [[ $# -gt 0 ]]; do
         --key) key=${2:?--key needs a private key file}; shift 2 ;;
         --trust) trust=${2:?--trust needs a folder of *.pub}; shift 2 ;;
         --publish) publish=${2:?--publish needs a folder}; shift 2 ;;
-        --checks | --model | --arch | --accelerator | --expires)
+        --checks | --model | --arch | --accelerator | --expires | --security-version)
             extra+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
         --no-gzip) extra+=("$1"); shift ;;
         -h | --help) usage ;;

@@ -44,14 +44,18 @@ def fleet(tmp_path: Path) -> Fleet:
     return fleet
 
 
+# The bundles these tests deploy lie on this machine: file:// and the loopback BundleServer.
+FLEET_URLS = "allow_file_urls = true\nallow_loopback_urls = true\n"
+
+
 def _device(broker: Mosquitto, fleet: Fleet, tmp: Path, extra: str = "", env: dict[str, str] | None = None,
             protocol: str = "5") -> Appliance:  # fmt: skip
     (tmp / "empty").mkdir(parents=True, exist_ok=True)
     trust(fleet.state / "trust" / "commands")  # the default [fleet] command_keys folder
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "lab"\ndevice_id = "cam-1"\nprotocol = "{protocol}"\n'
-        f"metrics_interval_s = 1.0\n{extra}"
-        "[ota]\ntrial_window_s = 1.0\n[supervisor]\nrestart_initial_s = 0.2\n"
+        f"metrics_interval_s = 1.0\n{extra}[ota]\ntrial_window_s = 1.0\n{FLEET_URLS}"
+        "[supervisor]\nrestart_initial_s = 0.2\n"
     )
     app = start_appliance(tmp / "empty", tmp, args=["--state-dir", str(fleet.state)], config=config,
                           env={"EDGESERVE_SERVER_STATE_DIR": "", **(env or {})})  # fmt: skip

@@ -16,11 +16,13 @@ Last-Modified, honouring If-Range. Faults (all per path):
 - ``ignore_range=True``: always 200 with the full body; ``ignore_if_range=True``: honour Range even when
   If-Range no longer matches (a naive server);
 - ``chunked=True``: no Content-Length (chunked transfer encoding);
-- ``status=S``: answer S (with a short text body); with ``fail_first=K`` only the first K requests (then
+- ``status=S``: answer S (with a short text body and ``extra_headers``: ``status=302,
+  extra_headers={"Location": url}`` redirects); with ``fail_first=K`` only the first K requests (then
   serve normally); ``fail_first=K`` alone means status 500.
 
 ``times=K`` limits drop/stall/corrupt/ignore_range/chunked to the first K requests for that path (None:
-every request). ``BundleServer(ssl_context=...)`` serves https instead.
+every request). ``BundleServer(ssl_context=...)`` serves https instead; ``BundleServer(host=...)`` listens on
+another address than 127.0.0.1 (a LAN address of this machine).
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def _parse_range(value: str, size: int) -> tuple[int, int] | str | None:
 
 
 class BundleServer:
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> None:
         self._ssl_context = ssl_context  # serve https with it
+        self.host = host
         self._entries: dict[str, Entry] = {}
         self._requests: list[Request] = []
         self._lock = threading.Lock()
@@ -131,7 +134,7 @@ class BundleServer:
         if not path.startswith("/"):
             path = "/" + path
         scheme = "https" if self._ssl_context is not None else "http"
-        return f"{scheme}://127.0.0.1:{self.port}{path}"
+        return f"{scheme}://{self.host}:{self.port}{path}"
 
     def requests(self, path: str | None = None) -> list[Request]:
         with self._lock:
@@ -142,7 +145,7 @@ class BundleServer:
     def start(self) -> BundleServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -236,7 +239,7 @@ class BundleServer:
         if failing and (entry.fail_first is None or nth <= entry.fail_first):
             status = entry.status if entry.status is not None else 500
             self._record(request, status)
-            return web.Response(status=status, text=f"injected {status}\n")
+            return web.Response(status=status, text=f"injected {status}\n", headers=entry.extra_headers)
         faulty = entry.times is None or nth <= entry.times
 
         data = entry.data

@@ -20,6 +20,7 @@ from bundle_server import BundleServer
 
 from edgeserve.ota import download as download_module
 from edgeserve.ota.download import DownloadError, download
+from edgeserve.ota.url_policy import UrlPolicy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -478,3 +479,34 @@ def test_https_with_ca_file(tls_files: tuple[Path, Path], payload: bytes, tmp_pa
         with pytest.raises(DownloadError, match="certificate"):
             download(url, tmp_path / "c", attempts=5, backoff_s=1.0)
         assert len(server.requests("/b")) == 2
+
+
+def test_https_under_the_url_policy_still_checks_the_certificate(
+    tls_files: tuple[Path, Path], payload: bytes, tmp_path: Path
+) -> None:
+    """The policy's own connection (to the checked address) keeps TLS: SNI and the certificate check use
+    the URL's host name, not the address connected to."""
+    cert_file, key_file = tls_files
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    lab = UrlPolicy(allow_loopback=True)
+    with BundleServer(ssl_context=context) as server:
+        url = server.add("/b", payload)
+        assert download(
+            url, tmp_path / "b", expected_sha256=sha(payload), ca_file=cert_file, url_policy=lab
+        ) == sha(payload)
+        with pytest.raises(DownloadError, match="certificate"):  # the certificate names 127.0.0.1 only
+            download(url.replace("127.0.0.1", "localhost"), tmp_path / "c", ca_file=cert_file, url_policy=lab)
+        with pytest.raises(DownloadError, match=r"127\.0\.0\.1 is a loopback address") as info:
+            download(url, tmp_path / "d", ca_file=cert_file, url_policy=UrlPolicy())
+        assert info.value.reason == "url"
+        assert len(server.requests("/b")) == 1
+
+
+def test_local_sources_under_the_url_policy(payload: bytes, tmp_path: Path) -> None:
+    source = tmp_path / "b.tar"
+    source.write_bytes(payload)
+    with pytest.raises(DownloadError, match="allow_file_urls") as info:
+        download(source.as_uri(), tmp_path / "out", url_policy=UrlPolicy())
+    assert info.value.reason == "url" and leftovers(tmp_path / "out") == []
+    assert download(source.as_uri(), tmp_path / "out", url_policy=UrlPolicy(allow_file=True)) == sha(payload)

@@ -240,6 +240,29 @@ def test_hostile_baseline_bundle_is_accepted(env: Env, compress: bool) -> None:
         assert (env.staging / name).read_bytes() == data
 
 
+@pytest.mark.parametrize("security_version", [None, 0, 7, 2**31 - 1])
+def test_security_version_absent_or_in_range_is_read(env: Env, security_version: int | None) -> None:
+    """A manifest signed before the field existed reads as 0 (the upgrade path)."""
+    data = env.manifest()
+    if security_version is not None:
+        data["security_version"] = security_version
+    path = Bundle(data, good_members()).write(env.root / "ok.esb", env.signer)
+    result = env.check(path)
+    assert isinstance(result, Manifest), f"refused: {result}"
+    assert result.security_version == (security_version or 0)
+
+
+def test_folders_the_file_list_implies_are_accepted(env: Env) -> None:
+    """What `tar -czf` writes: a folder member before the files in it, `models/` included."""
+    folders = [directory(name) for name in ("models/", "models/m/", "models/m/1/")]
+    path = Bundle(env.manifest(), [*folders, *good_members()]).write(env.root / "ok.esb", env.signer)
+    result = env.check(path)
+    assert isinstance(result, Manifest), f"refused: {result}"
+    assert sorted(str(p.relative_to(env.staging)) for p in env.staging.rglob("*")) == [
+        "models", "models/m", "models/m/1", "models/m/1/model.bin", "models/m/config.pbtxt",
+    ]  # fmt: skip
+
+
 def test_a_second_trusted_key_is_accepted(env: Env) -> None:
     data = env.manifest(key_id=env.other_trusted.key_id)
     path = Bundle(data, good_members()).write(env.root / "ok.esb", env.other_trusted)
@@ -384,6 +407,12 @@ def test_signed_manifest_that_is_a_json_list(env: Env) -> None:
         ("name", "../evil", r"name"),
         ("expires_at", "tomorrow", r"expires_at"),
         ("created_at", "2025-01-01T00:00:00", r"time zone"),
+        ("security_version", -1, r"security_version -1 must be an integer from 0 to 2147483647"),
+        ("security_version", 2**31, r"security_version 2147483648 must be"),
+        ("security_version", True, r"security_version True must be"),
+        ("security_version", 1.0, r"security_version 1\.0 must be"),
+        ("security_version", "1", r"security_version '1' must be"),
+        ("security_version", None, r"security_version None must be"),
     ],
 )
 def test_signed_manifest_with_a_bad_field(env: Env, field: str, value: Any, words: str) -> None:
@@ -925,8 +954,9 @@ def _(env: Env) -> Attack:
 
 @attack("folder-then-file-same-name")
 def _(env: Env) -> Attack:
+    """The folder comes first: no listed file lies under it, so it is refused before the clash."""
     members = [directory(FILES[0][0] + "/"), *good_members()]
-    return Attack(env.manifest(), members, "duplicate", r"twice")
+    return Attack(env.manifest(), members, "extra", r"folder models/m/1/model\.bin.*no file of the signed")
 
 
 @attack("file-then-folder-same-name")
@@ -935,18 +965,16 @@ def _(env: Env) -> Attack:
     return Attack(env.manifest(), members, "duplicate", r"twice")
 
 
-
-
 @attack("file-then-folder-inside-it")
 def _(env: Env) -> Attack:
     members = [*good_members(), directory(FILES[0][0] + "/sub/")]
-    return Attack(env.manifest(), members, ("duplicate", "path", "type"), r"model\.bin")
+    return Attack(env.manifest(), members, ("duplicate", "path", "type", "extra"), r"model\.bin")
 
 
 @attack("folder-inside-then-file")
 def _(env: Env) -> Attack:
     members = [directory(FILES[0][0] + "/sub/"), *good_members()]
-    return Attack(env.manifest(), members, ("duplicate", "path", "type"), r"model\.bin")
+    return Attack(env.manifest(), members, ("duplicate", "path", "type", "extra"), r"model\.bin")
 
 
 @attack("manifest-lists-a-file-and-a-file-below-it")
@@ -976,9 +1004,14 @@ def _(env: Env) -> Attack:
 
 @attack("bomb-many-folders")
 def _(env: Env) -> Attack:
+    """Folders no listed file needs: the first one is refused (the decompression cap would stop the rest)."""
     members = [*good_members(), *(directory(f"models/m/1/d{i:05d}/") for i in range(12_000))]
     return Attack(
-        env.manifest(), members, "bomb", r"expands past", max_staged_bytes=len(MODEL) + len(CONFIG) + 1
+        env.manifest(),
+        members,
+        "extra",
+        r"d00000.*no file of the signed",
+        max_staged_bytes=len(MODEL) + len(CONFIG) + 1,
     )
 
 

@@ -3,10 +3,17 @@ leave everything as it was, trial failures, rollback to a kept version, garbage 
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from ota_fixtures import Fleet, make_fleet, mlp_check
+from bundle_server import BundleServer
+from ota_fixtures import FAST, ROOT, Fleet, edgeserve, make_fleet, mlp_check
 
 from edgeserve.ota.activate import OfflineActivator, TrialRunner
 from edgeserve.ota.errors import StoreError
@@ -113,3 +120,50 @@ def test_one_install_at_a_time_per_store(fleet: Fleet) -> None:
     store = Store(fleet.state)
     with store.lock(), pytest.raises(StoreError, match="another install"):
         _installer(fleet).install(str(fleet.bundle(1)), lambda *a: None)
+
+
+def test_cli_prints_a_refusal_once(fleet: Fleet) -> None:
+    """One line per phase, then the reason once (not again as a FAILED phase, nor as a log warning)."""
+    bundle = make_fleet(fleet.tmp / "stranger").bundle(1)
+    result = edgeserve("bundle", "install", str(bundle), "--state-dir", str(fleet.state))
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    phases = [line.split()[0] for line in lines[:-1]]
+    assert [phase for phase, _ in itertools.groupby(phases)] == ["DOWNLOADING", "VERIFYING"], lines
+    assert lines[-1].startswith("edgeserve: refused: signature: signed by unknown key"), lines
+    assert result.stderr.count("signed by unknown key") == 1, result.stderr
+
+
+def _part_bytes(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.glob("*.part"))
+    except FileNotFoundError:  # not created yet, or renamed while we looked
+        return 0
+
+
+def test_a_download_cut_by_a_kill_resumes_at_the_next_install(
+    fleet: Fleet, bundle_server: BundleServer
+) -> None:
+    """The one download a restart may leave behind is the one the next install of that URL resumes."""
+    data = fleet.bundle(1, extra={"mlp/1/pad.bin": os.urandom(3 * 2**20)}).read_bytes()
+    url = bundle_server.add("/v1.esb", data, stall_after=2**20, stall_s=30, times=1)
+    downloads = fleet.state / "ota" / "downloads"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edgeserve", "bundle", "install", url, "--state-dir", str(fleet.state)],
+        cwd=ROOT, env={**os.environ, **FAST}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while _part_bytes(downloads) < 2**20:
+            assert time.monotonic() < deadline, "the download never got going"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # a pulled plug, mid-download
+        process.wait(10)
+    result = edgeserve("bundle", "install", url, "--state-dir", str(fleet.state))
+    assert result.returncode == 0 and "COMMITTED: vision v1 serves" in result.stdout, result.stderr
+    ranges = [r.range for r in bundle_server.requests("/v1.esb")]
+    assert ranges[0] is None and ranges[1] is not None and ranges[1].startswith("bytes="), ranges
+    assert int(ranges[1].removeprefix("bytes=").rstrip("-")) >= 2**20  # resumed, not started over
+    assert list(downloads.iterdir()) == []
