@@ -110,7 +110,8 @@ def check_request_files(name: str, files: Mapping[str, bytes]) -> None:
 
 def check_paths(config: Any, where: str, model_dir: Path) -> None:
     """Every file a config names is a plain name inside its folder: default_model_filename in the
-    version folder, label files in the model folder, warm-up data in <model>/warmup/."""
+    version folder, label files in the model folder, warm-up data in <model>/warmup/. (What those
+    folders hold is the device's own: `Provenance.check_version` refuses links out of version folders.)"""
     filename = config.default_model_filename
     if filename and not _plain_name(filename):
         raise RepositoryError(where, "default_model_filename", f"'{filename}' must be a file name in the "
@@ -129,8 +130,6 @@ def check_paths(config: Any, where: str, model_dir: Path) -> None:
         if not _plain_name(value):
             raise RepositoryError(where, field, f"'{value}' must be a file name in {folder} (no '/', '..', "
                                   "absolute or hidden path); put the file there and name it")  # fmt: skip
-        if (folder / value).is_symlink() and not _inside(folder / value, folder):
-            raise _denied(where, field, f"'{value}' links outside {folder}; copy the file there instead")
 
 
 def check_parameters(config: Any, where: str) -> None:
