@@ -132,22 +132,28 @@ def check_paths(config: Any, where: str, model_dir: Path) -> None:
                                   "absolute or hidden path); put the file there and name it")  # fmt: skip
 
 
-def check_parameters(config: Any, where: str) -> None:
-    """A config sent over the API names no file, folder or library (it could make a runtime load a
-    custom-op library, an extension or a plugin, or read and write outside the model)."""
-    fix = "set it in the model's config.pbtxt on the device"
-    if config.HasField("model_operations") and config.model_operations.op_library_filename:
-        raise _denied(where, "model_operations.op_library_filename", "a config sent with a load request "
-                      f"may not load operation libraries (native code); {fix}")  # fmt: skip
-    params: list[tuple[str, str, str]] = [(f"parameters['{k}']", k, v.string_value)
-                                          for k, v in config.parameters.items()]  # fmt: skip
+def _named_values(config: Any) -> list[tuple[str, str, str]]:
+    """(field, key, value) of everything in a config that a runtime could take as a file or library."""
+    named = [("model_operations.op_library_filename", "op_library_filename", v)
+             for v in config.model_operations.op_library_filename]  # fmt: skip
+    named += [(f"parameters['{k}']", k, v.string_value) for k, v in config.parameters.items()]
     accelerators = config.optimization.execution_accelerators
     for kind in ("gpu_execution_accelerator", "cpu_execution_accelerator"):
         for index, accel in enumerate(getattr(accelerators, kind)):
             label = f"optimization.execution_accelerators.{kind}[{index}]"
-            params.append((f"{label}.name", "name", accel.name))
-            params += [(f"{label}.parameters['{k}']", k, v) for k, v in accel.parameters.items()]
-    for field, key, value in params:
+            named.append((f"{label}.name", "name", accel.name))
+            named += [(f"{label}.parameters['{k}']", k, v) for k, v in accel.parameters.items()]
+    return named
+
+
+def check_parameters(config: Any, where: str, own: Any | None = None) -> None:
+    """A config sent over the API names no file, folder or library (it could make a runtime load a
+    custom-op library, an extension or a plugin, or read and write outside the model), except the
+    same value the model's own config (`own`) has there: that changes nothing."""
+    kept = set(_named_values(own)) if own is not None else set()
+    for field, key, value in _named_values(config):
+        if (field, key, value) in kept:
+            continue
         words = set(re.split(r"[^a-z0-9]+", key.lower())) | {key.lower().replace("_", "")}
         parts = value.replace("\\", "/").split("/")
         why = None
@@ -158,8 +164,8 @@ def check_parameters(config: Any, where: str) -> None:
         elif _LIBRARY_VALUE.search(value.strip()):
             why = "its value names a native library"
         if why is not None:
-            raise _denied(where, field, f"a config sent with a load request may not name files or "
-                          f"libraries ({why}); {fix}")  # fmt: skip
+            raise _denied(where, field, f"a config sent with a load request may not name files or libraries "
+                          f"({why}); set it in the model's config.pbtxt on the device")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,7 @@ def admit(name: str, model_dir: Path, config: Any, where: str, origin: Origin,
     check_paths(config, where, model_dir)
     if origin is Origin.LOCAL:
         return Provenance(name, origin, where)
-    check_parameters(config, where)
+    check_parameters(config, where, own)
     backend, filename = _identity(config)
     code = backend in CODE_BACKENDS or bool(filename and _code_kind(filename) is not None)
     if origin is Origin.REQUEST_FILES:

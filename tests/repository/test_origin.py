@@ -137,6 +137,14 @@ def test_an_api_config_names_no_file_or_library(key: str, value: str) -> None:
     )
 
 
+def test_a_path_the_models_own_config_already_names_is_no_change() -> None:
+    text = 'parameters { key: "CONFIG_FILE" value { string_value: "kernels.xml" } }'
+    own = parse_text(text, "own")
+    check_parameters(parse_text(text, "sent"), "sent", own)  # e.g. bench tune sends config.pbtxt back
+    other = parse_text('parameters { key: "CONFIG_FILE" value { string_value: "/tmp/k.xml" } }', "s")
+    assert _refused(check_parameters, other, "sent", own).status is Status.PERMISSION_DENIED
+
+
 def test_tuning_parameters_pass() -> None:
     params = {"NUM_STREAMS": "2", "intra_op_thread_count": "1", "precision": "fp16", "pinned": "true",
               "hang_timeout_s": "1.5", "runtime_choice": "x86: race: onnxruntime/CPU 1 ms"}  # fmt: skip
