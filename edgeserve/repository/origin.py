@@ -280,8 +280,8 @@ def admit(name: str, model_dir: Path, config: Any, where: str, origin: Origin,
         return Provenance(name, origin, where)
     same = own is not None and _identity(own) == (backend, filename)
     if code and not same:
-        raise _denied(where, "backend", f"'{backend}' with '{filename or '(default file)'}' is not what the "
-                      "model's own config selects, and a config sent with a load request may not choose "
-                      "which code runs; send the backend, platform and default_model_filename of the "
-                      "model's config.pbtxt")  # fmt: skip
+        chosen = f"'{backend or '(automatic)'}' with '{filename or '(its default file)'}'"
+        raise _denied(where, "backend", f"{chosen} is not what the model's own config selects, and a config "
+                      "sent with a load request may not choose which code runs; send the backend, platform "
+                      "and default_model_filename of the model's config.pbtxt")  # fmt: skip
     return Provenance(name, origin, where, own_code=same)
