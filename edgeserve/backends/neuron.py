@@ -111,6 +111,12 @@ class NeuronBackend:
         return declared_io(config)
 
     def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> NeuronInstance:
+        if options.from_load_request:  # the repository refuses it first (repository/origin.py)
+            raise InferenceError(
+                Status.PERMISSION_DENIED,
+                f"{model_path}: a TorchScript program runs only from the local model repository or a "
+                "signed bundle, not from files sent with a load request",
+            )
         cores = options.parameters.get("neuron_cores")
         if cores and "NEURON_RT_VISIBLE_CORES" not in os.environ:
             os.environ["NEURON_RT_VISIBLE_CORES"] = (

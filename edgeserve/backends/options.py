@@ -22,3 +22,6 @@ class BackendOptions:
     performance_hint: str = "LATENCY"  # OpenVINO: LATENCY | THROUGHPUT
     cache_dir: Path | None = None  # compiled-model / engine cache
     parameters: Mapping[str, str] = field(default_factory=dict)  # config.parameters passthrough
+    # The model's files came with a load request (set by the repository from how the load was asked
+    # for, repository/origin.py): a backend runs no code and loads no native library or engine from them.
+    from_load_request: bool = False

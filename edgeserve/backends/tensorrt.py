@@ -252,6 +252,14 @@ class TensorRTBackend:
         return _model_io(trt, engine)
 
     def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> TensorRTInstance:
+        if options.from_load_request and model_path.suffix != ".onnx":
+            # An engine is executable code (a plugin embedded in it runs on deserialization); the
+            # repository refuses it first (repository/origin.py). From ONNX the engine is built here.
+            raise InferenceError(
+                Status.PERMISSION_DENIED,
+                f"{model_path}: a TensorRT engine sent with a load request is not loaded (engines are "
+                "executable code); send model.onnx and the server builds the engine",
+            )
         trt, runtime = self._runtime(options)
         fallback = None
         engine = None

@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from edgeserve.config import Settings
 from edgeserve.ota.store import active_models
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
-from edgeserve.repository import ensembles, overrides
+from edgeserve.repository import ensembles, origin, overrides
 from edgeserve.repository.budget import MemoryBudget
 from edgeserve.repository.config import parse_override, parse_pbtxt
 from edgeserve.repository.layout import CONFIG_FILE, check_model_name, list_models, version_dirs
@@ -248,7 +248,7 @@ class ModelRepository:
     async def _load_locked(self, name: str, model: _Model, config_json: str | None,
                            files: dict[str, bytes] | None) -> None:  # fmt: skip
         try:
-            source, raw_config, where = await asyncio.to_thread(self._source, name, config_json, files)
+            source, raw_config, where, trust = await asyncio.to_thread(self._source, name, config_json, files)
         except InferenceError as exc:
             log.error("model %s failed: %s", name, exc.message)
             raise
@@ -275,7 +275,7 @@ class ModelRepository:
             if version not in old:
                 model.states[version] = _VersionState(LOADING)
         results = await asyncio.gather(
-            *(self._build(name, source, v, available[v], raw_config, where) for v in chosen),
+            *(self._build(name, source, v, available[v], raw_config, where, trust) for v in chosen),
             return_exceptions=True,
         )
         new: dict[int, ServedModel] = {}
@@ -353,9 +353,11 @@ class ModelRepository:
     # -- helpers -----------------------------------------------------------------------------------
     def _source(
         self, name: str, config_json: str | None, files: dict[str, bytes] | None
-    ) -> tuple[Path, Any, str]:
-        """Blocking: (model folder, raw config, where errors point) for a load request."""
+    ) -> tuple[Path, Any, str, origin.Provenance]:
+        """Blocking: (model folder, raw config, where errors point, where it all came from) for a load
+        request, its config checked for that origin before any version is built (origin.py)."""
         if files:
+            origin.check_request_files(name, files)  # before anything is written
             source = overrides.write_files(self.settings.server.state_dir, name, files)
         else:
             clash = self.clashes().get(name)
@@ -368,13 +370,18 @@ class ModelRepository:
                     " or the active bundle"
                 )
             source = found
+        kind = origin.Origin.REQUEST_FILES if files else origin.Origin.LOCAL
         try:
             raw, where = self._raw_config(name, source, config_json)
+            own = None
+            if config_json is not None and not files:
+                kind, own = origin.Origin.API_CONFIG, origin.own_config(source / CONFIG_FILE)
+            trust = origin.admit(name, source, raw, where, kind, own)
         except InferenceError:
             if files:
                 overrides.remove(source)
             raise
-        return source, raw, where
+        return source, raw, where, trust
 
     @staticmethod
     def _raw_config(name: str, source: Path, config_json: str | None) -> tuple[Any, str]:
@@ -387,7 +394,7 @@ class ModelRepository:
         return mc.ModelConfig(), f"{source} (no {CONFIG_FILE}; auto-completed)"
 
     async def _build(self, name: str, source: Path, version: int, version_dir: Path, raw_config: Any,
-                     where: str) -> ServedModel:  # fmt: skip
+                     where: str, trust: origin.Provenance) -> ServedModel:  # fmt: skip
         if is_ensemble(raw_config):
             log.info("model %s version %d loading (ensemble)", name, version)
             try:
@@ -404,6 +411,7 @@ class ModelRepository:
             prepared = await self.budget.prepare(
                 name, version, version_dir, raw_config, self._slots, prepare_version, self.selector, name,
                 source, version, version_dir, raw_config, where, self.settings.runtime.default_max_batch_size,
+                trust,
             )  # fmt: skip
             seconds = time.monotonic() - start
             served = self.budget.serve(prepared, lambda: build_served(name, source, prepared, seconds))

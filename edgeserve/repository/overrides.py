@@ -3,7 +3,8 @@
 As in Triton, a load with files serves the model from a fresh folder holding only those files (and
 the override config): `<state_dir>/overrides/<model>/<unique>/`, or a temporary folder when the
 state folder is not writable. Each load gets its own folder, so a version still serving (and
-draining) keeps its files until it is retired; `prune` removes the folders no longer in use.
+draining) keeps its files until it is retired; `prune` removes the folders no longer in use. That
+these files came with a request is carried by the load itself (origin.py), not by the folder.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from edgeserve.repository.errors import RepositoryError
 from edgeserve.repository.layout import override_path
 
 log = logging.getLogger("edgeserve.repository")
-
-LOAD_REQUEST_MARKER = ".edgeserve-load-request"  # the same name in backends/python/backend.py
 
 
 def write_files(state_dir: Path, model: str, files: Mapping[str, bytes]) -> Path:
@@ -42,9 +41,6 @@ def write_files(state_dir: Path, model: str, files: Mapping[str, bytes]) -> Path
         target = Path(tempfile.mkdtemp(prefix=f"edgeserve-{model}-"))
         log.warning("model %s: %s is not writable (%s); load files go to %s", model, base, exc, target)
     try:
-        # Marks code that came with a request: the Python backend refuses it (README: Python models
-        # run only from the local repository or a signed bundle).
-        (target / LOAD_REQUEST_MARKER).write_bytes(b"")
         for relative, data in entries:
             path = target.joinpath(*relative.parts)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from edgeserve.backends.base import Instance, ModelIO, get_backend
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository import autocomplete, warmup
 from edgeserve.repository.config import validate
+from edgeserve.repository.origin import Origin, Provenance, check_paths
 from edgeserve.repository.selection import BackendChoice, BackendSelector
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ServedModel:
     load_seconds: float = 0.0
     # An ensemble: the (model, version "" = latest) its steps run; it serves only while they all do.
     depends_on: tuple[tuple[str, str], ...] = ()
+    origin: str = "local"  # where its files and config came from (repository/origin.py Origin)
 
     @property
     def managed_scheduler(self) -> Scheduler:
@@ -65,6 +67,7 @@ class PreparedVersion:
     instances: list[Instance]
     fallback_reason: str | None = None
     notes: list[str] = field(default_factory=list)  # backends tried before this one, and why they failed
+    origin: str = "local"
 
 
 def close_instances(instances: list[Instance], label: str) -> None:
@@ -82,7 +85,7 @@ def _prepare_with(
     backend = get_backend(choice.backend_name)
     inspect_config = getattr(backend, "inspect_config", None)
     if inspect_config is not None:  # the signature is in the config (Python models' auto_complete_config)
-        io, raw_config = inspect_config(choice.model_path, raw_config, where)
+        io, raw_config = inspect_config(choice.model_path, raw_config, where, choice.options)
     else:
         io = backend.inspect(choice.model_path)
     config = autocomplete.complete(
@@ -92,6 +95,7 @@ def _prepare_with(
         where=where,
     )  # fmt: skip
     validate(config, where, name, model_dir)
+    check_paths(config, where, model_dir)  # again: the model's auto_complete_config may have named files
     if choice.instances > 0 and len(config.instance_group) == 1:
         config.instance_group[0].count = choice.instances  # measured by the load-time race
     for key, value in choice.shown.items():
@@ -125,10 +129,13 @@ def _record_tuning(instances: list[Instance], config: Any, label: str) -> None:
 
 def prepare_version(
     selector: BackendSelector, name: str, model_dir: Path, version: int, version_dir: Path, raw_config: Any,
-    where: str, default_max_batch_size: int,
+    where: str, default_max_batch_size: int, provenance: Provenance | None = None,
 ) -> PreparedVersion:  # fmt: skip
-    """Blocking: load + warm up one version; tries the choice's fallbacks when a backend fails."""
-    choice = selector.choose(name, model_dir, version_dir, raw_config)
+    """Blocking: load + warm up one version; tries the choice's fallbacks when a backend fails.
+    `provenance` (origin.py) is checked before the selector (whose race runs backends) reads the folder."""
+    provenance = provenance or Provenance(name, Origin.LOCAL, where)
+    provenance.check_version(version, version_dir, raw_config)
+    choice = provenance.check_choice(selector.choose(name, model_dir, version_dir, raw_config), version_dir)
     attempts = [choice, *choice.fallbacks]
     failures: list[tuple[BackendChoice, InferenceError]] = []
     for attempt in attempts:
@@ -149,6 +156,7 @@ def prepare_version(
             )
             log.warning("model %s version %d: %s", name, version, note)
             prepared.notes.append(note)
+        prepared.origin = provenance.origin.value
         return prepared
     first = failures[0][1]
     if len(failures) == 1:
@@ -216,4 +224,5 @@ def build_served(name: str, model_dir: Path, prepared: PreparedVersion, seconds:
         platform=config.platform or config.backend, backend_name=prepared.choice.backend_name,
         scheduler=scheduler, stats=stats, instances=prepared.instances, model_path=prepared.choice.model_path,
         choice_reason=prepared.choice.reason, fallback_reason=prepared.fallback_reason, load_seconds=seconds,
+        origin=prepared.origin,
     )  # fmt: skip

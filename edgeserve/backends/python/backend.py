@@ -24,9 +24,6 @@ if TYPE_CHECKING:
 
 HANG_GRACE_S = 2.0  # past the scheduler's hang timeout before the instance kills the worker itself
 AUTO_COMPLETE_TIMEOUT_S = 60.0
-# The marker a load request's own files carry (repository/overrides.py): code that came over the
-# load API is refused; Python models run only from the local repository or a signed bundle.
-LOAD_REQUEST_MARKER = ".edgeserve-load-request"
 # model_config.proto fields of 64-bit integer types: protobuf's JSON writes them as strings, Triton's
 # args["model_config"] has numbers.
 _INT64_FIELDS = frozenset({
@@ -79,12 +76,15 @@ def _hang_timeout_s(options: BackendOptions) -> float:
         return DEFAULT_HANG_TIMEOUT_S
 
 
-def _check_origin(model_path: Path) -> None:
-    if (model_path.parent.parent / LOAD_REQUEST_MARKER).exists():
+def _check_origin(model_path: Path, options: BackendOptions | None) -> None:
+    """The repository refuses this first (repository/origin.py); the backend keeps its own check, decided
+    by where the files came from (the options the repository set), not by the folder they are in."""
+    if options is None or options.from_load_request:
+        source = "files sent with a load request" if options else "files whose origin is not known here"
         raise InferenceError(
             Status.PERMISSION_DENIED,
             f"{model_path}: Python models run only from the local model repository or a signed bundle, "
-            "not from files sent with a load request",
+            f"not from {source}",
         )
 
 
@@ -113,16 +113,19 @@ class PythonBackend:
         io, _ = self.inspect_config(model_path, parse_pbtxt(path), str(path))
         return io
 
-    def inspect_config(self, model_path: Path, raw_config: Any, where: str) -> tuple[ModelIO, Any]:
+    def inspect_config(
+        self, model_path: Path, raw_config: Any, where: str, options: BackendOptions | None = None
+    ) -> tuple[ModelIO, Any]:
         """The model's signature and its config completed by the model's own `auto_complete_config`
-        (run in a worker process when model.py defines one)."""
+        (run in a worker process when model.py defines one; `options` say where the files came from,
+        none: unknown, so the code is not run)."""
         config = raw_config
         try:
             source = model_path.read_text(encoding="utf-8", errors="replace")
         except OSError as exc:
             raise InferenceError(Status.NOT_FOUND, f"{model_path}: cannot read: {exc}") from None
         if "auto_complete_config" in source:
-            _check_origin(model_path)
+            _check_origin(model_path, options)
             config = self._auto_complete(model_path, raw_config, where)
         if config.model_transaction_policy.decoupled:
             raise InferenceError(
@@ -167,7 +170,7 @@ class PythonBackend:
         return completed
 
     def load(self, model_path: Path, config: ModelConfig, options: BackendOptions) -> PythonInstance:
-        _check_origin(model_path)
+        _check_origin(model_path, options)
         name = config.name or model_path.parent.parent.name
         with self._lock:
             index = next(self._counters.setdefault(name, itertools.count()))

@@ -17,11 +17,10 @@ from pymodels import worker_pids, write_model
 
 from edgeserve.backends.base import BackendOptions, get_backend
 from edgeserve.backends.python import pb_utils
-from edgeserve.backends.python.backend import LOAD_REQUEST_MARKER, PythonBackend, config_dict
+from edgeserve.backends.python.backend import PythonBackend, config_dict
 from edgeserve.backends.python.instance import PythonInstance
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository.config import parse_pbtxt
-from edgeserve.repository.overrides import LOAD_REQUEST_MARKER as OVERRIDES_MARKER
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +39,7 @@ def load(backend: PythonBackend, tmp_path: Path) -> Iterator[Any]:
     def factory(name: str, options: BackendOptions | None = None) -> PythonInstance:
         path = write_model(tmp_path / "repo", name)
         raw = parse_pbtxt(path.parent.parent / "config.pbtxt")
-        _, config = backend.inspect_config(path, raw, "test")
+        _, config = backend.inspect_config(path, raw, "test", BackendOptions())
         if not config.name:
             config.name = name
         instance = backend.load(path, config, options or BackendOptions())
@@ -230,7 +229,7 @@ def test_auto_complete_config_runs_in_a_worker(backend: PythonBackend, tmp_path:
     path = write_model(tmp_path / "repo", "auto")
     raw = parse_pbtxt(path.parent.parent / "config.pbtxt")
     before = set(worker_pids(os.getpid()))
-    io, config = backend.inspect_config(path, raw, "auto/config.pbtxt")
+    io, config = backend.inspect_config(path, raw, "auto/config.pbtxt", BackendOptions())
     assert config.max_batch_size == 2 and config.HasField("dynamic_batching")
     assert [(t.name, t.datatype, t.shape) for t in io.inputs] == [("IN", "FP32", (-1, 3))]
     assert [t.name for t in io.outputs] == ["OUT"]
@@ -255,14 +254,28 @@ def test_no_declared_tensors_is_a_clear_error(backend: PythonBackend, tmp_path: 
 
 
 def test_code_sent_with_a_load_request_is_refused(backend: PythonBackend, tmp_path: Path) -> None:
-    assert LOAD_REQUEST_MARKER == OVERRIDES_MARKER
+    """Decided by the options the repository sets from the load's origin, at any folder depth."""
     path = write_model(tmp_path / "override", "add_sub")
-    (path.parent.parent / LOAD_REQUEST_MARKER).write_bytes(b"")
+    deeper = path.parent / "x" / "model.py"  # default_model_filename: "x/model.py"
+    deeper.parent.mkdir()
+    deeper.write_text(path.read_text())
     config = parse_pbtxt(path.parent.parent / "config.pbtxt")
-    with pytest.raises(InferenceError) as raised:
-        backend.load(path, config, BackendOptions())
-    assert raised.value.status is Status.PERMISSION_DENIED
-    assert "only from the local model repository or a signed bundle" in raised.value.message
+    before = set(worker_pids(os.getpid()))
+    for model_file in (path, deeper):
+        with pytest.raises(InferenceError) as raised:
+            backend.load(model_file, config, BackendOptions(from_load_request=True))
+        assert raised.value.status is Status.PERMISSION_DENIED
+        assert "only from the local model repository or a signed bundle" in raised.value.message
+    assert set(worker_pids(os.getpid())) <= before  # no worker was started
+
+
+def test_auto_complete_code_runs_only_with_a_known_origin(backend: PythonBackend, tmp_path: Path) -> None:
+    path = write_model(tmp_path / "repo", "auto")
+    raw = parse_pbtxt(path.parent.parent / "config.pbtxt")
+    for options in (None, BackendOptions(from_load_request=True)):
+        with pytest.raises(InferenceError) as raised:
+            backend.inspect_config(path, raw, "auto/config.pbtxt", options)
+        assert raised.value.status is Status.PERMISSION_DENIED
 
 
 def test_model_config_arg_is_tritons_json(tmp_path: Path) -> None:
