@@ -19,6 +19,7 @@ for folder in (TESTS, TESTS / "ota", TESTS / "fleet", TESTS / "supervisor"):
         sys.path.insert(0, str(folder))
 
 # Re-exported: the tests import them from here, so that this module (which sets sys.path) comes first.
+import fleet_keys as fleet_keys  # noqa: E402
 from appliance import Appliance as Appliance  # noqa: E402
 from appliance import start_appliance as start_appliance  # noqa: E402
 from appliance import wait_until as wait_until  # noqa: E402

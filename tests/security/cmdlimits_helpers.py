@@ -55,7 +55,7 @@ def start_device(broker: Mosquitto, state: Path, tmp: Path, extra: str = "") -> 
     fleet_keys.trust(state / "trust" / "commands")  # the Commander signs with the test command key
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "{FLEET}"\ndevice_id = "{DEVICE}"\n'
-        "metrics_interval_s = 1.0\n[ota]\ntrial_window_s = 1.0\n"
+        "metrics_interval_s = 1.0\n[ota]\ntrial_window_s = 1.0\nallow_file_urls = true\n"
         f"[supervisor]\nrestart_initial_s = 0.2\n{extra}"
     )
     app = start_appliance(tmp / "empty", tmp, args=["--state-dir", str(state)], config=config,

@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from bundle_helpers import Appliance, Mosquitto, downloads, find_mosquitto, lan_address, start_appliance
+from bundle_helpers import (
+    Appliance,
+    Mosquitto,
+    downloads,
+    find_mosquitto,
+    fleet_keys,
+    lan_address,
+    start_appliance,
+)
 from bundle_server import BundleServer
 from commander import Commander
 from ota_fixtures import Fleet, edgeserve, make_fleet, status
@@ -27,6 +35,7 @@ def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance
     fleet = make_fleet(tmp)
     edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
     (tmp / "empty").mkdir()
+    fleet_keys.trust(fleet.state / "trust" / "commands")  # the Commander signs with the test command key
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "lab"\ndevice_id = "cam-1"\n'
         "[ota]\ntrial_window_s = 1.0\n"  # nothing else: the URL rules are the defaults

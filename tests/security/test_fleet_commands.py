@@ -61,6 +61,7 @@ def start_device(broker: Mosquitto, state: Path, tmp: Path, device_id: str, flee
     config = (
         f'[fleet]\nbroker = "{broker.url}"\nfleet = "lab"\ndevice_id = "{device_id}"\n'
         f"metrics_interval_s = 1.0\n{fleet_extra}[ota]\ntrial_window_s = 1.0\n"
+        "allow_file_urls = true\n"  # the test bundles are local files
     )
     app = start_appliance(tmp / "empty", tmp, args=["--state-dir", str(state)], config=config,
                           env={"EDGESERVE_SERVER_STATE_DIR": ""})  # fmt: skip
