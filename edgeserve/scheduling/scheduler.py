@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends.base import RequestInfo
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (
@@ -535,8 +536,9 @@ class Scheduler:
         entry = (jobs, taken_ns)
         self._batches[index] = entry  # a dict store: atomic, read by the watchdog
         # An instance with `infer_requests` (Python models: Triton's execute(requests)) takes the
-        # batch as one input dict per job and answers each job on its own (outputs or an error).
-        per_request = None if single else getattr(instance, "infer_requests", None)
+        # batch as one input dict per job (with its ID and parameters) and answers each job on its
+        # own, in the batch's order (outputs or an error).
+        per_request = getattr(instance, "infer_requests", None)
         results: Sequence[Arrays | BaseException]
         try:
             inputs = self._assemble(jobs) if per_request is None else {}
@@ -544,7 +546,8 @@ class Scheduler:
             if per_request is None:
                 outputs = instance.infer(inputs)
             else:
-                results = per_request([job.inputs for job in jobs])
+                infos = [RequestInfo(job.request_id, parameters=job.parameters) for job in jobs]
+                results = per_request([job.inputs for job in jobs], infos)
             infer_end = time.monotonic_ns()
             ewma = self.compute_ewma_ns
             spent = infer_end - infer_start
