@@ -392,7 +392,7 @@ class Scheduler:
                 return
             try:
                 if expired:
-                    self._fail(expired, InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE), "REJECTED")
+                    self._drop(expired)
                 else:
                     self._execute(instance, jobs, taken_ns, index)
             except BaseException:  # a bug here must not leave the executing count wrong
@@ -425,6 +425,9 @@ class Scheduler:
                     self._work.wait((deadline - now) / _NS_PER_S if deadline else None)
                     continue
                 jobs, rows, full = self._queue.select(self._max_rows)
+                if any(job.cancelled for job in jobs):  # never run; answered by `_drop`
+                    self._executing += 1
+                    return [], self._queue.remove([job for job in jobs if job.cancelled]), now
                 if self._delay_ns and not full and rows < self._target_rows and self._accepting:
                     wake = jobs[0].enqueue_ns + self._delay_ns
                     if now < wake:
@@ -439,6 +442,32 @@ class Scheduler:
                 if self._queue:
                     self._wake_worker()  # another idle worker can take what is left
                 return jobs, [], now
+
+    def _drop(self, jobs: list[Job]) -> None:
+        """Fail jobs taken out of the queue unrun: cancelled by their requester, or timed out."""
+        cancelled = [job for job in jobs if job.cancelled]
+        if cancelled:
+            self._fail(cancelled, self._cancelled(), "OTHER")
+        if len(cancelled) < len(jobs):
+            timed_out = [job for job in jobs if not job.cancelled]
+            self._fail(timed_out, InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE), "REJECTED")
+
+    def _cancelled(self) -> InferenceError:
+        message = f"{self.model_name} version {self.version}: cancelled before it ran (its request ended)"
+        return InferenceError(Status.CANCELLED, message)
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """Mark `jobs` cancelled (their requester, an ensemble whose other step failed, no longer
+        wants them): those still queued leave the queue now, answered CANCELLED, and never run; one
+        a worker already took runs and its answer goes to the requester, which drops it."""
+        with self._lock:
+            for job in jobs:
+                job.cancelled = True
+            queued = self._claim(self._queue.remove(jobs))
+            if queued and self._is_idle():
+                self._notify_idle()
+        if queued:
+            self._fail(queued, self._cancelled(), "OTHER", claim=False)
 
     def _after_batch(self, index: int, generation: int) -> bool:
         """False when the instance was replaced while this batch ran (the watchdog settled the
