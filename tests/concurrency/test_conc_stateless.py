@@ -1,0 +1,68 @@
+"""Concurrent clients on stateless models with dynamic batching: ONNX Runtime, OpenVINO (the same
+ONNX file), a Python model, the response cache on (and off: every other model), an ensemble of
+Python steps around an ONNX step; over HTTP (binary and JSON tensors), gRPC unary, gRPC stream,
+ZeroMQ inline and ZeroMQ through the shm frame ring. Every row of every answer is checked against
+the client's own reference; a wrong one is traced to the request it belongs to.
+
+Replay a seed: EDGESERVE_CONC_SEEDS=<seed> pytest tests/concurrency/test_conc_stateless.py
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conc_models import STATELESS, Repository
+from conc_server import SEEDS_ENV, endpoints, seeds, start
+from es_server import RunningServer
+from workload import Mix, run_clients
+
+pytestmark = pytest.mark.timeout(300)
+
+CLIENTS = 48
+OPS = 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tmp = tmp_path_factory.mktemp("conc_stateless")
+    running = start(Repository(tmp / "models", stateless=STATELESS), tmp)
+    yield running
+    running.stop()
+
+
+def _get(server: RunningServer, path: str) -> Any:
+    with urllib.request.urlopen(server.base + path, timeout=30) as response:
+        return json.load(response)
+
+
+def _stats(server: RunningServer, model: str) -> dict[str, Any]:
+    stats: dict[str, Any] = _get(server, f"/v2/models/{model}/stats")["model_stats"][0]["inference_stats"]
+    return stats
+
+
+@pytest.mark.parametrize("seed", seeds((101, 102)))
+def test_every_client_gets_its_own_answers(server: RunningServer, seed: int) -> None:
+    hits_before = _stats(server, "affine_cached")["cache_hit"]["count"]
+    report = run_clients(
+        endpoints(server), seed, CLIENTS, Mix(stateless=STATELESS), run=seed, ops_per_client=OPS
+    )
+    replay = f"{SEEDS_ENV}={seed} pytest tests/concurrency/test_conc_stateless.py"
+    assert report.ok, report.render(replay)
+    assert report.ops == CLIENTS * OPS, report.render(replay)
+    assert set(report.by_transport) == {"http", "grpc", "grpc_stream", "zmq", "zmq_ring"}
+    assert server.alive(), server.log()[-4000:]
+    # The cache path ran: a client's repeat of its own earlier request is answered from the cache.
+    assert _stats(server, "affine_cached")["cache_hit"]["count"] > hits_before
+
+
+def test_the_models_run_where_the_suite_says(server: RunningServer) -> None:
+    """Guards the coverage: OpenVINO really serves affine_ov, the ensemble's steps are Python."""
+    assert _get(server, "/v2/models/affine_ov/config")["backend"] == "openvino"
+    assert _get(server, "/v2/models/affine_py/config")["backend"] == "python"
+    assert _get(server, "/v2/models/ens_py_pre/config")["backend"] == "python"
+    assert _get(server, "/v2/models/affine_cached/config")["response_cache"]["enable"] is True
+    assert not _get(server, "/v2/models/affine_ort/config").get("response_cache", {}).get("enable")
