@@ -18,6 +18,7 @@ answer from anybody else's:
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class AffineModel:
     ensemble: bool = False
     pre: float = 0.0
     post: float = 1.0
+    reloadable: bool = False  # new versions are loaded during the round: c = VERSION_STEP * version
 
     kind = "stateless"
 
@@ -120,17 +122,7 @@ class AffineModel:
         return out
 
     def with_version(self, version: int) -> AffineModel:
-        return AffineModel(
-            self.name,
-            self.backend,
-            VERSION_STEP * version,
-            self.k,
-            self.cached,
-            self.instances,
-            self.ensemble,
-            self.pre,
-            self.post,
-        )
+        return dataclasses.replace(self, c=VERSION_STEP * version)
 
     def write(self, repo: Path, version: int = 1) -> None:
         if self.ensemble:
@@ -450,8 +442,8 @@ SEQUENCES = (
 )
 
 RELOADABLE = (
-    AffineModel("reload_ort", "onnxruntime", c=VERSION_STEP, instances=1),
-    AffineModel("reload_py", "python", c=VERSION_STEP, instances=1),
+    AffineModel("reload_ort", "onnxruntime", c=VERSION_STEP, reloadable=True),
+    AffineModel("reload_py", "python", c=VERSION_STEP, reloadable=True),
 )
 
 

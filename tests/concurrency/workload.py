@@ -45,7 +45,7 @@ class Mix:
     p_reuse_id: float = 0.2  # start the last finished sequence's ID again (its state must restart)
     p_pipelined: float = 0.6  # where the wire allows: all calls of an op in flight at once
     p_json: float = 0.3  # HTTP: JSON tensors instead of binary ones
-    p_versioned: float = 0.0  # stateless: name the version that was serving when the op began
+    p_versioned: float = 0.0  # reloadable models: name the version that was serving when the op began
     transports: tuple[str, ...] = TRANSPORTS
 
 
@@ -149,9 +149,11 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
                 )
                 expects.append(Expect(seq, step=step, length=length, total=total, sequence_id=sequence_id))
         else:
-            versioned = bool(rng.random() < mix.p_versioned)
+            reloadable = [m for m in mix.stateless if m.reloadable]
+            versioned = bool(reloadable) and bool(rng.random() < mix.p_versioned)
+            models = reloadable if versioned else mix.stateless
             for i in range(int(rng.integers(1, mix.max_burst + 1))):
-                model = mix.stateless[int(rng.integers(len(mix.stateless)))]
+                model = models[int(rng.integers(len(models)))]
                 pick = rng.random()
                 if pick < mix.p_repeat / 2 and sent:
                     x = sent[int(rng.integers(len(sent)))]
@@ -259,8 +261,9 @@ class Checker:
                 continue
             if isinstance(expect.model, SeqModel):
                 self._sequence(expect.model, expect, outputs, bad)
-            elif window is not None:
-                self._versioned(expect.model, expect, answer, outputs["Y"], window, named, bad)
+            elif expect.model.reloadable:
+                span = window or (1, 1)
+                self._versioned(expect.model, expect, answer, outputs["Y"], span, named, bad)
             else:
                 self._stateless(expect.model, expect, outputs["Y"], bad)
         return found
@@ -357,6 +360,7 @@ class Report:
     requests: int = 0
     by_transport: collections.Counter[str] = field(default_factory=collections.Counter)
     by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
+    by_model: collections.Counter[str] = field(default_factory=collections.Counter)
     mismatches: list[Mismatch] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -371,6 +375,7 @@ class Report:
             self.by_transport[op.transport] += len(op.calls)
             for mismatch in found:
                 self.by_kind[mismatch.kind] += 1
+                self.by_model[mismatch.where.split(" ")[0]] += 1
                 if len(self.mismatches) < MAX_KEPT:
                     self.mismatches.append(mismatch)
 
@@ -385,6 +390,8 @@ class Report:
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.by_kind.items())) or "none"
+        if self.by_model:
+            kinds += " (by model: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_model.items())) + ")"
         wires = ", ".join(f"{k} {n}" for k, n in sorted(self.by_transport.items()))
         return (
             f"seed {self.seed}: {self.clients} clients, {self.ops} ops, {self.requests} requests "
@@ -465,13 +472,13 @@ def run_one_client(
             if stop.is_set():
                 break
             time.sleep(op.think_s)
-            floor = window.loaded if window is not None else 0
-            if op.versioned and window is not None:
+            floor = window.loaded if window is not None else 1
+            named = floor if op.versioned else None
+            if named is not None:
                 for call in op.calls:
-                    call.version = str(floor)
+                    call.version = str(named)
             answers = transport.run(op.calls, op.pipelined)
             span = (floor, window.started) if window is not None else None
-            named = floor if op.versioned and window is not None else None
             report.add(op, checker.check(op, answers, span, named))
             if progress is not None:
                 progress.tick()
