@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -36,6 +36,23 @@ class TensorSpec:
 class ModelIO:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+
+
+# Triton's request flags (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END).
+FLAG_SEQUENCE_START = 1
+FLAG_SEQUENCE_END = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What an instance that takes a batch as separate requests (`infer_requests`: Python models,
+    Triton's execute(requests)) learns about each one besides its tensors. A Direct sequence batch's
+    empty slot is a null request: all defaults (correlation ID 0, no flags)."""
+
+    request_id: str = ""
+    correlation_id: int | str = 0
+    flags: int = 0
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -3,12 +3,15 @@
 One server-wide LRU, bounded in bytes by `[server] cache_mb`, shared by every model whose config
 enables it. A key is a SHA-256 digest over, each field length-prefixed: the served model
 version's identity (name, version and a token unique to that load), every input's name, datatype,
-shape and exact bytes, and the requested output names. Different inputs never share an entry (a
-256-bit digest collision is not a practical event, even for a client that tries; SHA-256 rather than
-BLAKE2b because CPUs with SHA extensions hash a camera frame 3-4x faster). Only the requested
-outputs are stored, as read-only copies: a response served from the cache can never see another
-request's buffer change, and a client cannot change a cached entry. Classification and
-shared-memory writes are applied per request afterwards, so they need no place in the key.
+shape and exact bytes, the requested output names, and the request's custom parameters (a Python
+model reads them with `request.parameters()`; each with its type, so 1, 1.0, "1" and true differ).
+The request ID is not in the key: a model whose answer depends on it must not enable the cache.
+Different inputs never share an entry (a 256-bit digest collision is not a practical event, even
+for a client that tries; SHA-256 rather than BLAKE2b because CPUs with SHA extensions hash a camera
+frame 3-4x faster). Only the requested outputs are stored, as read-only copies: a response served
+from the cache can never see another request's buffer change, and a client cannot change a cached
+entry. Classification and shared-memory writes are applied per request afterwards, so they need no
+place in the key.
 
 Not cached: models without `response_cache.enable`, models with a sequence batcher, requests that
 carry sequence parameters, and errors. A reload or unload of a model makes a new token: the old
@@ -44,6 +47,8 @@ log = logging.getLogger("edgeserve.cache")
 MIB = 1024 * 1024
 ENTRY_OVERHEAD_BYTES = 256  # key, dict slots and array headers of one entry, roughly
 SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+# Parameters that never change an answer (sequence requests are not cached at all).
+_NOT_IN_KEY = frozenset(SEQUENCE_PARAMETERS)
 
 
 class CacheStats(Protocol):
@@ -84,8 +89,10 @@ def _field(digest: Any, data: bytes) -> None:
     digest.update(data)
 
 
-def request_key(token: int, name: str, version: int, inputs: Arrays, outputs: Sequence[str]) -> bytes:
-    """SHA-256 over the model identity, every input (name, dtype, shape, bytes) and the outputs."""
+def request_key(token: int, name: str, version: int, inputs: Arrays, outputs: Sequence[str],
+                parameters: Mapping[str, Any] | None = None) -> bytes:  # fmt: skip
+    """SHA-256 over the model identity, every input (name, dtype, shape, bytes), the outputs and the
+    custom parameters."""
     digest = hashlib.sha256()
     digest.update(token.to_bytes(8, "little"))
     _field(digest, name.encode())
@@ -106,6 +113,13 @@ def request_key(token: int, name: str, version: int, inputs: Arrays, outputs: Se
     digest.update(len(outputs).to_bytes(8, "little"))
     for output in sorted(outputs):
         _field(digest, output.encode())
+    custom = sorted(
+        (k, v) for k, v in (parameters or {}).items() if k not in _NOT_IN_KEY and not k.startswith("triton_")
+    )
+    digest.update(len(custom).to_bytes(8, "little"))
+    for key, value in custom:
+        _field(digest, key.encode())
+        _field(digest, f"{type(value).__name__}:{value!r}".encode())
     return digest.digest()
 
 
@@ -196,7 +210,7 @@ class ResponseCache:
             return None
         start = time.monotonic_ns()
         token = self._token(model.stats)
-        key = request_key(token, model.name, model.version, inputs, output_names)
+        key = request_key(token, model.name, model.version, inputs, output_names, parameters)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:

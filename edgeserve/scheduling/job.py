@@ -30,6 +30,11 @@ class Job:
     request_id: str = ""
     client: str = ""  # who sent it (peer address, ZMQ identity): fair shares of a full queue
     parameters: Mapping[str, Any] = field(default_factory=dict)  # the request's (sequence flags, ...)
+    outputs: tuple[str, ...] = ()  # the outputs the requester reads (() = all); an ensemble runs only
+    # the steps they need
+    # Set by the requester (an ensemble whose other step failed) when it no longer wants the answer:
+    # a scheduler that finds it still queued answers it CANCELLED instead of running it.
+    cancelled: bool = False
     # Filled by the scheduler:
     shape_key: tuple[Any, ...] = ()
     deadline_ns: int = 0  # 0 = none

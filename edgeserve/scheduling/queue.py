@@ -274,28 +274,34 @@ class JobQueue:
                 return jobs, rows, True
         return jobs, rows, False
 
-    def remove(self, jobs: list[Job]) -> None:
-        """Take `jobs` (from `select`) out of the queue."""
+    def remove(self, jobs: list[Job]) -> list[Job]:
+        """Take `jobs` (from `select`, or any: those not queued are skipped) out of the queue; the
+        ones that were queued."""
         wanted = {id(job) for job in jobs}
         left = len(wanted)
+        removed: list[Job] = []
         for entry in self._levels:
             for attr in ("jobs", "delayed"):
                 if not left:
                     break
                 queue: deque[Job] = getattr(entry, attr)
                 while queue and left and id(queue[0]) in wanted:
-                    entry.uncount(queue.popleft())
+                    job = queue.popleft()
+                    entry.uncount(job)
+                    removed.append(job)
                     left -= 1
                 if left and queue and any(id(job) in wanted for job in queue):
                     kept: deque[Job] = deque()
                     for job in queue:
                         if id(job) in wanted:
                             entry.uncount(job)
+                            removed.append(job)
                         else:
                             kept.append(job)
                     left -= len(queue) - len(kept)
                     setattr(entry, attr, kept)
-        self._size -= len(wanted) - left
+        self._size -= len(removed)
+        return removed
 
     def pop_all(self) -> list[Job]:
         jobs = list(self)

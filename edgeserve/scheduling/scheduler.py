@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends.base import RequestInfo
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (
@@ -391,7 +392,7 @@ class Scheduler:
                 return
             try:
                 if expired:
-                    self._fail(expired, InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE), "REJECTED")
+                    self._drop(expired)
                 else:
                     self._execute(instance, jobs, taken_ns, index)
             except BaseException:  # a bug here must not leave the executing count wrong
@@ -424,6 +425,9 @@ class Scheduler:
                     self._work.wait((deadline - now) / _NS_PER_S if deadline else None)
                     continue
                 jobs, rows, full = self._queue.select(self._max_rows)
+                if any(job.cancelled for job in jobs):  # never run; answered by `_drop`
+                    self._executing += 1
+                    return [], self._queue.remove([job for job in jobs if job.cancelled]), now
                 if self._delay_ns and not full and rows < self._target_rows and self._accepting:
                     wake = jobs[0].enqueue_ns + self._delay_ns
                     if now < wake:
@@ -438,6 +442,32 @@ class Scheduler:
                 if self._queue:
                     self._wake_worker()  # another idle worker can take what is left
                 return jobs, [], now
+
+    def _drop(self, jobs: list[Job]) -> None:
+        """Fail jobs taken out of the queue unrun: cancelled by their requester, or timed out."""
+        cancelled = [job for job in jobs if job.cancelled]
+        if cancelled:
+            self._fail(cancelled, self._cancelled(), "OTHER")
+        if len(cancelled) < len(jobs):
+            timed_out = [job for job in jobs if not job.cancelled]
+            self._fail(timed_out, InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE), "REJECTED")
+
+    def _cancelled(self) -> InferenceError:
+        message = f"{self.model_name} version {self.version}: cancelled before it ran (its request ended)"
+        return InferenceError(Status.CANCELLED, message)
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """Mark `jobs` cancelled (their requester, an ensemble whose other step failed, no longer
+        wants them): those still queued leave the queue now, answered CANCELLED, and never run; one
+        a worker already took runs and its answer goes to the requester, which drops it."""
+        with self._lock:
+            for job in jobs:
+                job.cancelled = True
+            queued = self._claim(self._queue.remove(jobs))
+            if queued and self._is_idle():
+                self._notify_idle()
+        if queued:
+            self._fail(queued, self._cancelled(), "OTHER", claim=False)
 
     def _after_batch(self, index: int, generation: int) -> bool:
         """False when the instance was replaced while this batch ran (the watchdog settled the
@@ -535,8 +565,9 @@ class Scheduler:
         entry = (jobs, taken_ns)
         self._batches[index] = entry  # a dict store: atomic, read by the watchdog
         # An instance with `infer_requests` (Python models: Triton's execute(requests)) takes the
-        # batch as one input dict per job and answers each job on its own (outputs or an error).
-        per_request = None if single else getattr(instance, "infer_requests", None)
+        # batch as one input dict per job (with its ID and parameters) and answers each job on its
+        # own, in the batch's order (outputs or an error).
+        per_request = getattr(instance, "infer_requests", None)
         results: Sequence[Arrays | BaseException]
         try:
             inputs = self._assemble(jobs) if per_request is None else {}
@@ -544,7 +575,8 @@ class Scheduler:
             if per_request is None:
                 outputs = instance.infer(inputs)
             else:
-                results = per_request([job.inputs for job in jobs])
+                infos = [RequestInfo(job.request_id, parameters=job.parameters) for job in jobs]
+                results = per_request([job.inputs for job in jobs], infos)
             infer_end = time.monotonic_ns()
             ewma = self.compute_ewma_ns
             spent = infer_end - infer_start

@@ -9,6 +9,8 @@ zeros or `initial_state` at START) is always the one its previous request produc
 
 Direct (the default): each sequence is bound to a batch slot (row) of one instance; a batch is the
 instance's slots up to the highest one that has a request, empty slots padded with READY=0 rows.
+An instance that takes separate requests (Python models) gets one request per slot instead, the
+empty slots as null requests (sequence_run.py), so each request holds one sequence's row.
 Oldest: sequences hold one of `max_candidate_sequences` places; an idle instance takes the heads of
 the oldest sequences that have a request (up to max_batch_size rows, waiting up to
 `max_queue_delay_microseconds` for `preferred_batch_size`), compacted, with no empty rows.
@@ -257,15 +259,14 @@ class SequenceBatcher(SequenceLifecycle):
 
     def _execute(self, instance: Instance, batch: Batch, index: int, generation: int) -> None:
         taken_ns = time.monotonic_ns()
-        rows = [Row(row, seq.key, step.start, step.end, step.job.inputs, None if step.start else seq.state)
-                for row, seq, step in batch]  # fmt: skip
+        rows = [Row(row, seq.key, step.start, step.end, step.job.inputs, None if step.start else seq.state,
+                    step.job.request_id, step.job.parameters) for row, seq, step in batch]  # fmt: skip
         try:
             results, states, timing = run_batch(self.spec, instance, rows)
         except BaseException as exc:
-            error = exc if isinstance(exc, InferenceError) else InferenceError(Status.INTERNAL, str(exc))
-            prefix = f"{self.model_name} version {self.version}: "
-            if not error.message.startswith(prefix):
-                error = InferenceError(error.status, prefix + error.message)
+            error = self._prefixed(
+                exc if isinstance(exc, InferenceError) else InferenceError(Status.INTERNAL, str(exc))
+            )
             with self._lock:
                 failed = self._claim([step.job for _, _, step in batch])
             self._fail(failed, error, "BACKEND")
@@ -274,12 +275,19 @@ class SequenceBatcher(SequenceLifecycle):
             return
         with self._lock:
             if self._generation[index] == generation:  # else: answered and released as hung
-                for (_, seq, _), state in zip(batch, states, strict=True):
-                    seq.state = state
+                for (_, seq, step), state in zip(batch, states, strict=True):
+                    if state is not None:
+                        seq.state = state
+                    elif step.start:  # a failed START: the old sequence's state must not carry on
+                        seq.state = None
             live = {id(job) for job in self._claim([step.job for _, _, step in batch])}
         timings: list[JobTiming] = []
         for (_, _, step), result in zip(batch, results, strict=True):
             if id(step.job) not in live:
+                continue
+            if isinstance(result, InferenceError):  # this request's own error (a per-request model)
+                self.stats.record_fail(time.monotonic_ns() - step.job.arrival_ns, "BACKEND")
+                self._answer(step.job, self._prefixed(result))
                 continue
             self._answer(step.job, result)
             end = time.monotonic_ns()
@@ -289,6 +297,14 @@ class SequenceBatcher(SequenceLifecycle):
         self.compute_ewma_ns = timing[2] - timing[1]
         self.stats.record_execution(len(batch), timing[1] - taken_ns, timing[2] - timing[1],
                                     time.monotonic_ns() - timing[2], timings)  # fmt: skip
+
+    def _prefixed(self, error: InferenceError) -> InferenceError:
+        prefix = f"{self.model_name} version {self.version}: "
+        return (
+            error
+            if error.message.startswith(prefix)
+            else InferenceError(error.status, prefix + error.message)
+        )
 
     def _after(self, batch: Batch, index: int, generation: int) -> bool:
         """False when the instance was declared hung meanwhile (the reaper settled the counts)."""

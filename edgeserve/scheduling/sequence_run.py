@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends.base import FLAG_SEQUENCE_END, FLAG_SEQUENCE_START, RequestInfo
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Arrays, Job
 from edgeserve.scheduling.sequence_config import Array, SequenceKey, SequenceSpec, StateSpec
@@ -44,6 +46,8 @@ class Row:
     end: bool
     inputs: Arrays  # the request's (a leading batch axis of 1 when the model batches)
     state: dict[str, Array] | None  # the sequence's state; None = start values
+    request_id: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _blank(like: Array) -> Array:
@@ -61,21 +65,20 @@ def _state_of(row: Row | None, spec: StateSpec) -> Array:
     return row.state[spec.input_name]
 
 
-def _assemble(spec: SequenceSpec, rows: list[Row]) -> Arrays:
+def _assemble(spec: SequenceSpec, slots: list[Row | None], like: Arrays) -> Arrays:
+    """One batch of `slots` (None: an empty Direct slot, padded with a READY=0 row shaped as `like`)."""
     if not spec.batching:
-        row = rows[0]
+        row = slots[0]
+        assert row is not None
         inputs = dict(row.inputs)
         inputs.update(spec.control_rows([(row.start, row.end, True, row.key)]))
         for state in spec.states:
             inputs[state.input_name] = _state_of(row, state)
         return inputs
-    count = rows[-1].row + 1
-    by_row: dict[int, Row] = {row.row: row for row in rows}
-    slots = [by_row.get(i) for i in range(count)]
     inputs = {}
-    for name, first in rows[0].inputs.items():
+    for name, first in like.items():
         parts = [row.inputs[name] if row is not None else _blank(first) for row in slots]
-        inputs[name] = parts[0] if count == 1 else np.concatenate(parts, axis=0)
+        inputs[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     flags: list[tuple[bool, bool, bool, SequenceKey | None]] = [
         (row.start, row.end, True, row.key) if row is not None else (False, False, False, None)
         for row in slots
@@ -86,7 +89,14 @@ def _assemble(spec: SequenceSpec, rows: list[Row]) -> Arrays:
     return inputs
 
 
-def _next_state(spec: SequenceSpec, outputs: dict[str, Any], row: Row) -> dict[str, Array]:
+def _slots(rows: list[Row]) -> list[Row | None]:
+    """Rows by batch position, 0 to the highest used (Oldest's are contiguous: no gaps)."""
+    by_row: dict[int, Row] = {row.row: row for row in rows}
+    return [by_row.get(i) for i in range(rows[-1].row + 1)]
+
+
+def _next_state(spec: SequenceSpec, outputs: dict[str, Any], row: Row, position: int) -> dict[str, Array]:
+    """The sequence's state after this step: row `position` of the state outputs (batching)."""
     state: dict[str, Array] = {}
     for entry in spec.states:
         if entry.output_name not in outputs:
@@ -94,7 +104,7 @@ def _next_state(spec: SequenceSpec, outputs: dict[str, Any], row: Row) -> dict[s
                 Status.INTERNAL, f"the model did not produce state output '{entry.output_name}'"
             )
         array = np.asarray(outputs[entry.output_name])
-        value = array[row.row] if spec.batching else array
+        value = array[position] if spec.batching else array
         if tuple(value.shape) != entry.dims:
             shapes = f"{list(value.shape)}, the config's state dims are {list(entry.dims)}"
             raise InferenceError(Status.INTERNAL, f"state output '{entry.output_name}' has shape {shapes}")
@@ -102,28 +112,84 @@ def _next_state(spec: SequenceSpec, outputs: dict[str, Any], row: Row) -> dict[s
     return state
 
 
+def _rows_of(outputs: Mapping[str, Any], count: int) -> None:
+    for name, array in outputs.items():
+        if np.ndim(array) == 0 or np.shape(array)[0] != count:
+            shape = list(np.shape(array))
+            message = f"output '{name}' has shape {shape}, expected {count} rows for the batch"
+            raise InferenceError(Status.INTERNAL, message)
+
+
+Result = Arrays | InferenceError
+Timing = tuple[int, int, int]
+
+
 def run_batch(
     spec: SequenceSpec, instance: Instance, rows: list[Row]
-) -> tuple[list[Arrays], list[dict[str, Array]], tuple[int, int, int]]:
-    """(per-row outputs, per-row next state, (start, infer start, infer end) monotonic ns).
-    `rows` are sorted by `row`."""
+) -> tuple[list[Result], list[dict[str, Array] | None], Timing]:
+    """(per-row outputs or error, per-row next state (None: unchanged after an error), (start, infer
+    start, infer end) monotonic ns). `rows` are sorted by `row`."""
+    per_request = getattr(instance, "infer_requests", None)
+    if per_request is not None:
+        return _run_requests(spec, per_request, rows)
     start_ns = time.monotonic_ns()
-    inputs = _assemble(spec, rows)
+    slots: list[Row | None] = _slots(rows) if spec.batching else [rows[0]]
+    inputs = _assemble(spec, slots, rows[0].inputs)
     infer_start = time.monotonic_ns()
     outputs = instance.infer(inputs)
     infer_end = time.monotonic_ns()
-    count = rows[-1].row + 1
-    results: list[Arrays] = []
-    states: list[dict[str, Array]] = []
+    if spec.batching:
+        _rows_of(outputs, rows[-1].row + 1)
+    results: list[Result] = []
+    states: list[dict[str, Array] | None] = []
     for row in rows:
         if spec.batching:
-            for name, array in outputs.items():
-                if np.ndim(array) == 0 or np.shape(array)[0] != count:
-                    shape = list(np.shape(array))
-                    message = f"output '{name}' has shape {shape}, expected {count} rows for the batch"
-                    raise InferenceError(Status.INTERNAL, message)
             results.append({name: array[row.row : row.row + 1] for name, array in outputs.items()})
         else:
             results.append(dict(outputs))
-        states.append(_next_state(spec, outputs, row))
+        states.append(_next_state(spec, outputs, row, row.row))
+    return results, states, (start_ns, infer_start, infer_end)
+
+
+def _info(row: Row | None) -> RequestInfo:
+    if row is None:
+        return RequestInfo()  # Triton's null request for an empty slot
+    flags = (FLAG_SEQUENCE_START if row.start else 0) | (FLAG_SEQUENCE_END if row.end else 0)
+    return RequestInfo(row.request_id, row.key[1], flags, row.parameters)
+
+
+def _run_requests(
+    spec: SequenceSpec, per_request: Callable[..., list[Result]], rows: list[Row]
+) -> tuple[list[Result], list[dict[str, Array] | None], Timing]:
+    """A batch as one request per slot (Python models: Triton's execute(requests)). Each request
+    holds exactly its own sequence's row and control values, and each row's answer is the response
+    to its own request: a model that reads row 0 of a request, as Triton's Python models do, sees
+    its own sequence. Empty Direct slots below the highest used one are null requests (READY=0,
+    correlation ID 0), as in Triton, so slot numbers stay put; their responses are dropped."""
+    start_ns = time.monotonic_ns()
+    slots: list[Row | None] = _slots(rows) if spec.batching else [rows[0]]
+    like = rows[0].inputs
+    requests = [_assemble(spec, [slot], like) for slot in slots]
+    infer_start = time.monotonic_ns()
+    responses = per_request(requests, [_info(slot) for slot in slots])
+    infer_end = time.monotonic_ns()
+    if len(responses) != len(slots):
+        raise InferenceError(Status.INTERNAL, f"{len(responses)} responses for {len(slots)} requests")
+    results: list[Result] = []
+    states: list[dict[str, Array] | None] = []
+    for row in rows:
+        position = row.row if spec.batching else 0
+        response = responses[position]
+        try:
+            if isinstance(response, InferenceError):
+                raise response
+            if spec.batching:
+                _rows_of(response, 1)
+            state = _next_state(spec, response, row, 0)
+        except InferenceError as exc:
+            results.append(exc)
+            states.append(None)
+            continue
+        results.append(response)
+        states.append(state)
     return results, states, (start_ns, infer_start, infer_end)

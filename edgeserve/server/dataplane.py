@@ -418,6 +418,7 @@ class DataPlane:
             arrival_ns=request.arrival_ns,
             request_id=request.id,
             parameters=request.parameters,
+            outputs=tuple(output_names),
         )
         try:
             if inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns):

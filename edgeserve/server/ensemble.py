@@ -6,9 +6,13 @@ but where a model has a `Scheduler` an ensemble has an `EnsembleScheduler`. Each
 serialization), to its own model's scheduler, so it is batched with that model's other traffic and
 counted in that model's statistics. The step's completion (on the model's worker thread) stores its
 outputs and submits the steps that became ready, so independent steps run in parallel without a
-hop through the event loop. The first failing step fails the request with the step named; steps not
-yet submitted are never run and the results of steps still in flight are dropped. The request's
-timeout is a deadline for the whole DAG: each step gets the time that is left.
+hop through the event loop. The request's timeout is a deadline for the whole DAG: each step gets the
+time that is left.
+
+Only the steps the requested outputs need run (`EnsemblePlan.needed`: back from those outputs
+through the DAG). The first failing step fails the request with the step named; then steps not yet
+submitted are never submitted, its steps still queued in their models' schedulers are cancelled
+there (answered CANCELLED, never run), and the results of steps already running are dropped.
 
 A step with more rows than its model's max_batch_size is split into chunks (the pipeline's crop
 count is data-dependent); a step with zero rows answers empty outputs without calling its model.
@@ -118,6 +122,17 @@ class EnsembleScheduler:
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
         return False  # its steps run on their own models' schedulers
 
+    def cancel(self, jobs: list[Job]) -> None:
+        """The requests of `jobs` (this ensemble is a step of another that failed) end CANCELLED and
+        cancel their own queued steps."""
+        wanted = {id(job) for job in jobs}
+        with self._lock:
+            runs = [run for run in self._runs if id(run.job) in wanted]
+        for job in jobs:
+            job.cancelled = True
+        for run in runs:
+            run.fail(None, InferenceError(Status.CANCELLED, f"ensemble '{self.plan.name}': cancelled"))
+
     def _finished(self, run: _Run) -> None:
         with self._lock:
             self._runs.discard(run)
@@ -167,7 +182,10 @@ class _Run:
         self.tensors: Arrays = dict(job.inputs)
         # optional ensemble inputs this request left out: their readers run without them
         self.absent = {name for name in self.plan.optional if name not in self.tensors}
+        self.wanted = job.outputs or self.plan.outputs
+        self.needed, self.needed_tensors = self.plan.needed(self.wanted)
         self.started: set[int] = set()
+        self.submitted: list[tuple[Any, Job]] = []  # (step model's scheduler, job): cancelled on failure
         self.running = 0
         self.finished = False
         self.lock = threading.Lock()
@@ -185,8 +203,10 @@ class _Run:
             ready: list[Step] = []
             for index in self.plan.order:
                 step = self.plan.steps[index]
-                if index not in self.started and all(
-                    t in self.tensors or t in self.absent for t in step.inputs.values()
+                if (
+                    index in self.needed
+                    and index not in self.started
+                    and all(t in self.tensors or t in self.absent for t in step.inputs.values())
                 ):
                     self.started.add(index)
                     ready.append(step)
@@ -199,13 +219,15 @@ class _Run:
             self._submit(step)
 
     def _complete(self) -> None:
-        missing = [name for name in self.plan.outputs if name not in self.tensors]
+        missing = [name for name in self.wanted if name not in self.tensors]
         if missing:
-            never = [s.label for s in self.plan.steps if s.index not in self.started]
+            never = [
+                s.label for s in self.plan.steps if s.index in self.needed and s.index not in self.started
+            ]
             text = f"{', '.join(missing)} (steps never run: {', '.join(never) or 'none'})"
             self.fail(None, internal(f"ensemble '{self.plan.name}' did not produce output(s) {text}"))
             return
-        outputs = {name: self.tensors[name] for name in self.plan.outputs}
+        outputs = {name: self.tensors[name] for name in self.wanted}
         with self.lock:
             if self.finished:
                 return
@@ -219,6 +241,8 @@ class _Run:
             if self.finished:
                 return
             self.finished = True
+            submitted = [(scheduler, job) for scheduler, job in self.submitted if not job.finished]
+        self._cancel(submitted)
         if not isinstance(error, InferenceError):
             error = internal(str(error))
         if step is not None:
@@ -226,6 +250,19 @@ class _Run:
         reason = "REJECTED" if error.status is Status.UNAVAILABLE else "BACKEND"
         self.owner.stats.record_fail(time.monotonic_ns() - self.job.arrival_ns, reason)
         self._answer(error)
+
+    @staticmethod
+    def _cancel(submitted: list[tuple[Any, Job]]) -> None:
+        """Cancel this request's step jobs: the queued ones never run (a job a worker already took
+        finishes; its answer is dropped by `_step_done`)."""
+        for scheduler, job in submitted:
+            job.cancelled = True  # a scheduler without `cancel` still sees it before running the job
+            cancel = getattr(scheduler, "cancel", None)
+            if cancel is not None:
+                try:
+                    cancel([job])
+                except Exception:  # pragma: no cover - a bug there must not lose this answer
+                    log.exception("cancelling a step of ensemble request '%s' failed", job.request_id)
 
     def _answer(self, result: Arrays | BaseException) -> None:
         try:
@@ -248,6 +285,8 @@ class _Run:
                     raise InferenceError(
                         Status.UNAVAILABLE, "Request timeout expired before the step started"
                     )
+            # what this request reads of the step: a nested ensemble runs only the steps for it
+            wanted = tuple(key for key, tensor in step.outputs.items() if tensor in self.needed_tensors)
             max_batch = int(served.config.max_batch_size)
             chunks = _chunks(rows, max_batch)
             if not chunks:  # zero rows: nothing to compute
@@ -264,9 +303,15 @@ class _Run:
                 arrays, batch = validation.validated_inputs(request, served.config, step.model_name)
                 jobs.append(Job(inputs=arrays, batch_size=batch, done=gather.callback(part),
                                 priority=self.job.priority, timeout_us=remaining_us,
-                                request_id=self.job.request_id, client=self.job.client))  # fmt: skip
+                                request_id=self.job.request_id, client=self.job.client,
+                                outputs=wanted))  # fmt: skip
+            scheduler = served.scheduler
+            with self.lock:
+                if self.finished:  # another step failed meanwhile: this one is not wanted any more
+                    return
+                self.submitted.extend((scheduler, job) for job in jobs)
             for job in jobs:
-                served.scheduler.submit(job)
+                scheduler.submit(job)
         except BaseException as exc:
             self._step_done(step, started, exc)
 
@@ -322,6 +367,8 @@ class _Run:
     def _step_done(self, step: Step, started_ns: int, result: Arrays | BaseException) -> None:
         elapsed = time.monotonic_ns() - started_ns
         stats = self.owner.stats
+        if self.finished and isinstance(result, InferenceError) and result.status is Status.CANCELLED:
+            return  # cancelled by this request's failure: it never ran
         if isinstance(result, BaseException):
             stats.record_step(step.index, elapsed, ok=False)
             self.fail(step, result)

@@ -8,7 +8,7 @@ ensemble output never produced, and data types that disagree between producer an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,19 @@ class EnsemblePlan:
     @property
     def composing(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(step.model_name for step in self.steps))
+
+    def needed(self, outputs: Iterable[str]) -> tuple[frozenset[int], frozenset[str]]:
+        """The steps that the ensemble outputs `outputs` need (walking the DAG back from them: a
+        step is needed when a needed step or `outputs` reads what it produces) and the tensors those
+        steps read or `outputs` name. A step whose outputs nobody reads is not needed."""
+        tensors = set(outputs)
+        steps: set[int] = set()
+        for index in reversed(self.order):  # every reader of a step's outputs comes before it
+            step = self.steps[index]
+            if any(tensor in tensors for tensor in step.outputs.values()):
+                steps.add(index)
+                tensors.update(step.inputs.values())
+        return frozenset(steps), frozenset(tensors)
 
 
 def is_ensemble(config: Any) -> bool:

@@ -69,6 +69,22 @@ def test_keys_differ_for_any_difference() -> None:
         request_key(1, "m", 1, {"a": np.asfortranarray(np.arange(4, dtype=np.float32).reshape(2, 2))}, ["y"]),
     ]
     assert len({key, *variants}) == len(variants) + 1
+    # custom request parameters are part of the key (a Python model reads them), each with its type
+    kinds: list[dict[str, Any]] = [
+        {"k": 1},
+        {"k": 2},
+        {"k": "1"},
+        {"k": 1.0},
+        {"k": True},
+        {"j": 1},
+        {"j": 1, "k": 1},
+    ]
+    params = [request_key(1, "m", 1, base, ["y"], p) for p in kinds]
+    assert len({key, *params}) == len(params) + 1
+    assert request_key(1, "m", 1, base, ["y"], {"triton_x": 1}) == key  # Triton's own: not in the key
+    assert request_key(1, "m", 1, base, ["y"], {"k": 1, "j": 2}) == request_key(
+        1, "m", 1, base, ["y"], {"j": 2, "k": 1}
+    )
     words = {"s": np.array([[b"ab", b"c"]], dtype=np.object_)}
     other = {"s": np.array([[b"a", b"bc"]], dtype=np.object_)}  # same concatenated bytes
     assert request_key(1, "m", 1, words, ["y"]) != request_key(1, "m", 1, other, ["y"])

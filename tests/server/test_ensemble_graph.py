@@ -65,6 +65,21 @@ def test_a_valid_dag_and_its_order() -> None:
     assert plan.steps[2].model_version == "1" and plan.steps[1].label == "step 1 'det'"
 
 
+def test_the_steps_requested_outputs_need() -> None:
+    # IN -> det(0) -> t1 -> det(1) -> A ; IN -> det(2) -> t2 ; (t1, t2) -> two(3) -> B ; IN -> det(4) -> C
+    config = _config(", ".join([
+        _step("det", {"x": "IN"}, {"y": "t1"}), _step("det", {"x": "t1"}, {"y": "A"}),
+        _step("det", {"x": "IN"}, {"y": "t2"}), _step("two", {"a": "t1", "b": "t2"}, {"c": "B"}),
+        _step("det", {"x": "IN"}, {"y": "C"}),
+    ]), ", ".join(f'{{ name: "{n}" data_type: TYPE_FP32 dims: [ -1 ] }}' for n in "ABC"))  # fmt: skip
+    plan = build_plan(config, WHERE, "ens", _lookup)
+    assert plan.needed(["A"]) == (frozenset({0, 1}), frozenset({"A", "t1", "IN"}))
+    assert plan.needed(["B"]) == (frozenset({0, 2, 3}), frozenset({"B", "t1", "t2", "IN"}))
+    assert plan.needed(["C"])[0] == {4}
+    assert plan.needed(["A", "B", "C"])[0] == {0, 1, 2, 3, 4}
+    assert plan.needed([])[0] == set()
+
+
 @pytest.mark.parametrize(
     ("steps", "outputs", "field", "words"),
     [

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edgeserve.backends.base import Array, ModelIO
+from edgeserve.backends.base import Array, ModelIO, RequestInfo
 from edgeserve.backends.python import wire
 from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerStopped, WorkerTimeout
 from edgeserve.protocol.errors import InferenceError, Status
@@ -93,6 +93,7 @@ class PythonInstance:
         self._restarter: threading.Thread | None = None
         self._last_error = ""
         self._closed = False
+        self._calls = 0  # execute calls sent; each reply must carry its call's number
 
     @property
     def pid(self) -> int | None:
@@ -107,23 +108,34 @@ class PythonInstance:
             raise result
         return result
 
-    def infer_requests(self, batch: Sequence[Mapping[str, Array]]) -> list[dict[str, Array] | InferenceError]:
+    def infer_requests(
+        self, batch: Sequence[Mapping[str, Array]], infos: Sequence[RequestInfo] | None = None
+    ) -> list[dict[str, Array] | InferenceError]:
         """One call of execute() with one request per job of the scheduler's batch (Triton's
-        semantics): each gets its own response or error. A failure of the whole call (execute()
+        semantics), `infos[i]` telling request i its ID, parameters, correlation ID and flags: each
+        gets its own response or error, in the batch's order. A failure of the whole call (execute()
         raised, the worker died or hung) raises."""
-        return self._execute(batch, None)
+        if infos is not None and len(infos) != len(batch):
+            raise InferenceError(
+                Status.INTERNAL, f"{self.spec.label}: {len(infos)} infos for {len(batch)} requests"
+            )
+        return self._execute(batch, None, infos)
 
     def _execute(
-        self, batch: Sequence[Mapping[str, Array]], outputs: Sequence[str] | None
-    ) -> list[dict[str, Array] | InferenceError]:
+        self, batch: Sequence[Mapping[str, Array]], outputs: Sequence[str] | None,
+        infos: Sequence[RequestInfo] | None = None,
+    ) -> list[dict[str, Array] | InferenceError]:  # fmt: skip
         with self._call:
             worker = self._live_worker()
             requests = []
             end = 0
-            for inputs in batch:
+            for index, inputs in enumerate(batch):
                 headers, end = wire.write_tensors(worker.region, inputs.items(), end)
-                requests.append({"id": "", "params": "{}", "inputs": headers, "outputs": list(outputs or [])})
-            message = {"op": "execute", "size": worker.region.size, "requests": requests}
+                entry = wire.request_entry(infos[index] if infos is not None else None)
+                requests.append({**entry, "inputs": headers, "outputs": list(outputs or [])})
+            self._calls += 1
+            call = self._calls
+            message = {"op": "execute", "call": call, "size": worker.region.size, "requests": requests}
             label = self.spec.label
             try:
                 reply = worker.request(message, self.spec.call_timeout_s, self._stop)
@@ -146,6 +158,15 @@ class PythonInstance:
                 ) from None
             except WorkerStopped:
                 raise self._closed_error() from None
+            if reply.get("call") != call:
+                # Not this call's answer (a stale reply): its responses must never reach these
+                # requests. The channel is out of step, so the worker goes.
+                self._lost(worker, restart=True)
+                raise InferenceError(
+                    Status.INTERNAL,
+                    f"{label}: the Python worker (pid {worker.pid}) answered call {reply.get('call')!r} "
+                    f"instead of {call}; restarting it",
+                )
             if "error" in reply:  # execute() raised, or returned the wrong thing: the whole batch fails
                 raise InferenceError(_status(reply.get("status")), f"{label}: {reply['error']}")
             responses = reply.get("responses")

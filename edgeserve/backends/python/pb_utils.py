@@ -114,8 +114,12 @@ class InferenceRequest:
         request_id: str = "",
         parameters: str | dict[str, Any] = "{}",
         model_name: str = "",
+        correlation_id: int | str = 0,
+        flags: int = 0,
         **_: Any,
     ) -> None:
+        self._correlation_id = correlation_id
+        self._flags = flags
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
         self._id = request_id
@@ -134,11 +138,13 @@ class InferenceRequest:
     def parameters(self) -> str:
         return self._parameters
 
-    def correlation_id(self) -> int:
-        return 0
+    def correlation_id(self) -> int | str:
+        """The sequence's ID (0 outside a sequence and in a Direct batch's empty slot)."""
+        return self._correlation_id
 
     def flags(self) -> int:
-        return 0
+        """Triton's sequence flags: 1 = START, 2 = END (both on a one-request sequence)."""
+        return self._flags
 
     def is_cancelled(self) -> bool:
         return False

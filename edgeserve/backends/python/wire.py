@@ -23,12 +23,15 @@ import socket
 import struct
 import tempfile
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from edgeserve.protocol import datatypes
+
+if TYPE_CHECKING:
+    from edgeserve.backends.base import RequestInfo
 
 Array = npt.NDArray[Any]
 Header = dict[str, Any]
@@ -85,6 +88,21 @@ def recv(sock: socket.socket) -> Header:
     if not isinstance(message, dict):
         raise PeerGone("a control message that is not a JSON object")
     return message
+
+
+# Request parameters Triton turns into request fields (not part of request.parameters()).
+_NOT_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+
+
+def request_entry(info: RequestInfo | None) -> Header:
+    """The JSON fields of one request of an execute call, besides its tensors."""
+    if info is None:
+        return {"id": "", "params": "{}", "corrid": 0, "flags": 0}
+    params = {
+        k: v for k, v in info.parameters.items() if k not in _NOT_PARAMETERS and not k.startswith("triton_")
+    }
+    return {"id": info.request_id, "params": json.dumps(params, default=str),
+            "corrid": info.correlation_id, "flags": info.flags}  # fmt: skip
 
 
 # -- shared memory ------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ class Stub:
             else:
                 reply = handler(message)
             reply["size"] = self.region.size
+            if "call" in message:  # the server matches each reply to its call by this number
+                reply["call"] = message["call"]
             wire.send(self.sock, reply)
 
     def load(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +157,12 @@ class Stub:
                 end = max(end, int(header["o"]) + int(header["b"]))
             requests.append(
                 pb_utils.InferenceRequest(
-                    tensors, entry.get("outputs") or [], str(entry.get("id", "")), entry.get("params", "{}")
+                    tensors,
+                    entry.get("outputs") or [],
+                    str(entry.get("id", "")),
+                    entry.get("params", "{}"),
+                    correlation_id=entry.get("corrid", 0),
+                    flags=int(entry.get("flags", 0)),
                 )
             )
         try:
