@@ -13,7 +13,9 @@ answer from anybody else's:
   READY as int32 / fp32 / bool with their false/true values, CORRID as uint64 / int64 / uint32 /
   int32 / string) is echoed back (ECHO_<KIND>), so the client checks each one. The Python sequence
   model is written as Triton's Python backend users write one: one request per sequence step (each
-  request holds one row), scalars read from row 0; it also answers ROWS, the rows its request held.
+  request holds one row), scalars read from row 0; it also answers ROWS, the rows its request held,
+  and the request's own flags() and correlation_id(). The Python stateless model answers each row's
+  request_id() (RID).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ PY_AFFINE = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-K, C, INPUT, OUTPUT = {k!r}, {c!r}, {input!r}, {output!r}
+K, C, INPUT, OUTPUT, ECHO_ID = {k!r}, {c!r}, {input!r}, {output!r}, {echo_id!r}
 
 
 class TritonPythonModel:
@@ -65,16 +67,20 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, INPUT).as_numpy()
-            y = (x * np.float32(K) + np.float32(C)).astype(np.float32)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT, y)]))
+            out = [pb_utils.Tensor(OUTPUT, (x * np.float32(K) + np.float32(C)).astype(np.float32))]
+            if ECHO_ID:  # the request's own ID, per row: a batch must not mix up whose request is whose
+                out.append(pb_utils.Tensor("RID", np.full((x.shape[0], 1), request.request_id().encode(),
+                                                          dtype=np.object_)))
+            responses.append(pb_utils.InferenceResponse(out))
         return responses
 """
 
 
-def _io_config(input_name: str, output_name: str) -> str:
+def _io_config(input_name: str, output_name: str, echo_id: bool = False) -> str:
+    rid = ', { name: "RID", data_type: TYPE_STRING, dims: [ 1 ] }' if echo_id else ""
     return (
         f'input [ {{ name: "{input_name}", data_type: TYPE_FP32, dims: [ {WIDTH} ] }} ]\n'
-        f'output [ {{ name: "{output_name}", data_type: TYPE_FP32, dims: [ {WIDTH} ] }} ]\n'
+        f'output [ {{ name: "{output_name}", data_type: TYPE_FP32, dims: [ {WIDTH} ] }}{rid} ]\n'
     )
 
 
@@ -108,6 +114,11 @@ class AffineModel:
 
     kind = "stateless"
 
+    @property
+    def outputs(self) -> list[str]:
+        """Y; a Python model also answers RID, each row's request ID (pb_utils request_id())."""
+        return ["Y", "RID"] if self.backend == "python" and not self.ensemble else ["Y"]
+
     def expected(self, x: Array) -> Array:
         out: Array = ((x + np.float32(self.pre)) * np.float32(self.k) + np.float32(self.c)) * np.float32(
             self.post
@@ -130,12 +141,13 @@ class AffineModel:
             return
         folder = repo / self.name / str(version)
         folder.mkdir(parents=True, exist_ok=True)
+        echo_id = self.outputs != ["Y"]
         if self.backend == "python":
-            source = PY_AFFINE.format(k=self.k, c=self.c, input="X", output="Y")
+            source = PY_AFFINE.format(k=self.k, c=self.c, input="X", output="Y", echo_id=echo_id)
             (folder / "model.py").write_text(source)
         else:
             build_affine(folder / "model.onnx", self.k, self.c)
-        config = _stateless_config(self.backend, self.instances, self.cached, _io_config("X", "Y"))
+        config = _stateless_config(self.backend, self.instances, self.cached, _io_config("X", "Y", echo_id))
         (repo / self.name / "config.pbtxt").write_text(config)
 
     def _write_ensemble(self, repo: Path, version: int) -> None:
@@ -145,7 +157,7 @@ class AffineModel:
         for step, (k, c) in (("pre", (1.0, self.pre)), ("post", (self.post, 0.0))):
             name = f"{self.name}_{step}"
             (repo / name / "1").mkdir(parents=True, exist_ok=True)
-            source = PY_AFFINE.format(k=k, c=c, input="IN", output="OUT")
+            source = PY_AFFINE.format(k=k, c=c, input="IN", output="OUT", echo_id=False)
             (repo / name / "1" / "model.py").write_text(source)
             (repo / name / "config.pbtxt").write_text(
                 _stateless_config("python", 1, False, _io_config("IN", "OUT"))
@@ -229,7 +241,7 @@ class SeqModel:
     def outputs(self) -> list[str]:
         names = ["OUTPUT"] + [f"ECHO_{f.kind}" for f in self.flags]
         names += ["ECHO_CORRID"] if self.corrid else []
-        return names + (["ROWS"] if self.backend == "python" else [])
+        return names + (["ROWS", "REQ_FLAGS", "REQ_CORRID"] if self.backend == "python" else [])
 
     def sequence_id(self, seed: int, run: int, client: int, number: int, wide: bool = True) -> int | str:
         """A sequence ID unique per (seed, run, client, number) that the CORRID type holds. `wide`
@@ -275,6 +287,8 @@ class SeqModel:
             )
         if self.backend == "python":
             outputs.append(f'{{ name: "ROWS", data_type: TYPE_INT32, dims: {dims} }}')
+            outputs.append(f'{{ name: "REQ_FLAGS", data_type: TYPE_INT32, dims: {dims} }}')
+            outputs.append(f'{{ name: "REQ_CORRID", data_type: TYPE_STRING, dims: {dims} }}')
         if self.strategy == "oldest":
             strategy = (
                 f"oldest {{ max_candidate_sequences: {2 * max(self.max_batch, 1)} "
@@ -353,6 +367,9 @@ class TritonPythonModel:
                 pb_utils.Tensor("OUTPUT", np.full(x.shape, total, np.float32)),
                 pb_utils.Tensor("STATE_OUT", np.full(x.shape, total, np.float32)),
                 pb_utils.Tensor("ROWS", np.full(x.shape, rows, np.int32)),
+                pb_utils.Tensor("REQ_FLAGS", np.full(x.shape, request.flags(), np.int32)),
+                pb_utils.Tensor("REQ_CORRID", np.full(x.shape, str(request.correlation_id()).encode(),
+                                                      dtype=np.object_)),
             ]
             for kind, name in self.controls.items():
                 control = pb_utils.get_input_tensor_by_name(request, name).as_numpy()

@@ -197,7 +197,8 @@ class FakeServer:
     """The models' semantics in-process (the reference), with one fault switched on: `swap` answers a
     stateless call with the answer of the call before it (anyone's), `padding` answers a sequence step
     as an empty Direct slot (READY false, zeros, no CORRID), `other_sequence` with the state and CORRID
-    of another sequence, `lost` drops every 50th answer, `rows` reverses multi-row answers."""
+    of another sequence, `lost` drops every 50th answer, `rows` reverses multi-row answers, `rid` gives a
+    Python model's row the request ID of the request before it."""
 
     def __init__(self, fault: str = "") -> None:
         self.fault = fault
@@ -206,6 +207,7 @@ class FakeServer:
         self.states: dict[tuple[str, int | str], float] = {}
         self.seen: dict[tuple[str, int | str], float] = {}  # every sequence's latest sum, ended ones too
         self.previous: Array | None = None
+        self.previous_id = ""
         self.calls = 0
 
     def answer(self, call: Call) -> Answer:
@@ -223,7 +225,13 @@ class FakeServer:
                 self.previous = y
             if self.fault == "rows" and len(y) > 1:
                 y = y[::-1]
-            return Answer({"Y": y}, response_id=call.request_id, model_version="1")
+            outputs = {"Y": y}
+            if "RID" in call.outputs:
+                rid, self.previous_id = self.previous_id, call.request_id
+                if self.fault != "rid" or not rid:
+                    rid = call.request_id
+                outputs["RID"] = np.full((len(y), 1), rid.encode(), dtype=np.object_)
+            return Answer(outputs, response_id=call.request_id, model_version="1")
 
     def _step(self, seq: SeqModel, call: Call) -> Answer:
         key = (seq.name, call.sequence_id)
@@ -249,6 +257,8 @@ class FakeServer:
             outputs["ECHO_CORRID"] = np.full(shape, corrid, dtype=CORRID_TYPES[seq.corrid][1])
         if seq.backend == "python":
             outputs["ROWS"] = np.ones(shape, np.int32)
+            outputs["REQ_FLAGS"] = np.full(shape, int(call.start) | 2 * int(call.end), np.int32)
+            outputs["REQ_CORRID"] = np.full(shape, str(call.sequence_id).encode(), dtype=np.object_)
         return Answer(outputs, response_id=call.request_id)
 
 
@@ -282,6 +292,7 @@ def test_a_correct_server_passes(fake: FakeServer) -> None:
         ("padding", {"value", "control", "corrid"}),
         ("other_sequence", {"value", "corrid"}),
         ("lost", {"lost"}),
+        ("rid", {"request_id"}),
     ],
 )
 def test_each_fault_is_caught_and_named(fake: FakeServer, fault: str, kinds: set[str]) -> None:
@@ -353,6 +364,8 @@ def test_python_rows_are_checked() -> None:
             (1, 1), float(bool(flag.value(True))) if flag.dtype == "bool" else flag.value(True), np.float32
         )
     outputs["ECHO_CORRID"] = np.full((1, 1), seq.corrid_value(sid), dtype=CORRID_TYPES[str(seq.corrid)][1])
+    outputs["REQ_FLAGS"] = np.full((1, 1), 3, np.int32)
+    outputs["REQ_CORRID"] = np.full((1, 1), str(sid).encode(), dtype=np.object_)
     op = Op(
         2,
         0,

@@ -168,7 +168,9 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
                     )
                     sent.append(x)
                     del sent[:-32]
-                calls.append(Call(model.name, {"X": x}, ["Y"], f"c{client}-o{number}-{i}", binary=binary))
+                calls.append(
+                    Call(model.name, {"X": x}, model.outputs, f"c{client}-o{number}-{i}", binary=binary)
+                )
                 expects.append(Expect(model, x=x))
         yield Op(client, number, transport, think, pipelined, calls, expects, versioned)
 
@@ -186,6 +188,10 @@ def whose(model: AffineModel, y: Array) -> str:
         return ""
     rows = [f"client {int(r[0])} request counter {int(r[1])} row {int(r[2])}" for r in x[:2]]
     return "; decodes to " + " / ".join(rows) + (" ..." if len(x) > 2 else "")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _echoed_corrid(seq: SeqModel, outputs: dict[str, Array]) -> int | bytes | None:
@@ -266,6 +272,10 @@ class Checker:
                 self._versioned(expect.model, expect, answer, outputs["Y"], span, named, bad)
             else:
                 self._stateless(expect.model, expect, outputs["Y"], bad)
+            if "RID" in outputs and answer.response_id is not None:  # wires that carry the request ID
+                rids = {_text(v) for v in np.asarray(outputs["RID"]).reshape(-1)}
+                if rids != {call.request_id}:
+                    bad("request_id", f"request_id() {call.request_id!r} in the model", sorted(rids))
         return found
 
     @staticmethod
@@ -343,6 +353,14 @@ class Checker:
         want_corrid = seq.corrid_value(expect.sequence_id)
         if seq.corrid and got_corrid != want_corrid:
             bad("corrid", f"CORRID ({seq.corrid}) {want_corrid!r}", f"{got_corrid!r}{owner}")
+        if "REQ_FLAGS" in outputs:
+            want_flags = (1 if expect.step == 0 else 0) | (2 if expect.step == expect.length - 1 else 0)
+            got_flags = int(outputs["REQ_FLAGS"].reshape(-1)[0])
+            if got_flags != want_flags:
+                bad("control", f"request flags() {want_flags} (1 = START, 2 = END)", got_flags)
+            got_id = _text(outputs["REQ_CORRID"].reshape(-1)[0])
+            if got_id != str(expect.sequence_id):
+                bad("corrid", f"request correlation_id() {str(expect.sequence_id)!r}", repr(got_id))
         if "ROWS" in outputs and int(outputs["ROWS"].reshape(-1)[0]) != 1:
             bad(
                 "rows",
