@@ -1,7 +1,8 @@
-"""One client's connection to the server, the same calls over every wire: HTTP (tritonclient.http,
-binary or JSON tensors), gRPC unary and gRPC stream (tritonclient.grpc), ZeroMQ with inline tensors
-and ZeroMQ through the shared-memory frame ring (edgeserve.client: inputs copied into ring slots,
-outputs written by the server into ring slots).
+"""One client thread's own connection to the server: HTTP (tritonclient.http, binary or JSON
+tensors), gRPC unary and gRPC stream (tritonclient.grpc), ZeroMQ with inline tensors and ZeroMQ
+through the shared-memory frame ring (edgeserve.client: inputs copied into ring slots, outputs
+written by the server into ring slots). conc_shared.py has the wires shared by many threads;
+conc_wires.py names them all.
 
 `Transport.run(calls, pipelined)` answers every call with an `Answer` (outputs, or the error text),
 never raises for a failed request. Pipelined: all calls are in flight at once where the wire allows
@@ -11,7 +12,6 @@ it (gRPC stream, ZeroMQ); HTTP and unary gRPC send them one after the other.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,6 @@ from tritonclient.utils import np_to_triton_dtype
 from edgeserve.client import ClientError, FrameRing, ZmqClient
 
 Array = npt.NDArray[Any]
-TRANSPORTS = ("http", "grpc", "grpc_stream", "zmq", "zmq_ring")
 REQUEST_TIMEOUT_S = 120.0  # generous: a lost answer shows as "lost", a slow shared box is no failure
 RING_SLOTS = 128
 RING_SLOT_SIZE = 4096
@@ -75,7 +74,7 @@ class _StreamBatch:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _sequence_kwargs(call: Call) -> dict[str, Any]:
+def sequence_kwargs(call: Call) -> dict[str, Any]:
     if not call.sequence_id:
         return {}
     return {"sequence_id": call.sequence_id, "sequence_start": call.start, "sequence_end": call.end}
@@ -110,12 +109,7 @@ class HttpTransport(Transport):
         return [self._one(call) for call in calls]
 
     def _one(self, call: Call) -> Answer:
-        inputs = []
-        for name, array in call.inputs.items():
-            tensor = httpclient.InferInput(name, list(array.shape), _datatype(array))
-            tensor.set_data_from_numpy(array, binary_data=call.binary)
-            inputs.append(tensor)
-        outputs = [httpclient.InferRequestedOutput(n, binary_data=call.binary) for n in call.outputs]
+        inputs, outputs = http_tensors(call, httpclient)
         try:
             result = self.client.infer(
                 call.model,
@@ -123,22 +117,36 @@ class HttpTransport(Transport):
                 model_version=call.version,
                 outputs=outputs,
                 request_id=call.request_id,
-                **_sequence_kwargs(call),
+                **sequence_kwargs(call),
             )
         except Exception as exc:
             return Answer(error=f"{type(exc).__name__}: {exc}")
-        response = result.get_response()
-        return Answer(
-            {n: result.as_numpy(n) for n in call.outputs},
-            response_id=str(response.get("id", "")),
-            model_version=str(response.get("model_version", "")),
-        )
+        return http_answer(result, call.outputs)
 
     def close(self) -> None:
         self.client.close()
 
 
-def _grpc_inputs(call: Call) -> list[Any]:
+def http_tensors(call: Call, module: Any) -> tuple[list[Any], list[Any]]:
+    """The inputs and requested outputs of `call` for tritonclient.http or tritonclient.http.aio."""
+    inputs = []
+    for name, array in call.inputs.items():
+        tensor = module.InferInput(name, list(array.shape), _datatype(array))
+        tensor.set_data_from_numpy(array, binary_data=call.binary)
+        inputs.append(tensor)
+    return inputs, [module.InferRequestedOutput(n, binary_data=call.binary) for n in call.outputs]
+
+
+def http_answer(result: Any, names: Sequence[str]) -> Answer:
+    response = result.get_response()
+    return Answer(
+        {n: result.as_numpy(n) for n in names},
+        response_id=str(response.get("id", "")),
+        model_version=str(response.get("model_version", "")),
+    )
+
+
+def grpc_inputs(call: Call) -> list[Any]:
     inputs = []
     for name, array in call.inputs.items():
         tensor = grpcclient.InferInput(name, list(array.shape), _datatype(array))
@@ -147,7 +155,7 @@ def _grpc_inputs(call: Call) -> list[Any]:
     return inputs
 
 
-def _grpc_answer(result: Any, names: Sequence[str]) -> Answer:
+def grpc_answer(result: Any, names: Sequence[str]) -> Answer:
     response = result.get_response()
     return Answer(
         {n: result.as_numpy(n) for n in names}, response_id=response.id, model_version=response.model_version
@@ -167,17 +175,17 @@ class GrpcTransport(Transport):
             try:
                 result = self.client.infer(
                     call.model,
-                    _grpc_inputs(call),
+                    grpc_inputs(call),
                     model_version=call.version,
                     outputs=outputs,
                     request_id=call.request_id,
                     client_timeout=REQUEST_TIMEOUT_S,
-                    **_sequence_kwargs(call),
+                    **sequence_kwargs(call),
                 )
             except Exception as exc:
                 answers.append(Answer(error=f"{type(exc).__name__}: {exc}"))
                 continue
-            answers.append(_grpc_answer(result, call.outputs))
+            answers.append(grpc_answer(result, call.outputs))
         return answers
 
     def close(self) -> None:
@@ -206,7 +214,7 @@ class GrpcStreamTransport(Transport):
                 batch.unmatched.append(Answer(error=f"{type(error).__name__}: {error}"))
             else:
                 rid = result.get_response().id
-                answer = _grpc_answer(result, self._names.get(rid, []))
+                answer = grpc_answer(result, self._names.get(rid, []))
                 if rid in batch.ids and rid not in batch.answers:
                     batch.answers[rid] = answer
                 else:
@@ -228,11 +236,11 @@ class GrpcStreamTransport(Transport):
             outputs = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
             self.client.async_stream_infer(
                 call.model,
-                _grpc_inputs(call),
+                grpc_inputs(call),
                 model_version=call.version,
                 outputs=outputs,
                 request_id=call.request_id,
-                **_sequence_kwargs(call),
+                **sequence_kwargs(call),
             )
         batch.done.wait(REQUEST_TIMEOUT_S)
         with self._lock:
@@ -317,24 +325,3 @@ class ZmqRingTransport(ZmqTransport):
         for first in range(0, len(calls), chunk):
             answers += super().run(calls[first : first + chunk], pipelined)
         return answers
-
-
-FACTORIES: dict[str, type[Transport]] = {
-    "http": HttpTransport,
-    "grpc": GrpcTransport,
-    "grpc_stream": GrpcStreamTransport,
-    "zmq": ZmqTransport,
-    "zmq_ring": ZmqRingTransport,
-}
-
-
-def connect(name: str, endpoints: Endpoints, attempts: int = 3) -> Transport:
-    """A transport of kind `name` (one of TRANSPORTS) to the server."""
-    for attempt in range(attempts):
-        try:
-            return FACTORIES[name](endpoints)
-        except Exception:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.2)
-    raise AssertionError("unreachable")

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import conc_transports
+import conc_wires
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -28,7 +28,8 @@ from conc_models import (
     build_affine,
     build_sequence,
 )
-from conc_transports import TRANSPORTS, Answer, Call, Endpoints, Transport
+from conc_transports import Answer, Call, Endpoints, Transport
+from conc_wires import TRANSPORTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from workload import Checker, Expect, Mix, Op, client_ops, identity_row, run_clients
@@ -271,7 +272,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeServer]:
             return [server.answer(call) for call in calls]
 
     for name in TRANSPORTS:
-        monkeypatch.setitem(conc_transports.FACTORIES, name, FakeTransport)
+        monkeypatch.setitem(conc_wires.FACTORIES, name, FakeTransport)
     yield server
 
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from conc_models import RELOADABLE, Repository
 from conc_server import SEEDS_ENV, endpoints, seeds, start
-from conc_transports import Call, connect
+from conc_transports import Call
+from conc_wires import TRANSPORTS, connect
 from es_server import RunningServer
 from workload import Mix, Progress, VersionWindow, reload_rounds, run_clients
 
@@ -67,7 +68,7 @@ def test_reload_during_traffic_answers_from_a_serving_version(
     assert server.alive(), server.log()[-4000:]
     # Once the loads returned, every wire gets the newest version.
     x = np.arange(4, dtype=np.float32)[None, :]
-    for name in ("http", "grpc", "grpc_stream", "zmq", "zmq_ring"):
+    for name in TRANSPORTS:
         transport = connect(name, endpoints(server))
         try:
             for model in RELOADABLE:

@@ -1,8 +1,10 @@
 """Concurrent clients on stateless models with dynamic batching: ONNX Runtime, OpenVINO (the same
 ONNX file), a Python model, the response cache on (and off: every other model), an ensemble of
-Python steps around an ONNX step; over HTTP (binary and JSON tensors), gRPC unary, gRPC stream,
-ZeroMQ inline and ZeroMQ through the shm frame ring. Every row of every answer is checked against
-the client's own reference; a wrong one is traced to the request it belongs to.
+Python steps around an ONNX step; over every wire of conc_wires.py: HTTP (binary and JSON tensors),
+gRPC unary, gRPC stream, ZeroMQ inline, ZeroMQ through the shm frame ring, and one asyncio client per
+wire shared by many threads (tritonclient.grpc.aio, tritonclient.http.aio, AsyncZmqClient). Every row
+of every answer is checked against the client's own reference; a wrong one is traced to the request
+it belongs to. A Python model also answers each row's request_id().
 
 Replay a seed: EDGESERVE_CONC_SEEDS=<seed> pytest tests/concurrency/test_conc_stateless.py
 """
@@ -17,7 +19,10 @@ from typing import Any
 import pytest
 from conc_models import STATELESS, Repository
 from conc_server import SEEDS_ENV, endpoints, seeds, start
+from conc_wires import TRANSPORTS
 from es_server import RunningServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from workload import Mix, run_clients
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,10 +58,29 @@ def test_every_client_gets_its_own_answers(server: RunningServer, seed: int) -> 
     replay = f"{SEEDS_ENV}={seed} pytest tests/concurrency/test_conc_stateless.py"
     assert report.ok, report.render(replay)
     assert report.ops == CLIENTS * OPS, report.render(replay)
-    assert set(report.by_transport) == {"http", "grpc", "grpc_stream", "zmq", "zmq_ring"}
+    assert set(report.by_transport) == set(TRANSPORTS)
     assert server.alive(), server.log()[-4000:]
     # The cache path ran: a client's repeat of its own earlier request is answered from the cache.
     assert _stats(server, "affine_cached")["cache_hit"]["count"] > hits_before
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    names=st.sets(st.sampled_from([m.name for m in STATELESS]), min_size=1),
+    max_rows=st.integers(1, 8),
+    max_burst=st.integers(1, 8),
+    clients=st.integers(16, 64),
+    seed=st.integers(0, 2**31),
+)
+def test_any_mix_of_models_rows_and_bursts(
+    server: RunningServer, names: set[str], max_rows: int, max_burst: int, clients: int, seed: int
+) -> None:
+    """Hypothesis picks the models, rows per request (up to max_batch_size), calls in flight per client
+    and the number of clients; a failure shrinks to the smallest workload that still goes wrong."""
+    models = tuple(m for m in STATELESS if m.name in names)
+    mix = Mix(stateless=models, max_rows=max_rows, max_burst=max_burst, max_think_ms=1.0)
+    report = run_clients(endpoints(server), seed, clients, mix, run=seed % 64, ops_per_client=6)
+    assert report.ok, report.render(f"the falsifying example below; models {sorted(names)}")
 
 
 def test_the_models_run_where_the_suite_says(server: RunningServer) -> None:

@@ -2,7 +2,7 @@
 and benchmarks/concurrency_soak.py (the long round).
 
 A seed fixes every client's plan: which models, batch rows, sequence lengths and values, think times,
-pipelining, HTTP binary or JSON, repeats for the cache. Client `i` talks over TRANSPORTS[i % 5] on
+pipelining, HTTP binary or JSON, repeats for the cache. Client `i` talks over TRANSPORTS[i % 8] on
 its own connection, in its own thread. Every answer is checked on the client side against the
 reference of conc_models.py; a failure names the seed, client, transport, request id, model, what
 was expected and what came, and where a wrong answer decodes to another request, whose it was.
@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 from conc_models import ID_BASE, NARROW_UINT64_BASE, VERSION_STEP, AffineModel, Array, Repository, SeqModel
-from conc_transports import TRANSPORTS, Answer, Call, Endpoints, Transport, connect
+from conc_transports import Answer, Call, Endpoints, Transport
+from conc_wires import CONCURRENT, ORDERED, TRANSPORTS, connect
 
 MAX_KEPT = 40  # mismatches kept in full per report (all are counted)
 HOT_ROWS = 8  # rows every client may send (cross-client cache hits)
@@ -106,7 +107,6 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
     """Client `client`'s endless plan (take as many ops as the round wants)."""
     rng = np.random.default_rng([seed, run, client])
     transport = mix.transports[client % len(mix.transports)]
-    pipelining = transport in ("grpc_stream", "zmq", "zmq_ring")
     sent: list[Array] = []
     hot = hot_rows(seed)
     counter = itertools.count()
@@ -114,7 +114,7 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
     numbers: dict[str, int] = collections.Counter()
     for number in itertools.count():
         think = float(rng.uniform(0, mix.max_think_ms)) / 1000
-        pipelined = pipelining and bool(rng.random() < mix.p_pipelined)
+        pipelined = bool(rng.random() < mix.p_pipelined)
         binary = bool(rng.random() >= mix.p_json)
         use_sequence = mix.sequences and (not mix.stateless or rng.random() < mix.p_sequence)
         calls: list[Call] = []
@@ -172,6 +172,7 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
                     Call(model.name, {"X": x}, model.outputs, f"c{client}-o{number}-{i}", binary=binary)
                 )
                 expects.append(Expect(model, x=x))
+        pipelined = pipelined and transport in (ORDERED if use_sequence else CONCURRENT)
         yield Op(client, number, transport, think, pipelined, calls, expects, versioned)
 
 
