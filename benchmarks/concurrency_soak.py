@@ -5,13 +5,15 @@ every answer checked on the client side, new model versions loaded during the tr
     python benchmarks/concurrency_soak.py --seed 7 --clients 64 --minutes 60 --reload-every 2000
 
 The clients, models and checks are tests/concurrency/ (workload.py: plans and checkers; conc_models.py:
-the models and their references; conc_transports.py: the wires). Client `i` talks over HTTP, gRPC
-unary, gRPC stream, ZeroMQ inline or ZeroMQ through the shm frame ring (`i % 5`), and mixes every
-model: stateless ones with dynamic batching (ONNX Runtime, OpenVINO, Python, the response cache, an
-ensemble of Python steps), sequences (Direct and Oldest, every control datatype, implicit state, ONNX
-Runtime and Python), and two models (ONNX Runtime, Python) of which a new version is loaded every
-`--reload-every` finished ops. A seed fixes every client's plan; the same seed replays the same
-requests (their interleaving is the machine's). Nothing here asserts on timing.
+the models and their references; conc_wires.py: the wires). Client `i` talks over the `i % 8`th wire
+(HTTP, gRPC unary, gRPC stream, ZeroMQ inline, ZeroMQ through the shm frame ring, or one of the asyncio
+clients shared by many threads: gRPC, HTTP, ZeroMQ) and mixes every model: stateless ones with dynamic
+batching (ONNX Runtime, OpenVINO, Python, the response cache, an ensemble of Python steps, a slow
+Python model that some calls give up on with a short deadline), sequences (Direct and Oldest, every
+control datatype, implicit state, ONNX Runtime and Python), and two models (ONNX Runtime, Python) of
+which a new version is loaded every `--reload-every` finished ops. A seed fixes every client's plan;
+the same seed replays the same requests (their interleaving is the machine's). Nothing here asserts
+on timing.
 
 Progress every `--progress-s` seconds (stderr); at the end a summary (requests, mismatches by kind and
 model, the first mismatches in full, the machine) and exit status 1 when any answer was wrong.
@@ -31,7 +33,7 @@ from typing import Any
 from common import ROOT, machine_facts, progress
 
 sys.path.insert(0, str(ROOT / "tests" / "concurrency"))
-from conc_models import RELOADABLE, SEQUENCES, STATELESS, Repository
+from conc_models import RELOADABLE, SEQUENCES, SLOW, STATELESS, Repository
 from conc_server import endpoints, start
 from workload import (
     Mix,
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="edgeserve-conc-soak-") as tmp_name:
         tmp = Path(tmp_name)
-        repo = Repository(tmp / "models", stateless=STATELESS, sequences=SEQUENCES, reloadable=RELOADABLE)
-        progress(f"starting edgeserve with {len(STATELESS) + len(SEQUENCES) + len(RELOADABLE)} models")
+        stateless = (*STATELESS, *SLOW)
+        repo = Repository(tmp / "models", stateless=stateless, sequences=SEQUENCES, reloadable=RELOADABLE)
+        progress(f"starting edgeserve with {len(stateless) + len(SEQUENCES) + len(RELOADABLE)} models")
         server = start(repo, tmp)
         try:
             return _soak(args, repo, server, replay)
@@ -98,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _soak(args: argparse.Namespace, repo: Repository, server: Any, replay: str) -> int:
     mix = Mix(
-        stateless=(*STATELESS, *RELOADABLE),
+        stateless=(*STATELESS, *SLOW, *RELOADABLE),
         sequences=SEQUENCES,
         p_sequence=0.4,
         p_versioned=0.1,
+        p_deadline=0.05,
         max_think_ms=args.max_think_ms,
     )
     stop = threading.Event()

@@ -59,7 +59,9 @@ PY_AFFINE = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-K, C, INPUT, OUTPUT, ECHO_ID = {k!r}, {c!r}, {input!r}, {output!r}, {echo_id!r}
+import time
+
+K, C, INPUT, OUTPUT, ECHO_ID, DELAY_MS = {k!r}, {c!r}, {input!r}, {output!r}, {echo_id!r}, {delay_ms!r}
 
 
 class TritonPythonModel:
@@ -67,6 +69,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, INPUT).as_numpy()
+            if DELAY_MS:  # 0..7 steps of DELAY_MS, from the salt column: some calls outlive a short deadline
+                time.sleep(DELAY_MS * (int(x[0, 3]) % 8) / 1000)
             out = [pb_utils.Tensor(OUTPUT, (x * np.float32(K) + np.float32(C)).astype(np.float32))]
             if ECHO_ID:  # the request's own ID, per row: a batch must not mix up whose request is whose
                 out.append(pb_utils.Tensor("RID", np.full((x.shape[0], 1), request.request_id().encode(),
@@ -84,7 +88,10 @@ def _io_config(input_name: str, output_name: str, echo_id: bool = False) -> str:
     )
 
 
-def _stateless_config(backend: str, instances: int, cached: bool, io: str) -> str:
+def _stateless_config(backend: str, instances: int, cached: bool, io: str, queue: int = 0) -> str:
+    """`queue`: an explicit max_queue_size (no 0.5 s soft cap: a slow model's abandoned calls still
+    hold their places, and a refusal there would be overload, not what the suite looks for)."""
+    policy = f" default_queue_policy {{ max_queue_size: {queue} }}" if queue else ""
     extra = ""
     if backend == "openvino":  # f32 on purpose: a bf16 default would change the answers
         extra = 'parameters { key: "INFERENCE_PRECISION_HINT" value { string_value: "f32" } }\n'
@@ -92,7 +99,7 @@ def _stateless_config(backend: str, instances: int, cached: bool, io: str) -> st
         extra += "response_cache { enable: true }\n"
     return (
         f'backend: "{backend}"\nmax_batch_size: 8\n{io}'
-        "dynamic_batching { max_queue_delay_microseconds: 2000 }\n"
+        f"dynamic_batching {{ max_queue_delay_microseconds: 2000{policy} }}\n"
         f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]\n{extra}"
     )
 
@@ -111,6 +118,7 @@ class AffineModel:
     pre: float = 0.0
     post: float = 1.0
     reloadable: bool = False  # new versions are loaded during the round: c = VERSION_STEP * version
+    delay_ms: float = 0.0  # Python: each request sleeps 0..7 times this (calls that outlive deadlines)
 
     kind = "stateless"
 
@@ -143,11 +151,16 @@ class AffineModel:
         folder.mkdir(parents=True, exist_ok=True)
         echo_id = self.outputs != ["Y"]
         if self.backend == "python":
-            source = PY_AFFINE.format(k=self.k, c=self.c, input="X", output="Y", echo_id=echo_id)
+            source = PY_AFFINE.format(
+                k=self.k, c=self.c, input="X", output="Y", echo_id=echo_id, delay_ms=self.delay_ms
+            )
             (folder / "model.py").write_text(source)
         else:
             build_affine(folder / "model.onnx", self.k, self.c)
-        config = _stateless_config(self.backend, self.instances, self.cached, _io_config("X", "Y", echo_id))
+        queue = 1024 if self.delay_ms else 0
+        config = _stateless_config(
+            self.backend, self.instances, self.cached, _io_config("X", "Y", echo_id), queue
+        )
         (repo / self.name / "config.pbtxt").write_text(config)
 
     def _write_ensemble(self, repo: Path, version: int) -> None:
@@ -157,7 +170,7 @@ class AffineModel:
         for step, (k, c) in (("pre", (1.0, self.pre)), ("post", (self.post, 0.0))):
             name = f"{self.name}_{step}"
             (repo / name / "1").mkdir(parents=True, exist_ok=True)
-            source = PY_AFFINE.format(k=k, c=c, input="IN", output="OUT", echo_id=False)
+            source = PY_AFFINE.format(k=k, c=c, input="IN", output="OUT", echo_id=False, delay_ms=0)
             (repo / name / "1" / "model.py").write_text(source)
             (repo / name / "config.pbtxt").write_text(
                 _stateless_config("python", 1, False, _io_config("IN", "OUT"))
@@ -457,6 +470,9 @@ SEQUENCES = (
         1,
     ),
 )
+
+# Calls to it with short client deadlines give up while it sleeps; their late answers must go nowhere.
+SLOW = (AffineModel("slow_py", "python", c=6.0, delay_ms=2.0),)
 
 RELOADABLE = (
     AffineModel("reload_ort", "onnxruntime", c=VERSION_STEP, reloadable=True),

@@ -119,7 +119,7 @@ class GrpcAioTransport(SharedTransport):
                 model_version=call.version,
                 outputs=outputs,
                 request_id=call.request_id,
-                client_timeout=REQUEST_TIMEOUT_S,
+                client_timeout=call.timeout_s or REQUEST_TIMEOUT_S,
                 **sequence_kwargs(call),
             )
         except Exception as exc:
@@ -165,7 +165,12 @@ class ZmqAioTransport(SharedTransport):
         params = sequence_kwargs(call) or None
         try:
             return await self.hub.client.submit(
-                call.model, call.inputs, call.outputs, version=call.version, parameters=params
+                call.model,
+                call.inputs,
+                call.outputs,
+                version=call.version,
+                parameters=params,
+                timeout=call.timeout_s,
             )
         except ClientError as exc:
             return exc

@@ -26,6 +26,9 @@ from edgeserve.client import ClientError, FrameRing, ZmqClient
 
 Array = npt.NDArray[Any]
 REQUEST_TIMEOUT_S = 120.0  # generous: a lost answer shows as "lost", a slow shared box is no failure
+# Wires whose clients take a deadline per call: there a call may give up early (DEADLINE_EXCEEDED) and
+# its late answer must never reach a later call.
+DEADLINE_WIRES = frozenset({"grpc", "grpc_aio", "zmq", "zmq_ring", "zmq_aio"})
 RING_SLOTS = 128
 RING_SLOT_SIZE = 4096
 
@@ -48,6 +51,7 @@ class Call:
     start: bool = False
     end: bool = False
     binary: bool = True  # HTTP: binary tensors or JSON
+    timeout_s: float | None = None  # a short client deadline (wires in DEADLINE_WIRES); None: the default
 
     def describe(self) -> str:
         where = f"{self.model}" + (f" v{self.version}" if self.version else "")
@@ -179,7 +183,7 @@ class GrpcTransport(Transport):
                     model_version=call.version,
                     outputs=outputs,
                     request_id=call.request_id,
-                    client_timeout=REQUEST_TIMEOUT_S,
+                    client_timeout=call.timeout_s or REQUEST_TIMEOUT_S,
                     **sequence_kwargs(call),
                 )
             except Exception as exc:
@@ -276,7 +280,13 @@ class ZmqTransport(Transport):
         if self.ring is not None:
             outputs = {n: self.ring for n in call.outputs}
         return self.client.submit(
-            call.model, call.inputs, outputs, version=call.version, ring=self.ring, parameters=params or None
+            call.model,
+            call.inputs,
+            outputs,
+            version=call.version,
+            ring=self.ring,
+            parameters=params or None,
+            timeout=call.timeout_s,
         )
 
     def run(self, calls: Sequence[Call], pipelined: bool) -> list[Answer]:

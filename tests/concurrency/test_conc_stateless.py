@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conc_models import STATELESS, Repository
+from conc_models import SLOW, STATELESS, Repository
 from conc_server import SEEDS_ENV, endpoints, seeds, start
+from conc_transports import DEADLINE_WIRES
 from conc_wires import TRANSPORTS
 from es_server import RunningServer
 from hypothesis import HealthCheck, given, settings
@@ -34,7 +35,7 @@ OPS = 20
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("conc_stateless")
-    running = start(Repository(tmp / "models", stateless=STATELESS), tmp)
+    running = start(Repository(tmp / "models", stateless=(*STATELESS, *SLOW)), tmp)
     yield running
     running.stop()
 
@@ -62,6 +63,19 @@ def test_every_client_gets_its_own_answers(server: RunningServer, seed: int) -> 
     assert server.alive(), server.log()[-4000:]
     # The cache path ran: a client's repeat of its own earlier request is answered from the cache.
     assert _stats(server, "affine_cached")["cache_hit"]["count"] > hits_before
+
+
+@pytest.mark.parametrize("seed", seeds((103,)))
+def test_calls_that_give_up_never_leak_into_later_answers(server: RunningServer, seed: int) -> None:
+    """Clients give some calls a 1-10 ms deadline on a model that sleeps 0-14 ms: those give up
+    (DEADLINE_EXCEEDED) and their answers come late, onto connections and sockets the client goes on
+    using; every answer a client does take must still be its own."""
+    mix = Mix(stateless=(*SLOW, STATELESS[0]), p_deadline=0.4, transports=tuple(sorted(DEADLINE_WIRES)))
+    report = run_clients(endpoints(server), seed, 30, mix, run=seed, ops_per_client=10)
+    replay = f"{SEEDS_ENV}={seed} pytest tests/concurrency/test_conc_stateless.py -k give_up"
+    assert report.ok, report.render(replay)
+    assert report.notes["gave up: client deadline"] > 0, report.summary()  # else this proves nothing
+    assert server.alive(), server.log()[-4000:]
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

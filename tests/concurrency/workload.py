@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from conc_models import ID_BASE, NARROW_UINT64_BASE, VERSION_STEP, AffineModel, Array, Repository, SeqModel
-from conc_transports import Answer, Call, Endpoints, Transport
+from conc_transports import DEADLINE_WIRES, Answer, Call, Endpoints, Transport
 from conc_wires import CONCURRENT, ORDERED, TRANSPORTS, connect
 
 MAX_KEPT = 40  # mismatches kept in full per report (all are counted)
@@ -47,6 +47,7 @@ class Mix:
     p_pipelined: float = 0.6  # where the wire allows: all calls of an op in flight at once
     p_json: float = 0.3  # HTTP: JSON tensors instead of binary ones
     p_versioned: float = 0.0  # reloadable models: name the version that was serving when the op began
+    p_deadline: float = 0.0  # stateless calls on DEADLINE_WIRES: a 1-10 ms client deadline
     transports: tuple[str, ...] = TRANSPORTS
 
 
@@ -60,6 +61,7 @@ class Expect:
     length: int = 0
     total: float = 0.0  # sequence: the running sum after this step
     sequence_id: int | str = 0
+    may_give_up: bool = False  # a short client deadline: DEADLINE_EXCEEDED is an answer too
 
 
 @dataclass
@@ -168,10 +170,11 @@ def client_ops(seed: int, run: int, client: int, mix: Mix) -> Iterator[Op]:
                     )
                     sent.append(x)
                     del sent[:-32]
-                calls.append(
-                    Call(model.name, {"X": x}, model.outputs, f"c{client}-o{number}-{i}", binary=binary)
-                )
-                expects.append(Expect(model, x=x))
+                short = transport in DEADLINE_WIRES and bool(rng.random() < mix.p_deadline)
+                timeout = float(rng.uniform(0.001, 0.01)) if short else None
+                rid = f"c{client}-o{number}-{i}"
+                calls.append(Call(model.name, {"X": x}, model.outputs, rid, binary=binary, timeout_s=timeout))
+                expects.append(Expect(model, x=x, may_give_up=short))
         pipelined = pipelined and transport in (ORDERED if use_sequence else CONCURRENT)
         yield Op(client, number, transport, think, pipelined, calls, expects, versioned)
 
@@ -227,8 +230,15 @@ class Checker:
     """Checks answers against the references; `window` gives the versions a versioned model may
     answer with (reload rounds)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, report: Report | None = None) -> None:
         self.seed = seed
+        self.report = report
+
+    def _note(self, what: str) -> None:
+        """Count an accepted non-answer (a refusal or a deadline the client asked for)."""
+        if self.report is not None:
+            with self.report.lock:
+                self.report.notes[what] += 1
 
     def check(
         self,
@@ -256,7 +266,11 @@ class Checker:
 
             if answer.error is not None:
                 if not answer.lost and _retired(answer.error, named, window):
-                    continue  # the named version was replaced meanwhile: a clear refusal is right
+                    self._note("refused: named version replaced")  # a clear refusal is right
+                    continue
+                if expect.may_give_up and "DEADLINE_EXCEEDED" in answer.error:
+                    self._note("gave up: client deadline")  # as asked; its late answer must go nowhere
+                    continue
                 bad("lost" if answer.lost else "error", "an answer", answer.error)
                 continue
             if answer.response_id is not None and answer.response_id != call.request_id:
@@ -380,6 +394,7 @@ class Report:
     by_transport: collections.Counter[str] = field(default_factory=collections.Counter)
     by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     by_model: collections.Counter[str] = field(default_factory=collections.Counter)
+    notes: collections.Counter[str] = field(default_factory=collections.Counter)  # accepted non-answers
     mismatches: list[Mismatch] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -412,9 +427,10 @@ class Report:
         if self.by_model:
             kinds += " (by model: " + ", ".join(f"{k} {n}" for k, n in sorted(self.by_model.items())) + ")"
         wires = ", ".join(f"{k} {n}" for k, n in sorted(self.by_transport.items()))
+        notes = "".join(f"; {k}: {n}" for k, n in sorted(self.notes.items()))
         return (
             f"seed {self.seed}: {self.clients} clients, {self.ops} ops, {self.requests} requests "
-            f"({wires}); mismatches: {kinds}"
+            f"({wires}){notes}; mismatches: {kinds}"
         )
 
     def render(self, replay: str = "") -> str:
@@ -532,7 +548,7 @@ def run_clients(
     stop = stop or threading.Event()
     report = report or Report(seed)
     report.clients = clients
-    checker = Checker(seed)
+    checker = Checker(seed, report)
     threads = [
         threading.Thread(
             target=run_one_client,
