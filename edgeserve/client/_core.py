@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -287,6 +288,14 @@ def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending)
     except (KeyError, IndexError, TypeError) as exc:
         raise ClientError("INTERNAL", f"malformed reply: {exc!r}") from None
     return result
+
+
+def first_request_id() -> int:
+    """Where a client's request IDs start: a random point below 2**52 (IDs stay exact in JSON up to
+    2**53). A client that reuses a gone client's identity (a restarted process keeping its regions)
+    gets the replies still owed to that identity; IDs from another range keep them from answering
+    its own requests (they are dropped as unknown)."""
+    return secrets.randbits(52) + 1
 
 
 def dealer_socket(ctx: Any, endpoint: str, identity: bytes, timeout: float) -> Any:

@@ -46,7 +46,7 @@ class AsyncZmqClient:
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader is installed
-        self._next_id = 1
+        self._next_id = _core.first_request_id()
         self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}
         self._late: dict[int, Pending] = {}
         self._rings: list[FrameRing] = []

@@ -62,7 +62,7 @@ class ZmqClient:
         self.identity = identity or uuid.uuid4().bytes
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
-        self._next_id = 1
+        self._next_id = _core.first_request_id()
         self._pending: dict[int, tuple[ZmqFuture, Pending | None]] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._late: dict[int, Pending] = {}

@@ -10,14 +10,7 @@ timed-out REJECT job fails promptly.
 Copies: a batch of one job hands the job's arrays to the backend as they are; a batch of several
 concatenates each input once into the batch buffer. Outputs go back to each job as row views.
 
-Inline runs: a frontend may run a job itself with `try_run_inline` (the ZeroMQ thread for models up
-to milliseconds, the event loop for HTTP and gRPC up to tens of µs) when the queue is empty, an
-instance is idle and the model's recent compute time is short: when it batches with a window, the
-window is short (<= 1 ms: it only catches requests arriving together) and the run is shorter still,
-so the job is answered before that batch would have started; a longer window is respected. That saves the
-hand-offs to the worker thread and back, the largest single cost of a small model's round trip on a
-2-vCPU box. The instance is claimed for the
-run, so its worker leaves the queue to the other workers until the claim ends.
+Inline runs: a frontend may run a job on its own thread (`try_run_inline`, inline.py).
 
 Accounting: every request that reaches `submit` ends in exactly one `job.done` call and one stats
 record (`record_fail` for rejections here, including the ones `submit` raises; the caller records
@@ -26,12 +19,7 @@ only the failures it finds before calling `submit`).
 Overload: see queue.py (a wait-based soft cap from the measured compute time per job, fair shares
 between clients); a rejection is immediate, never a wait.
 
-Hangs: a watchdog thread checks every scheduler's running batches. A job whose own deadline (request
-or policy timeout) passes while its batch runs is answered at once (UNAVAILABLE "Request timeout
-expired"). A batch still running after `hang_timeout_s` marks its instance hung: every job of the
-batch is answered (UNAVAILABLE), the worker thread is abandoned (a thread cannot be killed; when the
-call returns it closes the old instance and exits) and a fresh instance from `instance_factory`
-takes its place with a new worker. A result that arrives after its job was answered is dropped.
+Hangs and request timeouts while a batch runs: hangs.py (a watchdog thread).
 """
 
 from __future__ import annotations
@@ -41,14 +29,15 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeserve.backends.base import RequestInfo
 from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.scheduling.hangs import _WATCHDOG, DEFAULT_HANG_TIMEOUT_S, HangWatch, InstanceFactory
+from edgeserve.scheduling.inline import INLINE_WINDOW_MAX_NS, InlineRuns
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (
     DEFAULT_HARD_QUEUE_CAP,
@@ -67,50 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.scheduler")
 
 _NS_PER_S = 1_000_000_000
-# The longest batching window an inline run may skip (try_run_inline).
-INLINE_WINDOW_MAX_NS = 1_000_000
-
-# A batch running longer than this marks its instance hung (answered, replaced). Model config
-# parameter `hang_timeout_s` overrides it per model (see repository/served.py).
-DEFAULT_HANG_TIMEOUT_S = 30.0
-WATCHDOG_INTERVAL_S = 0.05
-HUNG_MESSAGE = "instance {index} did not answer in {seconds:g} s; it is being replaced"
-
-InstanceFactory = Callable[[], "Instance"]
-
-
-class _Watchdog:
-    """One daemon thread for every scheduler in the process: cheap checks of the running batches."""
-
-    def __init__(self) -> None:
-        self._schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def add(self, scheduler: Scheduler) -> None:
-        with self._lock:
-            self._schedulers.add(scheduler)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="edgeserve-watchdog", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(WATCHDOG_INTERVAL_S)
-            self._check()  # its locals go with it: no strong reference to a retired scheduler stays
-
-    def _check(self) -> None:
-        with self._lock:
-            schedulers = list(self._schedulers)
-        now = time.monotonic_ns()
-        for scheduler in schedulers:
-            try:
-                scheduler.check_running(now)
-            except Exception:  # pragma: no cover - a bug here must not stop the watchdog
-                log.exception("watchdog check of %s failed", scheduler.model_name)
-
-
-_WATCHDOG = _Watchdog()
+__all__ = ["DEFAULT_HANG_TIMEOUT_S", "INLINE_WINDOW_MAX_NS", "InstanceFactory", "Scheduler"]
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:
@@ -123,7 +69,7 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class Scheduler:
+class Scheduler(InlineRuns, HangWatch):
     def __init__(self, model_name: str, version: int, config: ModelConfig, instances: list[Instance],
                  stats: ModelStats, *, hard_queue_cap: int = DEFAULT_HARD_QUEUE_CAP,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
@@ -230,64 +176,6 @@ class Scheduler:
             return False
         self.stats.record_fail(0, "REJECTED")
         return True
-
-    def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
-        """Run `job` on the calling thread if nothing is queued, an instance is idle, and the model's
-        recent compute time is under `max_compute_ns` (the caller is blocked that long) and, if it
-        batches with a window, under that window of at most INLINE_WINDOW_MAX_NS. False: nothing
-        happened, `submit` it instead."""
-        ewma = self.compute_ewma_ns
-        limit = max_compute_ns
-        if self._delay_ns:
-            # A short window only catches requests that arrive together: a run that ends before it
-            # would expire answers sooner than that batch could. A long one trades latency for batch
-            # size on purpose (Triton's contract): respected.
-            if self._delay_ns > INLINE_WINDOW_MAX_NS:
-                return False
-            limit = min(limit, self._delay_ns)
-        if not 0 < ewma <= limit:
-            return False
-        with self._lock:
-            if not self._accepting or self._queue or not self._threads:
-                return False
-            index = self._idle_instance()
-            if index < 0:
-                return False
-            self._claimed.add(index)
-            self._executing += 1
-            self.inline_runs += 1
-            generation = self._generation[index]
-            instance = self._instances[index]
-        now = time.monotonic_ns()
-        job.enqueue_ns = now
-        try:
-            self._execute(instance, [job], now, index)
-        finally:
-            self._end_inline(index, generation, instance)
-        return True
-
-    def _idle_instance(self) -> int:  # lock held; -1 = none
-        running, claimed, replacing = self._running, self._claimed, self._replacing
-        for index in range(len(self._instances)):
-            if index not in running and index not in claimed and index not in replacing:
-                return index
-        return -1
-
-    def _end_inline(self, index: int, generation: int, instance: Instance) -> None:
-        with self._lock:
-            if self._generation[index] != generation:
-                replaced = True  # declared hung while it ran here: the watchdog settled the counts
-            else:
-                replaced = False
-                self._claimed.discard(index)
-                self._executing -= 1
-                if self._queue:  # queued meanwhile: this instance's worker may be the one to take it
-                    self._work.notify_all()
-                elif self._is_idle():
-                    self._notify_idle()
-        if replaced:
-            with contextlib.suppress(Exception):
-                instance.close()
 
     def _wake_worker(self) -> None:  # lock held
         # A worker whose instance is claimed goes back to sleep: wake them all so a free one runs.
@@ -480,77 +368,6 @@ class Scheduler:
             if self._is_idle():
                 self._notify_idle()
             return True
-
-    # -- hangs ------------------------------------------------------------------------------------
-    def check_running(self, now_ns: int) -> None:
-        """Watchdog (its own thread): answer executing jobs past their deadline; replace an instance
-        whose batch has run longer than the hang timeout."""
-        if not self._batches:
-            return
-        timed_out: list[Job] = []
-        hung: list[tuple[int, list[Job]]] = []
-        with self._lock:
-            for index, (jobs, start_ns) in list(self._batches.items()):
-                if self._hang_ns and now_ns - start_ns >= self._hang_ns:
-                    del self._batches[index]
-                    hung.append((index, self._claim(jobs)))
-                    self._generation[index] += 1
-                    self._claimed.discard(index)
-                    self._running.discard(index)
-                    self._executing -= 1
-                    self._replacing.add(index)
-                    self._work.notify_all()  # an idle worker of a replaced (inline-run) instance exits
-                    continue
-                late = [j for j in jobs if j.deadline_ns and j.deadline_ns <= now_ns and not j.finished]
-                if late:
-                    timed_out.extend(self._claim(late))
-            if hung and self._is_idle():
-                self._notify_idle()
-        if timed_out:
-            error = InferenceError(Status.UNAVAILABLE, TIMEOUT_MESSAGE)
-            self._fail(timed_out, error, "REJECTED", claim=False)
-        for index, jobs in hung:
-            seconds = self._hang_ns / _NS_PER_S
-            log.error("%s version %d: instance %d hung (no answer in %g s); replacing it",
-                      self.model_name, self.version, index, seconds)  # fmt: skip
-            message = HUNG_MESSAGE.format(index=index, seconds=seconds)
-            prefix = f"{self.model_name} version {self.version}: "
-            self._fail(jobs, InferenceError(Status.UNAVAILABLE, prefix + message), "BACKEND", claim=False)
-            threading.Thread(target=self._replace, args=(index,), daemon=True,
-                             name=f"edgeserve-{self.model_name}-replace-{index}").start()  # fmt: skip
-
-    def _replace(self, index: int) -> None:
-        """Load a fresh instance for the hung one at `index` and start its worker."""
-        instance: Instance | None = None
-        if self._factory is not None:
-            try:
-                instance = self._factory()
-            except Exception:
-                log.exception("%s version %d: loading a replacement for instance %d failed",
-                              self.model_name, self.version, index)  # fmt: skip
-        with self._lock:
-            self._replacing.discard(index)
-            if instance is None or self._closed or self._stopping:
-                keep = None
-            else:
-                keep = instance
-                self._instances[index] = instance
-                thread = self._make_thread(index, instance, self._generation[index])
-                self._threads[index] = thread
-                self.replaced += 1
-                thread.start()
-        if instance is not None and keep is None:
-            with contextlib.suppress(Exception):
-                instance.close()
-        elif keep is not None:
-            log.info("%s version %d: instance %d replaced", self.model_name, self.version, index)
-        else:
-            log.error("%s version %d: instance %d stays out of service (no replacement)",
-                      self.model_name, self.version, index)  # fmt: skip
-
-    @property
-    def replacing(self) -> int:
-        return len(self._replacing)
 
     def _claim(self, jobs: list[Job]) -> list[Job]:  # lock held
         """The jobs not answered yet, marked answered (each job is answered exactly once)."""

@@ -30,14 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from edgeserve.protocol.errors import InferenceError, Status, internal, unavailable
 from edgeserve.protocol.inference import InferRequest, InputTensor
 from edgeserve.scheduling.job import Arrays, Job
 from edgeserve.scheduling.stats import Duration, JobTiming, ModelStats
 from edgeserve.server import validation
 from edgeserve.server.ensemble_graph import EnsemblePlan, Step
+from edgeserve.server.ensemble_steps import Gather, chunks_of, datatype_of, empty_outputs
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import ServedModelLike
@@ -288,17 +287,17 @@ class _Run:
             # what this request reads of the step: a nested ensemble runs only the steps for it
             wanted = tuple(key for key, tensor in step.outputs.items() if tensor in self.needed_tensors)
             max_batch = int(served.config.max_batch_size)
-            chunks = _chunks(rows, max_batch)
+            chunks = chunks_of(rows, max_batch)
             if not chunks:  # zero rows: nothing to compute
-                self._step_done(step, started, _empty_outputs(served.config))
+                self._step_done(step, started, empty_outputs(served.config))
                 return
             jobs: list[Job] = []
-            gather = _Gather(len(chunks), lambda result: self._step_done(step, started, result))
+            gather = Gather(len(chunks), lambda result: self._step_done(step, started, result))
             for part, (begin, end) in enumerate(chunks):
                 piece = inputs if len(chunks) == 1 else {k: v[begin:end] for k, v in inputs.items()}
                 # Each chunk is checked exactly as the data plane checks a request to that model.
                 request = InferRequest(step.model_name, inputs=[
-                    InputTensor(k, _datatype(served.config, k), tuple(v.shape), v) for k, v in piece.items()
+                    InputTensor(k, datatype_of(served.config, k), tuple(v.shape), v) for k, v in piece.items()
                 ])  # fmt: skip
                 arrays, batch = validation.validated_inputs(request, served.config, step.model_name)
                 jobs.append(Job(inputs=arrays, batch_size=batch, done=gather.callback(part),
@@ -386,62 +385,3 @@ class _Run:
                 self.tensors[name] = result[key]
             self.running -= 1
         self._advance()
-
-
-def _datatype(config: Any, name: str) -> str:
-    return validation.compiled(config).inputs[name].datatype
-
-
-def _chunks(rows: int, max_batch: int) -> list[tuple[int, int]]:
-    if max_batch <= 0:
-        return [(0, rows)]
-    return [(begin, min(rows, begin + max_batch)) for begin in range(0, rows, max_batch)]
-
-
-def _empty_outputs(config: Any) -> Arrays:
-    """Zero-row outputs for a step given zero rows (variable dims are 0)."""
-    specs = validation.compiled(config).output_specs
-    outputs: Arrays = {}
-    for tensor in config.output:
-        spec = specs[tensor.name]
-        shape = (0, *(max(int(d), 0) for d in tensor.dims))
-        outputs[tensor.name] = np.empty(shape, dtype=spec.dtype if spec.dtype is not None else np.object_)
-    return outputs
-
-
-class _Gather:
-    """Collects the chunks of a step split to fit its model's max_batch_size, in order."""
-
-    def __init__(self, parts: int, done: Callable[[Arrays | BaseException], None]) -> None:
-        self._parts: list[Arrays | None] = [None] * parts
-        self._left = parts
-        self._failed = False
-        self._lock = threading.Lock()
-        self._done = done
-
-    def callback(self, part: int) -> Callable[[Arrays | BaseException], None]:
-        def settle(result: Arrays | BaseException) -> None:
-            with self._lock:
-                if self._failed:
-                    return
-                if isinstance(result, BaseException):
-                    self._failed = True
-                else:
-                    self._parts[part] = result
-                    self._left -= 1
-                    if self._left:
-                        return
-            if isinstance(result, BaseException):
-                self._done(result)
-                return
-            parts = [p for p in self._parts if p is not None]
-            try:
-                merged = parts[0] if len(parts) == 1 else {
-                    name: np.concatenate([p[name] for p in parts]) for name in parts[0]
-                }  # fmt: skip
-            except ValueError as exc:
-                self._done(internal(f"cannot join the outputs of its {len(parts)} batches: {exc}"))
-                return
-            self._done(merged)
-
-        return settle

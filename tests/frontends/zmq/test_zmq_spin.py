@@ -1,0 +1,168 @@
+"""The ZeroMQ thread's spin decisions with an injected clock: a request that arrives within the window
+is caught, none past it; a wake-up ends the spin; requests that come close together keep spinning on,
+spaced ones turn it off (and close ones back on); spin_us = 0 never spins. And the real router with a
+frozen clock: a request that arrives while it spins is counted as a spin hit, never with spin_us = 0.
+No assertion depends on how fast this box is (the measurement is benchmarks/bench_zmq_spin.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from es_server import wait_until
+
+from edgeserve.frontends.zmq.router import Router
+from edgeserve.frontends.zmq.spin import SpinPolicy
+
+WINDOW_US = 10_000
+
+
+class FakeClock:
+    """Time moves only when the spinner pauses (by `step` seconds); `on_pause` runs at each pause."""
+
+    def __init__(self, step: float = 0.001) -> None:
+        self.now = 100.0
+        self.step = step
+        self.pauses = 0
+        self.on_pause: Callable[[int], None] = lambda n: None
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pause(self) -> None:
+        self.pauses += 1
+        self.now += self.step
+        self.on_pause(self.pauses)
+
+
+def policy(spin_us: int = WINDOW_US, step: float = 0.001) -> tuple[SpinPolicy, FakeClock]:
+    clock = FakeClock(step)
+    return SpinPolicy(spin_us, clock, clock.pause), clock
+
+
+def test_a_request_within_the_window_is_caught() -> None:
+    spin, clock = policy()
+    arrives_at = clock.now + 0.0035
+    assert spin.active()
+    assert spin.wait(clock.now, lambda: clock.now >= arrives_at, lambda: False)
+    assert clock.pauses == 4
+
+
+def test_none_past_the_window() -> None:
+    spin, clock = policy()
+    since = clock.now
+    assert not spin.wait(since, lambda: clock.now >= since + 0.011, lambda: False)
+    assert clock.now == pytest.approx(since + 0.010)  # gave up when the window closed
+
+
+def test_a_wake_up_ends_the_spin_at_once() -> None:
+    spin, clock = policy()
+    assert not spin.wait(clock.now, lambda: False, lambda: True)
+    assert clock.pauses == 0
+
+
+def test_back_to_back_requests_keep_it_spinning_and_every_one_is_caught() -> None:
+    spin, clock = policy()
+    hits = 0
+    for _ in range(50):  # each request comes 0.2 ms after the thread went idle
+        since = clock.now
+        arrives_at = since + 0.0002
+
+        def arrived(at: float = arrives_at) -> bool:
+            return clock.now >= at
+
+        if spin.active() and spin.wait(since, arrived, lambda: False):
+            hits += 1
+        spin.record_gap(clock.now - since)
+    assert hits == 50
+
+
+def test_spaced_requests_turn_it_off_and_close_ones_back_on() -> None:
+    spin, _ = policy()
+    states = []
+    for _ in range(6):  # 30 ms apart: the average climbs past the 10 ms window
+        spin.record_gap(0.030)
+        states.append(spin.active())
+    assert states == [True, True, True, False, False, False]
+    spin.record_gap(3600.0)  # a long idle spell counts as 8 windows at most
+    assert spin.gap_s <= 8 * 0.010
+    back = 0
+    while not spin.active():
+        spin.record_gap(0.0001)
+        back += 1
+    assert back <= 12  # forgotten after a few close requests
+
+
+def test_zero_never_spins() -> None:
+    spin, clock = policy(spin_us=0)
+    for _ in range(10):
+        spin.record_gap(0.0)
+        assert not spin.active()
+    assert clock.pauses == 0
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/spin.zmq"
+
+
+def _router(endpoint: str, spin: SpinPolicy, got: list[Any]) -> Router:
+    def on_message(msg: list[Any]) -> None:
+        got.append(msg)
+
+    router = Router(on_message, lambda: None, sndhwm=100, spin=spin)
+    router.bind([endpoint])
+    router.start()
+    return router
+
+
+def test_the_router_counts_a_request_that_arrives_while_it_spins(endpoint: str) -> None:
+    clock = FakeClock(step=0.0)  # frozen: the spin lasts until the request is there
+    spin = SpinPolicy(WINDOW_US, clock, clock.pause)
+    got: list[Any] = []
+    ctx: zmq.Context[Any] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    sent = threading.Event()
+
+    def send_once(pauses: int) -> None:
+        if not sent.is_set():  # the router thread is spinning now: the request comes in meanwhile
+            sent.set()
+            dealer.send(b"ping")
+        elif pauses > 50_000_000:  # pragma: no cover - never arrived: end the spin, fail below
+            clock.now += 1.0
+
+    router = _router(endpoint, spin, got)
+    try:
+        dealer.connect(endpoint)
+        clock.on_pause = send_once
+        assert wait_until(lambda: len(got) == 1, 30)
+        assert router.spin_hits == 1 and router.handled == 1
+    finally:
+        router.close()
+        dealer.close()
+        ctx.term()
+
+
+def test_the_router_never_spins_with_zero(endpoint: str) -> None:
+    clock = FakeClock()
+    spin = SpinPolicy(0, clock, clock.pause)
+    got: list[Any] = []
+    ctx: zmq.Context[Any] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    router = _router(endpoint, spin, got)
+    try:
+        dealer.connect(endpoint)
+        for n in range(20):
+            dealer.send(b"%d" % n)
+        assert wait_until(lambda: len(got) == 20, 30)
+        assert router.spin_hits == 0 and clock.pauses == 0
+    finally:
+        router.close()
+        dealer.close()
+        ctx.term()
