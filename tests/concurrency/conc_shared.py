@@ -185,7 +185,9 @@ class ZmqAioTransport(SharedTransport):
             lost = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
             return Answer(error=f"{type(exc).__name__}: {exc}", lost=lost)
         return Answer(
-            {n: np.array(result.as_numpy(n)) for n in call.outputs}, model_version=str(result.model_version)
+            {n: np.array(result.as_numpy(n)) for n in call.outputs},
+            model_version=str(result.model_version),
+            wire_id=str(result.id),
         )
 
     async def _one(self, call: Call) -> Answer:

@@ -66,6 +66,7 @@ class Answer:
     outputs: dict[str, Array] | None = None
     error: str | None = None
     response_id: str | None = None  # None where the wire carries no request id back (ZeroMQ)
+    wire_id: str | None = None  # ZeroMQ: the client's own id of the request, which the reply names
     model_version: str | None = None
     lost: bool = False
 
@@ -313,7 +314,9 @@ class ZmqTransport(Transport):
             return Answer(error=f"{exc.status}: {exc}", lost=lost)
         # Copies: ring outputs are copies already; inline ones are views of the reply frames.
         return Answer(
-            {n: np.array(result.as_numpy(n)) for n in call.outputs}, model_version=str(result.model_version)
+            {n: np.array(result.as_numpy(n)) for n in call.outputs},
+            model_version=str(result.model_version),
+            wire_id=str(result.id),
         )
 
     def close(self) -> None:

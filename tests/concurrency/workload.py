@@ -287,10 +287,13 @@ class Checker:
                 self._versioned(expect.model, expect, answer, outputs["Y"], span, named, bad)
             else:
                 self._stateless(expect.model, expect, outputs["Y"], bad)
-            if "RID" in outputs and answer.response_id is not None:  # wires that carry the request ID
+            # The model's request_id() of each row: the call's ID where the wire carries it, else the
+            # ZeroMQ client's own ID of the request (the one its reply was matched by).
+            own_id = call.request_id if answer.response_id is not None else answer.wire_id
+            if "RID" in outputs and own_id is not None:
                 rids = {_text(v) for v in np.asarray(outputs["RID"]).reshape(-1)}
-                if rids != {call.request_id}:
-                    bad("request_id", f"request_id() {call.request_id!r} in the model", sorted(rids))
+                if rids != {own_id}:
+                    bad("request_id", f"request_id() {own_id!r} in the model", sorted(rids))
         return found
 
     @staticmethod
