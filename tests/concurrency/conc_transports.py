@@ -12,6 +12,7 @@ it (gRPC stream, ZeroMQ); HTTP and unary gRPC send them one after the other.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ REQUEST_TIMEOUT_S = 120.0  # generous: a lost answer shows as "lost", a slow sha
 # Wires whose clients take a deadline per call: there a call may give up early (DEADLINE_EXCEEDED) and
 # its late answer must never reach a later call.
 DEADLINE_WIRES = frozenset({"grpc", "grpc_aio", "zmq", "zmq_ring", "zmq_aio"})
+LATE_ANSWER_S = 10.0  # how long a client waits for the late answers of calls that gave up
 RING_SLOTS = 128
 RING_SLOT_SIZE = 4096
 
@@ -97,6 +99,10 @@ class Transport:
 
     def run(self, calls: Sequence[Call], pipelined: bool) -> list[Answer]:
         raise NotImplementedError
+
+    def leaks(self) -> str | None:
+        """What this client still holds that it should have got back (checked before close)."""
+        return None
 
     def close(self) -> None:
         pass
@@ -331,10 +337,32 @@ class ZmqRingTransport(ZmqTransport):
         self.ring = self.client.create_ring(slots=RING_SLOTS, slot_size=RING_SLOT_SIZE)
 
     def run(self, calls: Sequence[Call], pipelined: bool) -> list[Answer]:
-        # A call holds a slot per input and per output until its answer: keep that within the ring.
+        # A call holds a slot per input and per output until its answer: keep that within the ring,
+        # and wait for the slots of earlier calls (late answers of calls that gave up free theirs).
         per_call = max(len(c.inputs) + len(c.outputs) for c in calls) if calls else 1
         chunk = max(1, RING_SLOTS // per_call) if pipelined else 1
         answers: list[Answer] = []
         for first in range(0, len(calls), chunk):
-            answers += super().run(calls[first : first + chunk], pipelined)
+            part = calls[first : first + chunk]
+            self._wait_for_slots(per_call * len(part), REQUEST_TIMEOUT_S)
+            answers += super().run(part, pipelined)
         return answers
+
+    def _wait_for_slots(self, count: int, timeout_s: float) -> bool:
+        """Receive replies (which free slots) until `count` slots are free, up to `timeout_s`."""
+        assert self.ring is not None
+        deadline = time.monotonic() + timeout_s
+        while self.ring.free < count and time.monotonic() < deadline:
+            self.client.poll(0.01)
+        return self.ring.free >= count
+
+    def leaks(self) -> str | None:
+        """Every slot comes back once nothing is in flight (late answers included; waits for them)."""
+        assert self.ring is not None
+        if self._wait_for_slots(RING_SLOTS, LATE_ANSWER_S):
+            return None
+        return (
+            f"{RING_SLOTS - self.ring.free} of the ring's {RING_SLOTS} slots never came back with "
+            f"nothing in flight ({self.client.in_flight} requests pending) {LATE_ANSWER_S:g} s after "
+            "the last call; calls that gave up on a deadline had used them"
+        )

@@ -14,6 +14,7 @@ was expected and what came, and where a wrong answer decodes to another request,
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -410,6 +411,10 @@ class Report:
             self.ops += 1
             self.requests += len(op.calls)
             self.by_transport[op.transport] += len(op.calls)
+        self.flag(*found)
+
+    def flag(self, *found: Mismatch) -> None:
+        with self.lock:
             for mismatch in found:
                 self.by_kind[mismatch.kind] += 1
                 self.by_model[mismatch.where.split(" ")[0]] += 1
@@ -417,9 +422,8 @@ class Report:
                     self.mismatches.append(mismatch)
 
     def crash(self, client: int, transport: str, text: str) -> None:
-        self.add(
-            Op(client, -1, transport, 0.0, False, [], []),
-            [Mismatch("client_crash", self.seed, client, transport, "-", "-", "no exception", text)],
+        self.flag(
+            Mismatch("client_crash", self.seed, client, transport, "-", "(client)", "no exception", text)
         )
 
     def __repr__(self) -> str:
@@ -488,6 +492,22 @@ class Progress:
             return self.done >= count
 
 
+def _end_broken_sequence(transport: Transport, op: Op, answers: Sequence[Answer]) -> None:
+    """A sequence whose last step got no answer may still hold its slot on the server: send END, as a
+    client would, so it does not hold the slot until the idle timeout (its answer is not checked)."""
+    last = op.calls[-1] if op.calls else None
+    if last is None or not last.sequence_id or answers[-1].error is None:
+        return
+    transport.run(
+        [
+            dataclasses.replace(
+                last, request_id=last.request_id + "-end", start=False, end=True, timeout_s=None
+            )
+        ],
+        False,
+    )
+
+
 def run_one_client(
     endpoints: Endpoints,
     seed: int,
@@ -520,6 +540,10 @@ def run_one_client(
             report.add(op, checker.check(op, answers, span, named))
             if progress is not None:
                 progress.tick()
+            _end_broken_sequence(transport, op, answers)
+        leak = transport.leaks()
+        if leak is not None:
+            report.flag(Mismatch("leak", seed, client, transport_name, "-", "(client)", "nothing held", leak))
     except Exception:
         report.crash(client, transport_name, traceback.format_exc())
     finally:
