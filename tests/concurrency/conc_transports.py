@@ -344,7 +344,7 @@ class ZmqRingTransport(ZmqTransport):
         answers: list[Answer] = []
         for first in range(0, len(calls), chunk):
             part = calls[first : first + chunk]
-            self._wait_for_slots(per_call * len(part), REQUEST_TIMEOUT_S)
+            self._wait_for_slots(per_call * len(part), LATE_ANSWER_S)
             answers += super().run(part, pipelined)
         return answers
 
