@@ -33,7 +33,8 @@ from typing import Any
 from common import ROOT, machine_facts, progress
 
 sys.path.insert(0, str(ROOT / "tests" / "concurrency"))
-from conc_models import RELOADABLE, SEQUENCES, SLOW, STATELESS, Repository
+from conc_models import RELOADABLE, SLOW, STATELESS, Repository
+from conc_seq_models import SEQUENCES
 from conc_server import endpoints, start
 from workload import (
     Mix,

@@ -16,23 +16,15 @@ import conc_wires
 import numpy as np
 import onnxruntime as ort
 import pytest
-from conc_models import (
-    CORRID_TYPES,
-    RELOADABLE,
-    SEQUENCES,
-    STATELESS,
-    AffineModel,
-    Array,
-    Flag,
-    SeqModel,
-    build_affine,
-    build_sequence,
-)
+from conc_check import Checker
+from conc_models import RELOADABLE, STATELESS, AffineModel, Array, build_affine
+from conc_plans import Expect, Mix, Op, client_ops, identity_row
+from conc_seq_models import CORRID_TYPES, SEQUENCES, Flag, SeqModel, build_sequence
 from conc_transports import Answer, Call, Endpoints, Transport
 from conc_wires import TRANSPORTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from workload import Checker, Expect, Mix, Op, client_ops, identity_row, run_clients
+from workload import run_clients
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NOWHERE = Endpoints("127.0.0.1:1", "127.0.0.1:1", "ipc:///nonexistent")

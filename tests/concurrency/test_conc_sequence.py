@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conc_models import SEQUENCES, Repository
+from conc_models import Repository
+from conc_seq_models import SEQUENCES
 from conc_server import SEEDS_ENV, endpoints, seeds, start
 from es_server import RunningServer
 from hypothesis import HealthCheck, given, settings
