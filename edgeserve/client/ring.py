@@ -274,10 +274,15 @@ class FrameRing:
     def release(self, slot: Slot) -> None:
         """Give a slot back (idempotent; a slot whose generation moved on is ignored)."""
         with self._lock:
-            self._stale.pop(slot.index, None)
-            if slot.index in self._taken and int(self._gens[slot.index]) == slot.gen:
+            if int(self._gens[slot.index]) != slot.gen:  # reused since: the newer owner releases it
+                return
+            if slot.index in self._taken:
                 self._taken.discard(slot.index)
-                self._free.append(slot.index)
+            elif slot.index in self._stale:  # the late answer of a call that timed out
+                del self._stale[slot.index]
+            else:  # already free (release is idempotent)
+                return
+            self._free.append(slot.index)
 
     def quarantine(self, slot: Slot) -> None:
         """A request using this slot timed out: reuse the slot only when no other is free."""

@@ -45,6 +45,31 @@ def test_quarantined_slots_are_reused_last() -> None:
         assert order == [2, 1, 0]
 
 
+def test_the_late_answer_of_a_timed_out_call_gives_its_slot_back() -> None:
+    """A call that gave up quarantines its slots; its answer arriving later releases them: every slot
+    must be free again, not lost to both lists (a camera producer ran out of slots this way)."""
+    with FrameRing(4, 64) as ring:
+        slots = [ring.acquire() for _ in range(4)]
+        for slot in slots:
+            ring.quarantine(slot)
+        for slot in slots:
+            slot.release()  # the late answers
+        assert ring.free == 4
+        taken = [ring.acquire() for _ in range(4)]
+        assert ring.try_acquire() is None and sorted(s.index for s in taken) == [0, 1, 2, 3]
+
+
+def test_a_late_release_does_not_touch_the_slot_of_a_newer_call() -> None:
+    with FrameRing(1, 64) as ring:
+        old = ring.acquire()
+        ring.quarantine(old)
+        new = ring.acquire()  # reuses the quarantined slot with a new generation
+        ring.quarantine(new)
+        old.release()  # the first call's late answer: must not free the newer call's slot
+        new.release()
+        assert ring.free == 1 and ring.acquire().gen == 3
+
+
 def test_write_read_and_views() -> None:
     with FrameRing(2, 64) as ring:
         slot = ring.acquire()
