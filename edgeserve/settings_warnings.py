@@ -7,6 +7,7 @@ exposed and the setting that fixes it. Light imports: the supervisor may use it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from edgeserve.config import Settings
 from edgeserve.frontends.access import exposure_warnings, is_loopback_bind
@@ -66,7 +67,47 @@ def zmq_warnings(settings: Settings) -> list[str]:
     return warnings
 
 
-CHECKS: list[Callable[[Settings], list[str]]] = [listener_warnings, zmq_warnings]
+def fleet_warnings(settings: Settings) -> list[str]:
+    """A broker credential (or a mis-set ACL) should never be enough to command the device."""
+    fleet = settings.fleet
+    if not fleet.broker:
+        return []
+    warnings: list[str] = []
+    if not fleet.require_signed_commands:
+        warnings.append(
+            "[fleet] require_signed_commands = false: anyone who can publish on this device's command "
+            "topics can deploy bundles, roll back and change settings (a lab setting; set it to true and "
+            "put the fleet's command keys in the command_keys folder)"
+        )
+    host = urlsplit(fleet.broker).hostname or ""
+    if fleet.broker.startswith("mqtt://") and not (host == "localhost" or is_loopback_bind(host)):
+        warnings.append(
+            f"[fleet] broker {fleet.broker!r} is reached without TLS: the network path can read telemetry "
+            "and drop commands (signed commands still cannot be forged); use mqtts://"
+        )
+    return warnings
+
+
+def ota_warnings(settings: Settings) -> list[str]:
+    """Fleet-initiated downloads that may reach this box's own files or services."""
+    allowed = {
+        "allow_file_urls": "local files (file:// and paths)",
+        "allow_loopback_urls": "this box's loopback services",
+        "allow_link_local_urls": "link-local addresses, cloud metadata (169.254.169.254) included",
+    }
+    return [
+        f"[ota] {name} = true: a fleet deploy may make the device fetch {what} (a lab setting)"
+        for name, what in allowed.items()
+        if getattr(settings.ota, name)
+    ]
+
+
+CHECKS: list[Callable[[Settings], list[str]]] = [
+    listener_warnings,
+    zmq_warnings,
+    fleet_warnings,
+    ota_warnings,
+]
 
 
 def risky_settings(settings: Settings) -> list[str]:

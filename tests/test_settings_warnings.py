@@ -53,3 +53,19 @@ def test_a_fully_protected_listener_is_quiet() -> None:
 def test_checks_are_extensible(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(settings_warnings, "CHECKS", [*settings_warnings.CHECKS, lambda s: ["fleet: x"]])
     assert settings_warnings.risky_settings(Settings()) == ["fleet: x"]
+
+
+def test_fleet_and_ota_lab_settings_are_warned_about() -> None:
+    settings = Settings()
+    settings.fleet.broker = "mqtts://broker.example:8883"
+    assert settings_warnings.risky_settings(settings) == []
+    settings.fleet.require_signed_commands = False
+    settings.ota.allow_file_urls = settings.ota.allow_link_local_urls = True
+    warnings = settings_warnings.risky_settings(settings)
+    assert len(warnings) == 3, warnings
+    assert "require_signed_commands = false" in warnings[0]
+    assert "allow_file_urls" in warnings[1] and "cloud metadata" in warnings[2]
+    settings.fleet.broker = "mqtt://broker.example:1883"
+    assert any("without TLS" in w for w in settings_warnings.risky_settings(settings))
+    settings.fleet.broker = "mqtt://127.0.0.1:1883"  # a local broker (a bridge) is not warned about
+    assert not any("without TLS" in w for w in settings_warnings.risky_settings(settings))
