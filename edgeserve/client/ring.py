@@ -274,15 +274,14 @@ class FrameRing:
     def release(self, slot: Slot) -> None:
         """Give a slot back (idempotent; a slot whose generation moved on is ignored)."""
         with self._lock:
-            if int(self._gens[slot.index]) != slot.gen:  # reused since: the newer owner releases it
+            index = slot.index
+            if index not in self._taken and index not in self._stale:  # free already, or not ours
                 return
-            if slot.index in self._taken:
-                self._taken.discard(slot.index)
-            elif slot.index in self._stale:  # the late answer of a call that timed out
-                del self._stale[slot.index]
-            else:  # already free (release is idempotent)
+            if int(self._gens[index]) != slot.gen:  # reused since: the newer owner releases it
                 return
-            self._free.append(slot.index)
+            self._taken.discard(index)
+            self._stale.pop(index, None)  # the late answer of a call that timed out
+            self._free.append(index)
 
     def quarantine(self, slot: Slot) -> None:
         """A request using this slot timed out: reuse the slot only when no other is free."""
