@@ -270,6 +270,16 @@ def test_trusted_keys_are_read_only_to_the_service() -> None:
     assert settings.logging.file is None or not settings.logging.file.is_relative_to(trust)
 
 
+def test_secrets_come_from_a_root_only_file_not_the_group_readable_settings() -> None:
+    """Camera clients are in group edgeserve and can read edgeserve.toml: tokens and passwords go in
+    the optional EnvironmentFile (root-only, read by systemd), and the shipped settings carry none."""
+    items = entries(UNIT)
+    assert "-/etc/edgeserve/secrets.env" in values(items, "EnvironmentFile")
+    settings = load_settings(SYSTEMD / "edgeserve.toml", environ={})
+    assert not settings.http.token and not settings.grpc.token and not settings.fleet.password
+    assert "secrets.env" in (SYSTEMD / "README.md").read_text()
+
+
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:
     text = (SYSTEMD / "edgeserve.sysusers").read_text()
     assert re.search(r"^u edgeserve\s", text, re.M)
