@@ -203,6 +203,8 @@ class Settings:
             value = getattr(fleet, name)
             if value and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
                 fail(f"fleet.{name}", f"'{value}' must be letters, digits, '.', '_', '-' (one topic level)")
+        if fleet.device_id == "manager":  # es/v1/{fleet}/manager/... is the fleet tools' inbox namespace
+            fail("fleet.device_id", "'manager' is reserved for the fleet tools' inboxes; name the device")
         if fleet.protocol not in ("5", "3.1.1"):
             fail("fleet.protocol", "use 5 or 3.1.1")
         if bool(fleet.cert_file) != bool(fleet.key_file):

@@ -357,9 +357,13 @@ class Supervisor:
         except ImportError as exc:  # paho-mqtt missing: serve anyway, say why there is no agent
             log.error("fleet agent off: %s (pip install 'edgeserve[fleet]')", exc)
             return
-        self.agent = FleetAgent(
-            self.settings.fleet, self.state_dir, SupervisorServices(self), __version__, self.store.trust
-        )
+        try:
+            self.agent = FleetAgent(
+                self.settings.fleet, self.state_dir, SupervisorServices(self), __version__, self.store.trust
+            )
+        except ValueError as exc:  # e.g. a host name the fleet's topics cannot carry: serve anyway
+            log.error("fleet agent off: %s", exc)
+            return
         self.agent.start()
 
     def _stop_agent(self) -> None:

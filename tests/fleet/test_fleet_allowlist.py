@@ -145,3 +145,18 @@ def test_safe_escapes_control_characters_and_caps_the_length() -> None:
     capped = safe("\n" * 100, limit=10)
     assert capped == "\\n" * 5 + "…(100 chars)"
     assert safe(None) == "None" and safe(ValueError("bad\nline")) == "bad\\nline"
+
+
+def test_a_host_named_manager_is_never_a_device() -> None:
+    """es/v1/{fleet}/manager/... holds the fleet tools' inboxes: a device there could read their answers."""
+    from unittest import mock
+
+    from edgeserve.config import FleetSection
+    from edgeserve.fleet.connection import device_id
+
+    assert device_id(FleetSection(device_id="cam-1")) == "cam-1"
+    with (
+        mock.patch("socket.gethostname", return_value="manager.lan"),
+        pytest.raises(ValueError, match="manager"),
+    ):
+        device_id(FleetSection())
