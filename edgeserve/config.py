@@ -187,7 +187,9 @@ class FleetSection:
     ca_file: Path | None = None
     cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
     key_file: Path | None = None
-    protocol: str = "5"  # "5" or "3.1.1"
+    # "5" or "3.1.1" (the es/v1 command surface), or "aws-iot-jobs": commands arrive as AWS IoT Jobs on
+    # $aws/things/{device_id}/jobs/... (MQTT 3.1.1; the thing name is device_id), see ota/fleet.md.
+    protocol: str = "5"
     keepalive_s: int = 30
     metrics_interval_s: float = 60.0
     max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected
@@ -333,8 +335,8 @@ class Settings:
             value = getattr(fleet, name)
             if value and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
                 fail(f"fleet.{name}", f"'{value}' must be letters, digits, '.', '_', '-' (one topic level)")
-        if fleet.protocol not in ("5", "3.1.1"):
-            fail("fleet.protocol", "use 5 or 3.1.1")
+        if fleet.protocol not in ("5", "3.1.1", "aws-iot-jobs"):
+            fail("fleet.protocol", f"'{fleet.protocol}' is not 5, 3.1.1 (MQTT versions) or aws-iot-jobs")
         if bool(fleet.cert_file) != bool(fleet.key_file):
             fail("fleet.cert_file", "cert_file and key_file must be set together")
         if fleet.keepalive_s < 5 or fleet.metrics_interval_s <= 0 or fleet.max_queued_commands < 0:

@@ -23,7 +23,7 @@ from edgeserve.config import ConfigError, Settings
 from edgeserve.logs import forward_line, set_level
 
 if TYPE_CHECKING:
-    from edgeserve.fleet.agent import FleetAgent
+    from edgeserve.fleet.engines import Agent
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
 from edgeserve.settings_tools import changed_fields, resolve_state_dir, restart_fields
@@ -100,7 +100,7 @@ class Supervisor:
         self.store = Store(self.state_dir)
         self.bundles = BundleKeeper(self.store, self.control)
         self.ota: OtaService | None = None
-        self.agent: FleetAgent | None = None
+        self.agent: Agent | None = None
         self._calls = LoopCalls(self._wake)
 
     def _new_backoff(self) -> Backoff:
@@ -352,11 +352,13 @@ class Supervisor:
         from edgeserve.supervisor.fleet_services import SupervisorServices
 
         try:
-            from edgeserve.fleet.agent import FleetAgent
+            from edgeserve.fleet.engines import make_agent
+
+            agent = make_agent(self.settings.fleet, self.state_dir, SupervisorServices(self), __version__)
         except ImportError as exc:  # paho-mqtt missing: serve anyway, say why there is no agent
             log.error("fleet agent off: %s (pip install 'edgeserve[fleet]')", exc)
             return
-        self.agent = FleetAgent(self.settings.fleet, self.state_dir, SupervisorServices(self), __version__)
+        self.agent = agent
         self.agent.start()
 
     def _stop_agent(self) -> None:

@@ -1,0 +1,103 @@
+"""The fleet agent on AWS IoT Jobs end to end: a real `edgeserve run` with `[fleet] protocol =
+"aws-iot-jobs"`, a real Mosquitto, and a simulator of the Jobs service's documented MQTT contract
+(tests/fleet/aws_jobs_sim.py). One device serves the module; each test queues its own jobs. Refused
+job documents (unsigned, wrong key, another device's signature) are in
+tests/security/test_fleet_engines_jobs.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, store_status
+from broker import find_mosquitto
+from bundle_server import BundleServer
+
+from edgeserve.ota.signing import keygen
+
+pytestmark = pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
+)
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobsDevice]:
+    device = start_jobs_device(tmp_path_factory.mktemp("aws-jobs"))
+    yield device
+    device.close()
+
+
+def _next_version(device: JobsDevice) -> int:
+    return int(store_status(device.fleet)["active_version"]) + 1
+
+
+def test_job_deploys_a_bundle_reports_progress_and_succeeds(device: JobsDevice) -> None:
+    version = _next_version(device)
+    url = device.fleet.bundle(version).as_uri()
+    document = job_document("deploy_bundle", {"url": url}, cmd_id=f"deploy-v{version}")
+    device.sim.create_job(f"deploy-v{version}", document, [THING])
+    done = device.sim.wait_status(THING, f"deploy-v{version}", {"SUCCEEDED", "FAILED", "REJECTED"})
+    assert done.status == "SUCCEEDED", done
+    assert done.status_details["state"] == "COMMITTED" and done.status_details["version"] == str(version)
+    assert store_status(device.fleet)["active_version"] == version
+    updates = done.updates
+    assert updates[0]["status"] == "IN_PROGRESS" and updates[0]["statusDetails"]["state"] == "ACCEPTED"
+    assert updates[0]["stepTimeoutInMinutes"] >= 1  # the step timer is set by the device
+    states = [u["statusDetails"].get("state") for u in updates if u["status"] == "IN_PROGRESS"]
+    assert {"DOWNLOADING", "VERIFYING", "STAGED"} <= set(states), states
+    assert any("progress" in u["statusDetails"] for u in updates)
+    steps = [u for u in updates if "stepTimeoutInMinutes" in u]
+    changes = 1 + sum(1 for before, now in itertools.pairwise(states) if now != before)
+    assert len(steps) == changes  # the step timer restarts per new state (a progress tick does not)
+    assert all("expectedVersion" in u for u in updates) and done.rejections == []
+
+    # The same signed command in a second job: answered with its first outcome, not run again.
+    device.sim.create_job("deploy-again", document, [THING])
+    again = device.sim.wait_status(THING, "deploy-again", {"SUCCEEDED", "FAILED", "REJECTED"})
+    assert again.status == "SUCCEEDED" and again.status_details["duplicate"] == "true", again
+    installs = [h for h in store_status(device.fleet)["history"] if h.get("version") == version]
+    assert len(installs) == 1
+
+
+def test_bad_bundle_fails_with_the_reason(device: JobsDevice, tmp_path: Path) -> None:
+    active = store_status(device.fleet)["active_version"]
+    stranger, _, _ = keygen(tmp_path / "keys", "stranger")
+    other = dataclasses.replace(device.fleet, key=stranger, tmp=tmp_path)
+    bundle = other.bundle(active + 1)  # signed by a key the device does not trust
+    device.sim.create_job("bad-bundle", job_document("deploy_bundle", {"url": bundle.as_uri()}), [THING])
+    done = device.sim.wait_status(THING, "bad-bundle", {"SUCCEEDED", "FAILED", "REJECTED"})
+    assert done.status == "FAILED", done
+    assert "refused" in done.status_details["reason"] and "key" in done.status_details["reason"]
+    assert store_status(device.fleet)["active_version"] == active
+    assert store_status(device.fleet)["state"] == "IDLE"
+
+
+def test_step_timeout_is_honoured(device: JobsDevice, tmp_path: Path) -> None:
+    """A step that outlives its timer: the service times the execution out, the device stops the install
+    (or undoes it) and goes on with the next job."""
+    active = store_status(device.fleet)["active_version"]
+    server = BundleServer().start()
+    try:
+        data = device.fleet.bundle(active + 1).read_bytes()
+        slow = server.add("/slow.esb", data, stall_after=1000, stall_s=6, times=1)
+        document = job_document("deploy_bundle", {"url": slow}, step_timeout_min=1)  # 1 s here
+        device.sim.create_job("slow-deploy", document, [THING])
+        device.sim.create_job("status-after", job_document("get_status"), [THING])
+        timed_out = device.sim.wait_status(THING, "slow-deploy", {"TIMED_OUT", "SUCCEEDED", "FAILED"})
+        assert timed_out.status == "TIMED_OUT", timed_out
+        after = device.sim.wait_status(THING, "status-after", {"SUCCEEDED", "FAILED", "REJECTED"})
+        assert after.status == "SUCCEEDED", after
+        # The device's own final word on the timed-out job was refused by the service, and the bundle of
+        # a job the service gave up on does not serve.
+        late = device.sim.wait_status(THING, "slow-deploy", {"TIMED_OUT"})
+        assert "InvalidStateTransition" in late.rejections
+        assert store_status(device.fleet)["active_version"] == active
+        assert store_status(device.fleet)["state"] == "IDLE"
+    finally:
+        server.stop()
