@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobsDevice]:
 
 def _deploy(device: JobsDevice, **options: Any) -> dict[str, Any]:
     url = device.fleet.bundle(9).as_uri()
-    return job_document("deploy_bundle", {"url": url}, **options)
+    document: dict[str, Any] = job_document("deploy_bundle", {"url": url}, **options)
+    return document
 
 
 def _swap_verb(document: dict[str, Any], verb: str) -> dict[str, Any]:
@@ -56,7 +57,8 @@ def _tampered(device: JobsDevice) -> dict[str, Any]:
     return document
 
 
-ATTACKS = {
+Attack = Callable[[JobsDevice], dict[str, Any]]
+ATTACKS: dict[str, tuple[Attack, str]] = {
     "unsigned": (lambda d: _deploy(d, signed=False), "unsigned job command refused"),
     "untrusted-key": (lambda d: _deploy(d, key=OTHER_KEY), "not a trusted command key"),
     "other-device": (_other_device_command, "bad signature"),
