@@ -19,6 +19,7 @@ from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, 
 from broker import find_mosquitto
 from bundle_server import BundleServer
 
+from edgeserve.config import ConfigError, load_settings
 from edgeserve.ota.signing import keygen
 
 pytestmark = pytest.mark.skipif(
@@ -101,3 +102,22 @@ def test_step_timeout_is_honoured(device: JobsDevice, tmp_path: Path) -> None:
         assert store_status(device.fleet)["state"] == "IDLE"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("value", ["aws-iot-jobs", "5", "3.1.1"])
+def test_protocol_setting_accepts_the_jobs_binding(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "edgeserve.toml"
+    path.write_text(
+        f'[fleet]\nbroker = "mqtts://a1b2c3-ats.iot.eu-west-1.amazonaws.com:8883"\nprotocol = "{value}"\n'
+    )
+    assert load_settings(path, {}).fleet.protocol == value
+
+
+def test_protocol_setting_refuses_anything_else(tmp_path: Path) -> None:
+    path = tmp_path / "edgeserve.toml"
+    path.write_text('[fleet]\nprotocol = "aws-jobs"\n')
+    with pytest.raises(
+        ConfigError, match=r"edgeserve.toml: fleet.protocol: 'aws-jobs' is not 5, 3.1.1 .* aws-iot-jobs"
+    ):
+        load_settings(path, {})
+    assert load_settings(None, {"EDGESERVE_FLEET_PROTOCOL": "aws-iot-jobs"}).fleet.protocol == "aws-iot-jobs"

@@ -7,6 +7,7 @@ in tests/security/test_fleet_engines_mender.py."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +46,12 @@ def _active(fleet: Fleet) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _inventory(env: MenderEnv) -> set[str]:
+    script = env.root / "usr/share/mender/inventory/mender-inventory-edgeserve"
+    result = subprocess.run([str(script)], capture_output=True, text=True, env=env.env(), check=True)
+    return set(result.stdout.splitlines())
+
+
 def _ok(result: object) -> None:
     assert getattr(result, "returncode", 1) == 0, (
         f"{getattr(result, 'stdout', '')}\n{getattr(result, 'stderr', '')}"
@@ -64,6 +71,8 @@ def test_install_commit_rollback_and_install_again(env: MenderEnv, fleet: Fleet)
     assert provides["edgeserve-bundle.vision.version"] == "2"
     assert provides["edgeserve-bundle.vision.security_version"] == "0"
     assert not (fleet.state / "mender" / "deployment.json").exists()
+    inventory = _inventory(env)
+    assert {"edgeserve_bundle=vision", "edgeserve_bundle_version=2", "edgeserve_model=mlp:1"} <= inventory
 
     # v3, as an artifact made with mender-artifact alone (the payload is the .esb itself), rolled back
     v3 = raw_artifact(fleet.bundle(3), "vision-v3")
@@ -101,11 +110,14 @@ def test_a_failed_trial_and_a_bundle_that_stopped_serving_roll_back(env: MenderE
     assert _active(fleet) == 1 and env.artifact_name() == factory
 
 
-def test_an_artifact_for_another_device_type_is_refused(env: MenderEnv, fleet: Fleet) -> None:
+def test_an_artifact_for_another_device_type_or_version_is_refused(env: MenderEnv, fleet: Fleet) -> None:
     factory = env.artifact_name()
     refused = env.mender("install", str(wrap(fleet.bundle(2), "other-device")))
     assert refused.returncode != 0
     assert "other-device" in refused.stderr and "edge-x86" in refused.stderr, refused.stderr
+    # made to go on top of vision v5 only (a Mender depends): this device does not provide it
+    after_v5 = env.mender("install", str(wrap(fleet.bundle(6), "edge-x86", "--depends-version", "5")))
+    assert after_v5.returncode != 0 and "edgeserve-bundle.vision.version" in after_v5.stderr, after_v5.stderr
     assert _active(fleet) == 1 and env.artifact_name() == factory
     assert not (fleet.state / "mender").exists()  # the module never ran
     assert [h.get("version") for h in status(fleet.state)["history"]] == [1]
@@ -159,5 +171,7 @@ def test_appliance_killed_mid_install_then_recovered(env: MenderEnv, fleet: Flee
         _ok(env.mender("commit"))
         assert _active(fleet) == 2 and env.artifact_name() == "vision-v2"
         assert again.get("/v2/models/mlp/ready") == 200
+        inventory = _inventory(env)  # the backend the appliance chose, from its runtime plan
+        assert "edgeserve_bundle_version=2" in inventory and "edgeserve_backend=mlp:onnxruntime" in inventory
     finally:
         again.stop()
