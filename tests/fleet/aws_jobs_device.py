@@ -42,6 +42,17 @@ class JobsDevice:
     sim: JobsSimulator
     fleet: Fleet
     app: Appliance
+    tmp: Path
+
+    def start(self, env: dict[str, str] | None = None) -> Appliance:
+        """(Re)start the appliance on the same state folder and settings."""
+        folder = self.tmp / f"run-{len(list(self.tmp.glob('run-*')))}"
+        folder.mkdir()
+        self.app = start_appliance(self.tmp / "empty", folder, args=["--state-dir", str(self.fleet.state)],
+                                   config=self.app.config_path.read_text(),
+                                   env={"EDGESERVE_SERVER_STATE_DIR": "", **(env or {})})  # fmt: skip
+        self.app.notify.wait_for("READY", timeout=90)
+        return self.app
 
     def close(self) -> None:
         self.app.stop()
@@ -65,7 +76,7 @@ def start_jobs_device(tmp: Path, *, minute_s: float = 1.0) -> JobsDevice:
     app = start_appliance(tmp / "empty", tmp, args=["--state-dir", str(fleet.state)], config=config,
                           env={"EDGESERVE_SERVER_STATE_DIR": ""})  # fmt: skip
     app.notify.wait_for("READY", timeout=90)
-    return JobsDevice(broker, sim, fleet, app)
+    return JobsDevice(broker, sim, fleet, app, tmp)
 
 
 def job_document(

@@ -15,9 +15,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota" / "mender"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "supervisor"))
+from appliance import wait_until
 from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, store_status
 from broker import find_mosquitto
 from bundle_server import BundleServer
+from mender_env import kill_tree
 
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.ota.signing import keygen
@@ -121,3 +125,23 @@ def test_protocol_setting_refuses_anything_else(tmp_path: Path) -> None:
     ):
         load_settings(path, {})
     assert load_settings(None, {"EDGESERVE_FLEET_PROTOCOL": "aws-iot-jobs"}).fleet.protocol == "aws-iot-jobs"
+
+
+def test_device_killed_mid_job_reports_it_failed_after_restart(device: JobsDevice) -> None:
+    """Last in this module: it restarts the device. The install under way is undone at start and the
+    execution it belonged to ends FAILED (interrupted), never IN_PROGRESS for ever."""
+    active = store_status(device.fleet)["active_version"]
+    device.app.stop()
+    device.start(env={"EDGESERVE_TEST_OTA_HOLD": "LOADING"})
+    url = device.fleet.bundle(active + 1).as_uri()
+    device.sim.create_job("killed", job_document("deploy_bundle", {"url": url}), [THING])
+    held = device.fleet.state / "ota" / "held"
+    wait_until(held.exists, 60, "the install to reach LOADING")
+    assert device.sim.execution(THING, "killed").status == "IN_PROGRESS"
+    kill_tree(device.app.process.pid)  # supervisor, server, agent: a power cut mid-job
+    held.unlink()
+    device.start()
+    done = device.sim.wait_status(THING, "killed", {"SUCCEEDED", "FAILED", "REJECTED"})
+    assert done.status == "FAILED" and "interrupted" in done.status_details["reason"], done
+    assert store_status(device.fleet)["active_version"] == active
+    assert store_status(device.fleet)["state"] == "IDLE"
