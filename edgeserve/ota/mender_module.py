@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from edgeserve.fsutil import write_json_atomic
 
@@ -156,9 +156,9 @@ class Device:
 
 
 class Module:
-    def __init__(self, conf: ModuleConfig, tree: Path) -> None:
+    def __init__(self, conf: ModuleConfig, artifact: str = "") -> None:
         self.conf = conf
-        self.tree = tree
+        self.artifact = artifact  # the artifact's name, read from Mender's tree while still root
         self.device = Device(conf)
         self.notes = conf.state_dir / "mender" / "deployment.json"
 
@@ -181,7 +181,7 @@ class Module:
         stale = self.read_notes()
         # Mender still believes what served before an interrupted deployment (it never recorded that one).
         before = stale["before"] if stale is not None and not stale.get("committed") else self.device.active()
-        notes = {"artifact": self._artifact_name(), "before": before, "installed": None, "at": time.time()}
+        notes = {"artifact": self.artifact, "before": before, "installed": None, "at": time.time()}
         self.write_notes(notes)
         result = self.device.install(bundle)
         label: Label = {"name": result.get("name"), "version": result.get("version")}
@@ -239,29 +239,27 @@ class Module:
         shutil.rmtree(self.conf.state_dir / "mender" / "incoming", ignore_errors=True)
         return 0
 
-    def _artifact_name(self) -> str:
-        try:
-            return (self.tree / "header" / "artifact_name").read_text().strip()
-        except OSError:
-            return ""
+    def receive(self, payload: BinaryIO) -> Path:
+        """The bundle, copied from Mender's tree (root's, 0700) to where the appliance's user reads it, and
+        written as that user: nothing in its folder (a link, say) can make root write elsewhere. The bundle's
+        own signature is what the installer checks, not where this copy came from."""
+        incoming = self.conf.state_dir / "mender" / "incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        target = incoming / "bundle.esb"
+        target.unlink(missing_ok=True)
+        with open(target, "xb") as out:
+            shutil.copyfileobj(payload, out, 1 << 20)
+        return target
 
 
-def hand_over(tree: Path, state_dir: Path) -> Path:
-    """The artifact's one payload file, copied where the appliance's user can read it (Mender's tree is
-    root's, 0700). The bundle's own signature is what the installer checks, not this copy's origin."""
-    files = sorted(p for p in (tree / "files").glob("*") if p.is_file()) if (tree / "files").is_dir() else []
+def open_payload(tree: Path) -> BinaryIO:
+    """The artifact's one payload file, opened (as root: Mender's tree is root's)."""
+    folder = tree / "files"
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
     if len(files) != 1:
         raise ModuleError(f"an {MODULE_TYPE} artifact carries exactly one payload file, the .esb bundle; "
                           f"this one has {len(files)}")  # fmt: skip
-    incoming = state_dir / "mender" / "incoming"
-    incoming.mkdir(parents=True, exist_ok=True)
-    target = incoming / "bundle.esb"
-    shutil.copyfile(files[0], target)
-    owner = state_dir.stat()
-    if os.geteuid() == 0 and owner.st_uid != 0:
-        for path in (state_dir / "mender", incoming, target):
-            os.chown(path, owner.st_uid, owner.st_gid)
-    return target
+    return open(files[0], "rb")
 
 
 def become_owner(state_dir: Path) -> None:
@@ -302,10 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     tree = Path(args[1]) if len(args) > 1 else Path.cwd()
     try:
         conf = load_module_config()
-        bundle = hand_over(tree, conf.state_dir) if state == "ArtifactInstall" else None
-        become_owner(conf.state_dir)
-        module = Module(conf, tree)
-        return module.artifact_install(bundle) if bundle is not None else handlers[state](module)
+        if not conf.state_dir.is_dir():
+            raise ModuleError(f"state folder {conf.state_dir} does not exist (state_dir in "
+                              f"{os.environ.get('EDGESERVE_MENDER_CONF') or DEFAULT_CONF})")  # fmt: skip
+        if state != "ArtifactInstall":
+            become_owner(conf.state_dir)
+            return handlers[state](Module(conf))
+        payload = open_payload(tree)  # Mender's tree is root's: read it before becoming the owner
+        with payload:
+            name = tree / "header" / "artifact_name"
+            artifact = name.read_text().strip() if name.is_file() else ""
+            become_owner(conf.state_dir)
+            module = Module(conf, artifact)
+            bundle = module.receive(payload)
+        return module.artifact_install(bundle)
     except ModuleError as exc:
         print(f"{MODULE_TYPE} {state}: {exc}", file=sys.stderr)
         return 1

@@ -8,10 +8,13 @@ artifact, and nothing is left in the module's hand-over folder. Real mender-clie
 from __future__ import annotations
 
 import io
+import os
+import pwd
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,48 @@ def test_an_artifact_with_anything_but_one_bundle_is_refused(env: tuple[MenderEn
     result = client.mender("install", str(two))
     assert result.returncode != 0 and "exactly one payload file" in result.stderr, result.stderr
     _assert_nothing_changed(client, fleet, factory)
+
+
+CHILD = """
+import io, sys
+from pathlib import Path
+from edgeserve.ota.mender_module import Module, ModuleConfig, become_owner
+state = Path(sys.argv[1])
+become_owner(state)
+try:
+    target = Module(ModuleConfig(state, None)).receive(io.BytesIO(b"bundle bytes"))
+except PermissionError as exc:
+    print("refused", exc)
+else:
+    print("wrote", target)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the module runs as root under Mender)")
+@pytest.mark.parametrize("planted_link", [False, True])
+def test_module_works_as_the_state_folders_owner(planted_link: bool) -> None:
+    """The appliance's user owns the state folder and may plant a link in it; root (Mender) must not follow
+    it: the module becomes that user before it writes there."""
+    nobody = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="edgeserve-owner-"))
+    try:
+        base.chmod(0o755)
+        state, root_only = base / "state", base / "root-only"
+        state.mkdir()
+        root_only.mkdir(mode=0o755)
+        (state / "mender").mkdir()
+        if planted_link:
+            (state / "mender" / "incoming").symlink_to(root_only)
+        for path in (state, state / "mender"):
+            os.lchown(path, nobody.pw_uid, nobody.pw_gid)
+        result = subprocess.run([sys.executable, "-c", CHILD, str(state)], capture_output=True, text=True,
+                                check=True, cwd=base)  # fmt: skip
+        if planted_link:
+            assert result.stdout.startswith("refused"), result.stdout + result.stderr
+            assert list(root_only.iterdir()) == []  # nothing written through the link
+        else:
+            written = state / "mender" / "incoming" / "bundle.esb"
+            assert result.stdout.strip() == f"wrote {written}"
+            assert written.stat().st_uid == nobody.pw_uid and written.read_bytes() == b"bundle bytes"
+    finally:
+        shutil.rmtree(base)
