@@ -77,6 +77,7 @@ class JobsAgent:
         self._lock = threading.Lock()
         self._running: Execution | None = None
         self._unsent: list[tuple[str, str, dict[str, str]]] = []  # finals to send at the next connect
+        self._told: set[str] = set()  # executions whose final status the service took (this run)
         self._thread: threading.Thread | None = None
         self.updates = Updates(self.topics, self._publish, self.connected, self._stop)
         self.client = make_client(
@@ -232,9 +233,12 @@ class JobsAgent:
             f"job:{job_id}:{number}",
             version if isinstance(version := execution.get("versionNumber"), int) else 0,
         )
+        if run.key in self._told:  # offered twice (notify-next and our own start-next): done already
+            return
         seen = self.ledger.get(run.key)
         if seen is not None:  # handled before: the service did not get our answer (or we restarted)
-            self.updates.update(run, str(seen.get("status")), dict(seen.get("details") or {}))
+            if self.updates.update(run, str(seen.get("status")), dict(seen.get("details") or {})):
+                self._told.add(run.key)
             return
         with self._lock:
             self._running = run
@@ -318,7 +322,9 @@ class JobsAgent:
             )
         log.info("job %s: %s %s", run.job_id, status, safe(fields.get("reason", ""), 300))
         answer = self.updates.update(run, status, status_details)
-        if answer is None:
+        if answer is True:
+            self._told.add(run.key)
+        elif answer is None:
             with self._lock:
                 self._unsent.append((run.job_id, status, status_details))
         return answer is True
