@@ -54,6 +54,13 @@ class JobsDevice:
         self.app.notify.wait_for("READY", timeout=90)
         return self.app
 
+    def logs(self, lines: int = 40) -> str:
+        """The tail of every appliance log of this device (for failure messages)."""
+        return "\n".join(
+            f"--- {path}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            for path in sorted(self.tmp.rglob("appliance-*.log"))
+        )
+
     def close(self) -> None:
         self.app.stop()
         self.sim.close()

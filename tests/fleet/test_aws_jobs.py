@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +23,9 @@ from appliance import wait_until
 from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, store_status
 from broker import find_mosquitto
 from bundle_server import BundleServer
+from fleet_keys import write_private
 from mender_env import kill_tree
+from ota_fixtures import edgeserve
 
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.ota.signing import keygen
@@ -42,10 +46,37 @@ def _next_version(device: JobsDevice) -> int:
     return int(store_status(device.fleet)["active_version"]) + 1
 
 
-def test_job_deploys_a_bundle_reports_progress_and_succeeds(device: JobsDevice) -> None:
+def _cli_document(tmp: Path, *args: str) -> dict[str, Any]:
+    """`edgeserve fleet job-document VERB ARGS --things ...` as an operator runs it."""
+    key = write_private(tmp / "commands.key")
+    result = edgeserve(
+        "fleet", "job-document", *args[:-1], "--fleet", "lab", "--things", args[-1], "--key", str(key)
+    )
+    assert result.returncode == 0, result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def test_job_document_tool_refuses_what_aws_would(tmp_path: Path) -> None:
+    things = ",".join(f"cam-{i}" for i in range(200))
+    key = write_private(tmp_path / "commands.key")
+    big = edgeserve(
+        "fleet", "job-document", "get_status", "--fleet", "lab", "--things", things, "--key", str(key)
+    )
+    assert big.returncode == 2 and "over AWS IoT's 32 KB: split them into jobs of at most" in big.stderr
+    bad = edgeserve("fleet", "job-document", "rollback", '{"to_version": 0}', "--fleet", "lab", "--things",
+                    "cam-1", "--key", str(key))  # fmt: skip
+    assert bad.returncode == 2 and "to_version must be a positive version" in bad.stderr
+    unkeyed = edgeserve("fleet", "job-document", "get_status", "--fleet", "lab", "--things", "cam-1",
+                        env={"EDGESERVE_FLEET_KEY": ""})  # fmt: skip
+    assert unkeyed.returncode == 2 and "no command key" in unkeyed.stderr
+
+
+def test_job_deploys_a_bundle_reports_progress_and_succeeds(device: JobsDevice, tmp_path: Path) -> None:
     version = _next_version(device)
     url = device.fleet.bundle(version).as_uri()
-    document = job_document("deploy_bundle", {"url": url}, cmd_id=f"deploy-v{version}")
+    document = _cli_document(tmp_path, "deploy_bundle", json.dumps({"url": url}), f"{THING},cam-2")
+    assert set(document["edgeserve"]["commands"]) == {THING, "cam-2"}  # one signed command per thing
     device.sim.create_job(f"deploy-v{version}", document, [THING])
     done = device.sim.wait_status(THING, f"deploy-v{version}", {"SUCCEEDED", "FAILED", "REJECTED"})
     assert done.status == "SUCCEEDED", done
@@ -136,12 +167,15 @@ def test_device_killed_mid_job_reports_it_failed_after_restart(device: JobsDevic
     url = device.fleet.bundle(active + 1).as_uri()
     device.sim.create_job("killed", job_document("deploy_bundle", {"url": url}), [THING])
     held = device.fleet.state / "ota" / "held"
-    wait_until(held.exists, 60, "the install to reach LOADING")
-    assert device.sim.execution(THING, "killed").status == "IN_PROGRESS"
-    kill_tree(device.app.process.pid)  # supervisor, server, agent: a power cut mid-job
-    held.unlink()
-    device.start()
-    done = device.sim.wait_status(THING, "killed", {"SUCCEEDED", "FAILED", "REJECTED"})
+    try:
+        wait_until(held.exists, 60, "the install to reach LOADING")
+        assert device.sim.execution(THING, "killed").status == "IN_PROGRESS"
+        kill_tree(device.app.process.pid)  # supervisor, server, agent: a power cut mid-job
+        held.unlink()
+        device.start()
+        done = device.sim.wait_status(THING, "killed", {"SUCCEEDED", "FAILED", "REJECTED"})
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{device.logs()}") from None
     assert done.status == "FAILED" and "interrupted" in done.status_details["reason"], done
     assert store_status(device.fleet)["active_version"] == active
     assert store_status(device.fleet)["state"] == "IDLE"
