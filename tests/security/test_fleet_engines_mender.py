@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota" / "mender"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
-from mender_env import MenderEnv, unavailable, wrap
-from ota_fixtures import Fleet, edgeserve, make_fleet, status
+from mender_env import MenderEnv, serving_v1, unavailable, wrap
+from ota_fixtures import Fleet, status
 
 from edgeserve.ota.signing import keygen
 
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
-    fleet = make_fleet(tmp_path_factory.mktemp("mender-attacks"))
-    edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
+def template() -> Fleet:
+    """A key and a state folder serving vision v1 (made once per run: installing costs a trial server)."""
+    fleet: Fleet = serving_v1()
     return fleet
 
 

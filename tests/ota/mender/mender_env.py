@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 INSTALL = ROOT / "ota" / "mender" / "install.sh"
@@ -45,6 +46,22 @@ def unavailable() -> str | None:
     if probe.returncode != 0:
         return f"no private mount namespace here (unshare -m as root is needed): {probe.stderr.strip()}"
     return None
+
+
+@functools.cache
+def serving_v1() -> Any:
+    """A signing key and a device state folder serving vision v1, made once per test run (an install costs a
+    trial server) and shared by the Mender test modules; copy `.state` before changing it."""
+    import atexit
+    import tempfile
+
+    from ota_fixtures import edgeserve, make_fleet
+
+    folder = Path(tempfile.mkdtemp(prefix="edgeserve-mender-v1-"))
+    atexit.register(shutil.rmtree, folder, True)
+    fleet = make_fleet(folder)
+    edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
+    return fleet
 
 
 class MenderEnv:

@@ -15,17 +15,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "supervisor"))
-from mender_env import MenderEnv, kill_tree, raw_artifact, unavailable, wait_file, wrap
-from ota_fixtures import Fleet, edgeserve, make_fleet, mlp_check, status
+from mender_env import MenderEnv, kill_tree, raw_artifact, serving_v1, unavailable, wait_file, wrap
+from ota_fixtures import Fleet, edgeserve, mlp_check, status
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
-    """A key and a state folder serving vision v1, made once (installing costs a trial server)."""
-    fleet = make_fleet(tmp_path_factory.mktemp("mender-template"))
-    edgeserve("bundle", "install", str(fleet.bundle(1)), "--state-dir", str(fleet.state), check=True)
+def template() -> Fleet:
+    """A key and a state folder serving vision v1 (made once per run: installing costs a trial server)."""
+    fleet: Fleet = serving_v1()
     return fleet
 
 
