@@ -205,8 +205,8 @@ class Settings:
                 fail(f"fleet.{name}", f"'{value}' must be letters, digits, '.', '_', '-' (one topic level)")
         if fleet.device_id == "manager":  # es/v1/{fleet}/manager/... is the fleet tools' inbox namespace
             fail("fleet.device_id", "'manager' is reserved for the fleet tools' inboxes; name the device")
-        if fleet.protocol not in ("5", "3.1.1"):
-            fail("fleet.protocol", "use 5 or 3.1.1")
+        if fleet.protocol not in ("5", "3.1.1", "aws-iot-jobs"):
+            fail("fleet.protocol", f"'{fleet.protocol}' is not 5, 3.1.1 (MQTT versions) or aws-iot-jobs")
         if bool(fleet.cert_file) != bool(fleet.key_file):
             fail("fleet.cert_file", "cert_file and key_file must be set together")
         if fleet.keepalive_s < 5 or fleet.metrics_interval_s <= 0 or fleet.max_queued_commands < 0:

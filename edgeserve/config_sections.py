@@ -195,7 +195,9 @@ class FleetSection:
     ca_file: Path | None = None
     cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
     key_file: Path | None = None
-    protocol: str = "5"  # "5" or "3.1.1"
+    # "5" or "3.1.1" (the es/v1 command surface), or "aws-iot-jobs": commands arrive as AWS IoT Jobs on
+    # $aws/things/{device_id}/jobs/... (MQTT 3.1.1; the thing name is device_id), see ota/fleet.md.
+    protocol: str = "5"
     keepalive_s: int = 30
     metrics_interval_s: float = 60.0
     max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected

@@ -13,6 +13,17 @@ else
   apt_install mosquitto || echo "warning: could not install mosquitto (needs root or sudo); broker tests will skip" >&2
 fi
 
+if command -v mender >/dev/null 2>&1 && command -v mender-artifact >/dev/null 2>&1; then
+  step "mender and mender-artifact present (the Mender Update Module tests)"
+else
+  step "installing mender-client and mender-artifact (the Mender Update Module tests)"
+  # The client's own service is not wanted here: the tests run it in standalone mode, in a private
+  # mount namespace; no daemon is started (there is no systemd PID 1 in CI containers).
+  apt_install mender-client mender-artifact ||
+    echo "warning: could not install mender-client and mender-artifact (needs root or sudo, Debian 12 or" \
+         "newer); the Mender tests will skip" >&2
+fi
+
 if command -v systemd-analyze >/dev/null 2>&1; then
   step "systemd-analyze present (checks systemd/edgeserve.service)"
 else

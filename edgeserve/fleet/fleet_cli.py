@@ -140,6 +140,9 @@ def add_commands(sub: Any) -> argparse.ArgumentParser:
     watch.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     _common_flags(watch)
     watch.set_defaults(func=_guarded(_watch))
+    from edgeserve.fleet.aws_jobs_document import add_command as add_job_document
+
+    add_job_document(actions)  # AWS IoT Jobs: the signed document, for `aws iot create-job`
     parser: argparse.ArgumentParser = fleet
     return parser
 

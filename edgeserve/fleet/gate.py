@@ -71,6 +71,13 @@ def _revoked_commands(trust: TrustStore) -> frozenset[str] | None:
         return None
 
 
+def command_keys(settings: FleetSection, trust: TrustStore) -> CommandKeys:
+    """The keys that may sign commands: `[fleet] command_keys` (else `<trust_dir>/commands`) less the
+    key ids the fleet revoked."""
+    folder = settings.command_keys or default_command_keys(trust.trust_dir)
+    return CommandKeys(folder, lambda: _revoked_commands(trust))
+
+
 def check_self_revocation(command: Command, signer: str | None) -> None:
     """A command key is revoked by a command only with itself: the fleet still holds a leaked key and
     revokes it with it, while the thief cannot revoke the fleet's other command keys to lock it out."""
@@ -87,8 +94,7 @@ class CommandGate:
         self.topics = topics
         self.require = settings.require_signed_commands
         self.max_lifetime_s = settings.max_command_lifetime_s
-        folder = settings.command_keys or default_command_keys(trust.trust_dir)
-        self.keys = CommandKeys(folder, lambda: _revoked_commands(trust))
+        self.keys = command_keys(settings, trust)
         self.desired_rejected: dict[str, str] | None = None  # the last desired state, when it was refused
         name = SEGMENT_RE.pattern.strip("^$")  # one topic level, as the fleet tool's client id is
         self._inbox = re.compile(rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/{name}/resp$")

@@ -65,6 +65,10 @@ def add_commands(sub: Any, config_flag: Any) -> None:
         config_flag(parser)
         parser.set_defaults(func={"install": _install, "status": _status, "rollback": _rollback}[action])
 
+    from edgeserve.ota.mender_wrap import add_command as add_mender_wrap
+
+    add_mender_wrap(actions)
+
 
 def _fail(message: str) -> int:
     print(f"edgeserve: {message}", file=sys.stderr)
