@@ -7,10 +7,10 @@ Not a test module: tests/video/*.py and benchmarks/bench_video.py import it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,5 +112,24 @@ def ts_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def cpu_count() -> int:
-    return os.cpu_count() or 1
+def quick_sources() -> Any:
+    """Source options for tests: short timeouts and backoff (a stall is noticed in 2 s)."""
+    from edgeserve.video import SourceOptions
+
+    return SourceOptions(open_timeout=3.0, read_timeout=2.0, backoff_initial=0.2, backoff_max=1.0)
+
+
+def face_inside(result: Any, box: tuple[int, int, int, int] | None) -> bool:
+    """No face where the frame has no portrait; else one face whose box's centre lies in the
+    portrait's upper half (where the face is)."""
+    if box is None:
+        return result.boxes == []
+    if len(result.boxes) != 1:
+        return False
+    x1, y1, x2, y2 = result.boxes[0]
+    cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+    return bool(box[0] <= cx <= box[2] and box[1] <= cy <= (box[1] + box[3]) / 2)
+
+
+def expected_boxes(count: int, size: tuple[int, int] = (320, 192)) -> list[tuple[int, int, int, int] | None]:
+    return [b for _, b in face_frames(count, size)]
