@@ -128,3 +128,15 @@ def write_input(frame: Any, slot: Slot, spec: InputSpec, width: int, height: int
         np.multiply(source, np.float32(spec.scale), out=target, casting="unsafe")
     del view, target
     return slot.tensor(shape, dtype)
+
+
+def to_array(frame: Any, spec: InputSpec, width: int, height: int) -> npt.NDArray[Any]:
+    """The model's input as a new array (for transports without ring slots, e.g. gRPC)."""
+    rgb = rgb_of(frame, width, height, spec.bgr)
+    image = rgb if spec.layout == "HWC" else rgb.transpose(2, 0, 1)
+    out = np.empty(image.shape, datatypes.numpy_dtype(spec.datatype))
+    if spec.scale == 1.0 or spec.datatype == "UINT8":
+        np.copyto(out, image, casting="unsafe")
+    else:
+        np.multiply(image, np.float32(spec.scale), out=out, casting="unsafe")
+    return out.reshape(spec.shape(width, height))

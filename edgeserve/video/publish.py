@@ -129,7 +129,7 @@ def open_sink(url: str) -> Sink:
         except ValueError:
             raise SourceError(f"--publish {url}: bad port") from None
         prefix = parts.path.strip("/") or DEFAULT_MQTT_PREFIX
-        if any(c in prefix for c in "+#\0"):
+        if any(c in prefix for c in "+#\0") or parts.fragment or url.endswith("#"):
             raise SourceError(f"--publish {url}: the topic prefix may not contain +, # or NUL")
         password = (
             unquote(parts.password) if parts.password else os.environ.get("EDGESERVE_WATCH_MQTT_PASSWORD")
