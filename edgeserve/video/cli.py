@@ -54,7 +54,12 @@ def add_commands(sub: Any) -> None:
     watch.add_argument("--scale", type=float, default=1.0, help="factor on pixel values for float inputs")
     watch.add_argument("--bgr", action="store_true", help="the model wants BGR, not RGB")
     watch.add_argument("--threshold", type=float, default=0.5, help="detector score threshold")
-    watch.add_argument("--inflight", type=int, default=2, help="requests in flight per stream")
+    watch.add_argument(
+        "--inflight",
+        type=int,
+        default=0,
+        help="requests in flight per stream (default: 2 for one stream, 1 for several)",
+    )
     watch.add_argument("--rtsp-transport", choices=["tcp", "udp"], default="tcp")
     watch.add_argument("--read-timeout", type=float, default=5.0, help="seconds without data: reconnect")
     watch.add_argument("--realtime", action="store_true", help="play files at their own frame rate")
@@ -117,7 +122,7 @@ def watch_command(args: argparse.Namespace) -> int:
         size = _size(args.size)
         if args.fps is not None and args.fps <= 0:
             raise ValueError(f"--fps must be > 0, not {args.fps}")
-        if args.inflight < 1:
+        if args.inflight < 0:
             raise ValueError(f"--inflight must be >= 1, not {args.inflight}")
         if any(s.kind == "gst" for s in specs):
             from edgeserve.video.gst import available

@@ -9,6 +9,7 @@ is written once, and nothing else is allocated per frame beyond swscale's output
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,11 @@ from edgeserve.protocol import datatypes
 
 DEFAULT_LONG_SIDE = 640  # dynamic float inputs (detectors): the frame scaled to fit this, keeping its shape
 ALIGN = 32  # dynamic dims are rounded up to multiples of this (strided backbones need it)
+# swscale's fast bilinear: 0.8 ms for 1280x720 -> 640x384 here, against 1.35 ms for its bilinear,
+# with no difference a detector sees. Its context is kept per thread and geometry: a new one per
+# frame (what VideoFrame.to_ndarray does) costs another 1 ms.
+INTERPOLATION = "FAST_BILINEAR"
+_local = threading.local()
 
 
 class InputError(ValueError):
@@ -106,9 +112,17 @@ def rgb_of(frame: Any, width: int, height: int, bgr: bool = False) -> npt.NDArra
             xs = (np.arange(width) * rgb.shape[1] // width).astype(np.intp)
             rgb = rgb[ys[:, None], xs[None, :]]
         return rgb[..., ::-1] if bgr else rgb
-    array: npt.NDArray[np.uint8] = frame.to_ndarray(
-        format="bgr24" if bgr else "rgb24", width=width, height=height, interpolation="BILINEAR"
-    )
+    key = (frame.width, frame.height, frame.format.name, width, height, bgr)
+    cache: dict[tuple[Any, ...], Any] = _local.__dict__.setdefault("reformatters", {})
+    reformatter = cache.get(key)
+    if reformatter is None:
+        from av.video.reformatter import VideoReformatter
+
+        if len(cache) >= 16:
+            cache.clear()
+        reformatter = cache[key] = VideoReformatter()
+    out = reformatter.reformat(frame, width, height, "bgr24" if bgr else "rgb24", interpolation=INTERPOLATION)
+    array: npt.NDArray[np.uint8] = np.asarray(out.to_ndarray(), np.uint8)
     return array
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -51,7 +52,10 @@ class WatchOptions:
     endpoint: str = DEFAULT_ENDPOINT
     policy: str | None = None  # None: latest for live sources, every for files
     fps: float | None = None
-    inflight: int = 2  # requests in flight per stream (its ring's slots)
+    # Requests in flight per stream (its ring's slots). 0: 2 for a single stream (the next frame
+    # waits at the server while one runs), 1 for several (the other streams keep the model busy,
+    # and a frame queued behind its own stream's is a stale one).
+    inflight: int = 0
     size: tuple[int, int] | None = None  # (width, height) for dynamic model inputs
     scale: float = 1.0
     bgr: bool = False
@@ -93,8 +97,16 @@ class Watch:
     ) -> None:
         if not sources:
             raise ValueError("no sources")
-        self.options = options
         self.sinks = list(sinks) + ([CallbackSink(on_result)] if on_result is not None else [])
+        if not options.inflight:
+            options = dataclasses.replace(options, inflight=2 if len(sources) == 1 else 1)
+        if not options.source.decoder_threads and len(sources) >= (os.cpu_count() or 1):
+            # As many streams as cores: one decoder thread each (FFmpeg's frame threads would add
+            # a frame of latency and context switches per stream for no more throughput).
+            options = dataclasses.replace(
+                options, source=dataclasses.replace(options.source, decoder_threads=1)
+            )
+        self.options = options
         self.streams = [Stream(s, options.policy or ("latest" if s.live else "every")) for s in sources]
         self._overlay_factory = overlay
         self._loop: asyncio.AbstractEventLoop | None = None

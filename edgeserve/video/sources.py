@@ -135,6 +135,7 @@ class SourceCounters:
     decoded: int = 0
     corrupt: int = 0
     reconnects: int = 0
+    decode_cpu_s: float = 0.0  # this thread's CPU time in FFmpeg's demuxer and decoder
     up: bool = False
     last_error: str = ""
     extra: dict[str, int] = field(default_factory=dict)
@@ -242,13 +243,16 @@ class SourceThread(threading.Thread):
         container = av.open(self.spec.url, **open_arguments(self.spec, self.options))
         try:
             stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            if self.options.decoder_threads:
+            if self.options.decoder_threads == 1:
+                stream.codec_context.thread_count = 1  # decoded in this thread (its CPU is counted)
+            else:
+                stream.thread_type = "AUTO"
                 stream.codec_context.thread_count = self.options.decoder_threads
             time_base = float(stream.time_base) if stream.time_base else None
             pace = self.spec.kind == "file" and self.options.realtime
             started, first_pts = time.perf_counter(), None
             bad_in_a_row = 0
+            cpu = time.thread_time()
             for packet in container.demux(stream):
                 if self.stopping.is_set():
                     return
@@ -263,6 +267,9 @@ class SourceThread(threading.Thread):
                         raise
                     continue
                 bad_in_a_row = 0
+                now = time.thread_time()
+                self.counters.decode_cpu_s += now - cpu
+                cpu = now
                 for frame in frames:
                     if frame.is_corrupt:  # decoded with concealment: still a picture, counted
                         self.counters.corrupt += 1
@@ -273,6 +280,7 @@ class SourceThread(threading.Thread):
                         if wait > 0 and self.stopping.wait(wait):
                             return
                     yield self._decoded(frame, pts, frame.width, frame.height)
+                cpu = time.thread_time()  # not the time the frame's consumer took
         finally:
             container.close()
 
