@@ -5,18 +5,17 @@
                   WatchOptions(model="centerface"), on_result=lambda r: print(r.stream, r.boxes))
     watch.run()                     # until every source ends, or watch.stop() (any thread)
 
-Threads: one decoder per source (PyAV; FFmpeg decodes without the GIL), a small pool that converts
-frames into ring slots, and one asyncio loop (the caller's thread) that owns the ZeroMQ client,
-sends requests and takes results. Each stream has its own ring of `inflight` slots, which is its
-fair share: a fast camera cannot take the slots of a slow one, and frames of all streams meet in
-the model's dynamic batcher. A stream's failures (reconnects, corrupt data, rejected requests) stay
-in that stream.
+Threads: one decoder per source (PyAV; FFmpeg decodes without the GIL) and one asyncio loop (the
+caller's thread) that owns the ZeroMQ client, converts each frame it sends into a ring slot (swscale
+and numpy release the GIL; a hand-off to a pool cost more CPU than it saved), and takes results.
+Each stream has its own ring of `inflight` slots, which is its fair share: a fast camera cannot
+take the slots of a slow one, and frames of all streams meet in the model's dynamic batcher. A
+stream's failures (reconnects, corrupt data, rejected requests) stay in that stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -72,7 +71,7 @@ class Stream:
         self.mailbox: Mailbox
         self.thread: SourceThread
         self.wake = asyncio.Event()
-        self.rings: list[FrameRing] = []
+        self.rings: list[tuple[FrameRing, FrameRing | None]] = []
         self.inflight = 0
         self.ended = False
         self.error: str | None = None
@@ -133,14 +132,12 @@ class Watch:
             stream.wake = asyncio.Event()
         options = self.options
         client = AsyncZmqClient(options.endpoint, timeout=options.timeout)
-        workers = max(1, min(len(self.streams), os.cpu_count() or 2, 4))
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="video-convert")
         try:
             self.input, outputs = await self._model(client)
             for stream in self.streams:
                 self._start(stream)
             self.started.set()
-            await asyncio.gather(*(self._serve(client, pool, s, outputs) for s in self.streams))
+            await asyncio.gather(*(self._serve(client, s, outputs) for s in self.streams))
         finally:
             for stream in self.streams:
                 if hasattr(stream, "thread"):
@@ -148,7 +145,6 @@ class Watch:
                     stream.mailbox.close()
                 if stream.overlay is not None:
                     stream.overlay.close()
-            pool.shutdown(wait=True)
             await client.close()
             for sink in self.sinks:
                 sink.close()
@@ -211,7 +207,6 @@ class Watch:
     async def _serve(
         self,
         client: AsyncZmqClient,
-        pool: concurrent.futures.Executor,
         stream: Stream,
         outputs: list[str] | None,
     ) -> None:
@@ -226,7 +221,7 @@ class Watch:
                 item = stream.mailbox.take()
                 if item is None:
                     break
-                await self._send(client, pool, stream, item, outputs)
+                await self._send(client, stream, item, outputs)
             stopped = self._stopping or stream.thread.stopping.is_set()
             drained = stream.ended and not stream.mailbox.waiting
             if (stopped or drained) and stream.inflight == 0:
@@ -236,7 +231,6 @@ class Watch:
     async def _send(
         self,
         client: AsyncZmqClient,
-        pool: concurrent.futures.Executor,
         stream: Stream,
         item: Decoded,
         outputs: list[str] | None,
@@ -244,24 +238,28 @@ class Watch:
         spec = self.input
         assert spec is not None
         width, height = spec.size_for(item.width, item.height, self.options.size)
-        ring = await self._ring(client, stream, spec.byte_size(width, height))
+        ring, out_ring = await self._rings(client, stream, spec.byte_size(width, height), outputs)
         slot = ring.try_acquire()
-        if slot is None:  # slots of timed-out requests are still quarantined
+        if slot is None or (out_ring is not None and out_ring.free < len(outputs or ())):
+            if slot is not None:  # output slots of timed-out requests are still quarantined
+                slot.release()
             stream.stats.rejected += 1
             return
-        loop = asyncio.get_running_loop()
+        cpu = time.thread_time()
         try:
-            tensor, cpu = await loop.run_in_executor(pool, _convert, item.frame, slot, spec, width, height)
+            tensor = write_input(item.frame, slot, spec, width, height)
         except Exception as exc:
             slot.release()
             stream.stats.failed += 1
             log.warning("stream %s: frame %d not converted: %s", stream.spec.name, item.index, exc)
             return
-        stream.convert_cpu_s += cpu
+        finally:
+            stream.convert_cpu_s += time.thread_time() - cpu
         stream.inflight += 1
+        wanted: Any = {name: out_ring for name in outputs or ()} if out_ring is not None else outputs
         try:
             future = await client.submit(
-                self.options.model, {spec.name: tensor}, outputs, version=self.options.version
+                self.options.model, {spec.name: tensor}, wanted, version=self.options.version
             )
         except ClientError as exc:
             stream.inflight -= 1
@@ -269,16 +267,24 @@ class Watch:
             return
         future.add_done_callback(functools.partial(self._done, stream, item, (width, height)))
 
-    async def _ring(self, client: AsyncZmqClient, stream: Stream, size: int) -> FrameRing:
-        if stream.rings and stream.rings[-1].slot_size >= size:
+    async def _rings(
+        self, client: AsyncZmqClient, stream: Stream, size: int, outputs: list[str] | None
+    ) -> tuple[FrameRing, FrameRing | None]:
+        """The stream's input ring, and an output ring when the outputs are named ones known to
+        be smaller than the input (CenterFace's maps: 5/16 of its size), so that they come back
+        through shared memory as well; other outputs come inline."""
+        if stream.rings and stream.rings[-1][0].slot_size >= size:
             return stream.rings[-1]
-        # The first frame, or a source that came back larger: a new ring (the old one is closed
-        # with the client, once its slots are back).
-        ring = await client.create_ring(
-            self.options.inflight, size, name=f"watch-{stream.spec.name}-{os.getpid()}-{len(stream.rings)}"
+        # The first frame, or a source that came back larger: new rings (the old ones are closed
+        # with the client, once their slots are back).
+        name = f"watch-{stream.spec.name}-{os.getpid()}-{len(stream.rings)}"
+        inflight = self.options.inflight
+        ring = await client.create_ring(inflight, size, name=name)
+        out_ring = (
+            await client.create_ring(inflight * len(outputs), size, name=f"{name}-out") if outputs else None
         )
-        stream.rings.append(ring)
-        return ring
+        stream.rings.append((ring, out_ring))
+        return ring, out_ring
 
     def _failed(self, stream: Stream, exc: BaseException) -> None:
         if isinstance(exc, ClientError) and exc.status in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
@@ -319,12 +325,6 @@ class Watch:
             sink.publish(result, payload)
         if stream.overlay is not None:
             stream.overlay.put(item.frame, result)
-
-
-def _convert(frame: Any, slot: Any, spec: InputSpec, width: int, height: int) -> tuple[Any, float]:
-    started = time.thread_time()
-    tensor = write_input(frame, slot, spec, width, height)
-    return tensor, time.thread_time() - started
 
 
 class _suppress_closed:
