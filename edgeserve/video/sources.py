@@ -205,7 +205,8 @@ class SourceThread(threading.Thread):
                     continue
                 problem = "the stream ended"
             except Exception as exc:  # av.FFmpegError, OSError, a stall (TimeoutError) ...
-                problem = f"{type(exc).__name__}: {exc}".strip()
+                # FFmpeg's errors quote the URL: never with its password (logs, metrics, stderr)
+                problem = f"{type(exc).__name__}: {exc}".strip().replace(self.spec.url, self.spec.display)
                 if not self.spec.live:
                     return f"{self.spec.display}: {problem}"
             self.counters.up = False
