@@ -36,7 +36,7 @@ def draw(rgb: npt.NDArray[np.uint8], result: Result) -> npt.NDArray[np.uint8]:
 
     image = Image.fromarray(rgb)
     pen = ImageDraw.Draw(image)
-    size = max(12, rgb.shape[0] // 40)
+    size = max(14, rgb.shape[0] // 24)
     font = ImageFont.load_default(size=size)
     data = result.data
     texts = data.get("text") or data.get("labels") or []
@@ -51,7 +51,14 @@ def draw(rgb: npt.NDArray[np.uint8], result: Result) -> npt.NDArray[np.uint8]:
             pen.rectangle(box, outline=colour, width=3)
         score = data.get("scores", [])[i] if i < len(data.get("scores", [])) else None
         label = f"{texts[i] if i < len(texts) else ''} {score:.2f}" if score is not None else str(texts[i])
-        pen.text((x, max(0, y - size - 4)), label.strip(), fill=colour, font=font)
+        pen.text(
+            (x, max(0, y - size - 4)),
+            label.strip(),
+            fill=colour,
+            font=font,
+            stroke_width=2,
+            stroke_fill=(0, 0, 0),
+        )
     pen.text(
         (8, 8),
         f"{result.stream} #{result.frame}  {result.latency_ms:.0f} ms",
