@@ -9,10 +9,34 @@ Needs the `[video]` extra (PyAV, Pillow for overlays). Importing this package do
           on_result=lambda r: print(r.to_dict())).run()
 """
 
-from edgeserve.video.pipeline import Watch, WatchError, WatchOptions
-from edgeserve.video.publish import CallbackSink, MqttSink, Sink, ZmqPubSink, open_sink
-from edgeserve.video.results import SCHEMA, Result
-from edgeserve.video.sources import SourceError, SourceOptions, SourceSpec, parse_source, parse_sources
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgeserve.video.pipeline import Watch, WatchError, WatchOptions
+    from edgeserve.video.publish import CallbackSink, MqttSink, Sink, ZmqPubSink, open_sink
+    from edgeserve.video.results import SCHEMA, Result
+    from edgeserve.video.sources import SourceError, SourceOptions, SourceSpec, parse_source, parse_sources
+
+# Imported on first use: `edgeserve.video.cli` is imported by every `edgeserve` command's parser.
+_HOME = {
+    **dict.fromkeys(("Watch", "WatchError", "WatchOptions"), "pipeline"),
+    **dict.fromkeys(("CallbackSink", "MqttSink", "Sink", "ZmqPubSink", "open_sink"), "publish"),
+    **dict.fromkeys(("SCHEMA", "Result"), "results"),
+    **dict.fromkeys(
+        ("SourceError", "SourceOptions", "SourceSpec", "parse_source", "parse_sources"), "sources"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'edgeserve.video' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"edgeserve.video.{home}"), name)
+
 
 __all__ = [
     "SCHEMA",

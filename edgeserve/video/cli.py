@@ -11,13 +11,13 @@ a missing file or device, an unknown model, or a model that does not take images
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+# Only the standard library's lightest modules at import time: every `edgeserve` command builds
+# this parser. asyncio, logging and PyAV come when `watch` runs.
 
 METRICS_DEFAULT = "127.0.0.1:8003"
 
@@ -106,6 +106,9 @@ def _size(text: str | None) -> tuple[int, int] | None:
 
 
 def watch_command(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
     try:
         import av  # noqa: F401
     except ImportError:
@@ -180,6 +183,9 @@ def watch_command(args: argparse.Namespace) -> int:
 
 
 async def _run(watch: Any) -> int:
+    import asyncio
+    import signal
+
     loop = asyncio.get_running_loop()
     interrupts = 0
 
