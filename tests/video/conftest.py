@@ -19,8 +19,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-av = pytest.importorskip("av", reason="the [video] extra (PyAV) is not installed")
-
 import video_clips  # noqa: E402
 from es_server import ROOT, RunningServer, free_port, start_server, wait_until  # noqa: E402
 from video_clips import quick_sources  # noqa: E402

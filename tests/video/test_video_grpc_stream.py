@@ -3,6 +3,10 @@ through ModelStreamInfer with 4 frames in flight; every result comes back, in fr
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("av", reason="the [video] extra (PyAV) is not installed")
+
 import json
 import subprocess
 import sys

@@ -4,6 +4,10 @@ a second stream running beside the failing one keeps getting results the whole t
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("av", reason="the [video] extra (PyAV) is not installed")
+
 from typing import Any
 
 from video_clips import expected_boxes, face_inside, quick_sources

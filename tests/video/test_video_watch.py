@@ -5,6 +5,10 @@ ZeroMQ PUB, the per-stream /metrics, the overlay video, and the command's exit c
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("av", reason="the [video] extra (PyAV) is not installed")
+
 import json
 import os
 import signal
@@ -13,7 +17,6 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
 import zmq
 from es_server import ROOT, free_port, wait_until
 from video_clips import OCR_TEXT, expected_boxes, face_inside
