@@ -378,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeserve.bench.cli import add_commands as add_bench_commands  # stdlib only at import time
 
     add_bench_commands(sub)
+
+    from edgeserve.video.cli import add_commands as add_watch_commands  # PyAV only when it runs
+
+    add_watch_commands(sub)
     return parser
 
 
