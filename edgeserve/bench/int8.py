@@ -33,7 +33,6 @@ Say = Callable[[str], None]
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 ORT_FILENAME = "model_int8.onnx"
 IR_FILENAME = "model_int8.xml"
-MAX_INTERMEDIATE = 16  # calibration keeps at most this many runs' activations before merging ranges
 
 
 @dataclass(frozen=True)
@@ -198,8 +197,10 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
             str(source), str(part), Reader(feeds, say), quant_format=QuantFormat.QDQ,
             per_channel=scheme.per_channel, reduce_range=scheme.reduce_range, activation_type=activations,
             weight_type=QuantType.QInt8, calibrate_method=methods[method],
-            extra_options={"CalibMaxIntermediateOutputs": MAX_INTERMEDIATE,
-                           "ActivationSymmetric": scheme.activations == "int8"}, **kwargs,
+            # no CalibMaxIntermediateOutputs: ORT 1.32 drops the chunk it clears instead of merging it
+            # (and MinMax keeps only per-tensor minima and maxima anyway; entropy and percentile keep
+            # whole activations: give them fewer samples)
+            extra_options={"ActivationSymmetric": scheme.activations == "int8"}, **kwargs,
         )  # fmt: skip
     cache_part = Path(str(ranges) + ".part")
     if cache_part.is_file():

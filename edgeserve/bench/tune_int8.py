@@ -25,7 +25,6 @@ from edgeserve.bench import int8
 from edgeserve.bench.calibration import collect
 from edgeserve.bench.errors import BenchError
 from edgeserve.bench.int8_guard import Thresholds, check
-from edgeserve.bench.tune_report import model_sha256
 
 ENGINES = ("onnxruntime", "nncf")
 RESULTS = "int8"  # <out-dir>/int8/
@@ -152,7 +151,7 @@ def calibrate(options: Int8Options, model_dir: Path, version_dir: Path, out_dir:
             "--calibration DIR or ship calibration/ samples for a calibration you can trust")  # fmt: skip
     scheme = int8.scheme_for(int8.cpu_flags())
     engines = [e for e in options.engines if e in ENGINES]
-    parts = [model_sha256(version_dir), samples.digest(), scheme.key(), options.method, options.batch]
+    parts = [_sha16(fp32), samples.digest(), scheme.key(), options.method, options.batch]
     blob = json.dumps([*parts, int8.ort_version(), engines])
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     earlier = _read_results(results, key)

@@ -78,7 +78,8 @@ def build_cnn(path: Path, seed: int = 7) -> Path:
 
 
 def clear_inputs(model: Path, count: int, seed: int = 0, margin: float = 0.15) -> np.ndarray:
-    """`count` inputs [count, 3, SIZE, SIZE] (smooth blobs, as camera frames are) whose fp32 top-1 leads
+    """`count` inputs [count, 3, SIZE, SIZE] (smooth blobs in 8-bit steps, as camera frames are; exact as
+    PNG files) whose fp32 top-1 leads
     the runner-up by `margin` of the logits' range: INT8 must agree on these, a near tie might not."""
     import onnxruntime as ort
 
@@ -93,6 +94,7 @@ def clear_inputs(model: Path, count: int, seed: int = 0, margin: float = 0.15) -
             colour = rng.random(3).astype(np.float32)[:, None, None]
             image += colour * np.exp(-((ys - cy) ** 2 + (xs - cx) ** 2) / (0.02 + 0.1 * r))
         image += rng.normal(0, 0.05, image.shape).astype(np.float32)
+        image = np.round(np.clip(image, 0.0, 1.0) * 255) / 255  # what an 8-bit image file holds
         logits = session.run(None, {"x": image[None]})[0][0]
         top2 = np.sort(logits)[-2:]
         if top2[1] - top2[0] >= margin * (logits.max() - logits.min()):
