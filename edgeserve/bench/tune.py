@@ -245,7 +245,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
         (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
     )
     backends = list(options.backends or available_backends(version_dir))
-    precisions = list(options.precisions or cpu_precisions())
+    # int8 is not a runtime setting: the INT8 candidates are models (--precisions int8: only those race)
+    precisions = [p for p in options.precisions or cpu_precisions() if p != "int8"]
     extras: dict[str, ExtraModel] = {}
     if options.int8_model is not None:
         given = given_model(options.int8_model, version_dir.name)
@@ -266,7 +267,7 @@ def tune(options: TuneOptions, say: Progress) -> int:
             f"no backend to try for {model_dir}: install onnxruntime or openvino, or pass --backends"
         )
     say(
-        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions)}; "
+        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions) or 'none (INT8 only)'}; "
         f"p99 budget {options.budget_ms:g} ms; results in {results}"
     )
     server = TuneServer(model_dir, name)

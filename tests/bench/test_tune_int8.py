@@ -51,7 +51,7 @@ def _tree(folder: Path) -> dict[str, str]:
 
 def _args(repo: Path, tmp: Path, *extra: str) -> list[str]:
     return ["tune", "cnn", "--model-repository", str(repo), "--int8", "--out-dir", str(tmp / "out"),
-            "--work-dir", str(tmp / "work"), *FAST, *extra]  # fmt: skip
+            "--work-dir", str(tmp / "work"), "--int8-engines", "onnxruntime", *FAST, *extra]  # fmt: skip
 
 
 def test_int8_from_warmup_passes_the_guard_is_applied_and_bundled(
@@ -232,3 +232,24 @@ def test_a_killed_calibration_leaves_nothing_half_written_and_the_rerun_complete
     assert "removed what an interrupted run left half-written" in rerun.stderr and "tmp" in rerun.stderr
     assert (repo / "cnn" / "1" / "model_int8.onnx").is_file() and not list(repo.rglob(".*.tmp"))
     assert not work.exists()
+
+
+def test_nncf_quantized_openvino_ir_is_raced_and_applied(
+    template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("nncf", reason="NNCF is an optional extra (pip install 'edgeserve[int8]')")
+    repo = _copy(template, tmp_path)
+    args = [*_args(repo, tmp_path, "--backends", "openvino", "--precisions", "int8", "--max-candidates", "1",
+                   "--apply"), "--int8-engines", "nncf"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "openvino/nncf: calibrating on 12 rows" in out.err and "int8 nncf: kept: top-1 100.0%" in out.err
+    record = json.loads((tmp_path / "out" / "results.jsonl").read_text().splitlines()[0])
+    assert record["label"] == "openvino int8-ir 1x2t mbs8" and record["status"] == "ok", record
+    assert (repo / "cnn" / "1" / "model_int8.xml").is_file() and (
+        repo / "cnn" / "1" / "model_int8.bin"
+    ).is_file()
+    assert 'default_model_filename: "model_int8.xml"' in (repo / "cnn" / "config.pbtxt").read_text()
+    assert main(["detect", "--model-repository", str(repo), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["models"][0]
+    assert plan["chosen"]["artifact"] == "model_int8.xml" and plan["chosen"]["backend"] == "openvino"
