@@ -267,7 +267,7 @@ def tune(options: TuneOptions, say: Progress) -> int:
             f"no backend to try for {model_dir}: install onnxruntime or openvino, or pass --backends"
         )
     say(
-        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions) or 'none (INT8 only)'}; "
+        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions) or 'INT8 only'}; "
         f"p99 budget {options.budget_ms:g} ms; results in {results}"
     )
     server = TuneServer(model_dir, name)
