@@ -118,13 +118,10 @@ def from_folder(folder: Path, specs: Sequence[InputSpec], limit: int) -> list[Fe
     rows: list[Feed] = []
     for path in files:
         suffix = path.suffix.lower()
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                feed = {k: np.asarray(data[k]) for k in data.files}
-            if len(specs) == 1 and len(feed) == 1:
-                feed = {specs[0].name: next(iter(feed.values()))}
-        elif suffix == ".npy" and len(specs) == 1:
-            feed = {specs[0].name: np.load(path, allow_pickle=False)}
+        if suffix in SAMPLE_SUFFIXES:
+            feed = _numpy_file(path, specs)
+            if feed is None:
+                continue
         elif suffix in IMAGE_SUFFIXES and len(specs) == 1 and not any(d < 0 for d in specs[0].dims[1:]):
             spec = specs[0]
             shape = (1, *spec.dims[1:]) if _batched(specs) else spec.dims
@@ -135,6 +132,20 @@ def from_folder(folder: Path, specs: Sequence[InputSpec], limit: int) -> list[Fe
         if limit and len(rows) >= limit:
             break
     return rows[:limit] if limit else rows
+
+
+def _numpy_file(path: Path, specs: Sequence[InputSpec]) -> Feed | None:
+    """A .npy (one-input models) or .npz sample; never unpickled (a sample file cannot run code)."""
+    try:
+        if path.suffix.lower() == ".npy":
+            return {specs[0].name: np.load(path, allow_pickle=False)} if len(specs) == 1 else None
+        with np.load(path, allow_pickle=False) as data:
+            feed = {k: np.asarray(data[k]) for k in data.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise BenchError(f"calibration sample {path}: not a plain numeric array ({exc})") from None
+    if len(specs) == 1 and len(feed) == 1:
+        feed = {specs[0].name: next(iter(feed.values()))}
+    return feed
 
 
 def from_warmup(model_dir: Path, config: Any, specs: Sequence[InputSpec], limit: int, seed: int = 0
