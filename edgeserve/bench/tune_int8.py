@@ -108,12 +108,15 @@ def completed_config(model_dir: Path, fp32: Path) -> Any:
     from edgeserve.repository.config import parse_pbtxt
 
     path = model_dir / "config.pbtxt"
-    config = parse_pbtxt(path) if path.is_file() else mc.ModelConfig()
-    return autocomplete.complete(
-        config, get_backend("onnxruntime").inspect(fp32), model_name=model_dir.name,
-        backend_name="onnxruntime", platform="", model_file=fp32.name,
-        default_max_batch_size=RuntimeSection().default_max_batch_size, where=str(path),
-    )  # fmt: skip
+    try:
+        config = parse_pbtxt(path) if path.is_file() else mc.ModelConfig()
+        return autocomplete.complete(
+            config, get_backend("onnxruntime").inspect(fp32), model_name=model_dir.name,
+            backend_name="onnxruntime", platform="", model_file=fp32.name,
+            default_max_batch_size=RuntimeSection().default_max_batch_size, where=str(path),
+        )  # fmt: skip
+    except Exception as exc:  # the server would refuse it the same way: one line, not a traceback
+        raise BenchError(f"{model_dir.name}: {getattr(exc, 'message', exc)}") from None
 
 
 def _extras(folder: Path, version: str, verdicts: dict[str, Any]) -> list[ExtraModel]:
