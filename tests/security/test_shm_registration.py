@@ -113,7 +113,8 @@ def secret() -> Iterator[str]:
 
 def _regions(running: RunningServer) -> set[str]:
     """Every client's regions (a client's own status lists only the regions it may name)."""
-    return running.shm_regions()
+    names: set[str] = running.shm_regions()
+    return names
 
 
 def _unchanged(key: str) -> bool:
