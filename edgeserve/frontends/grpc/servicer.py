@@ -47,9 +47,9 @@ def peer_client(context: Context) -> str:
 
 
 def shm_client(context: Context, local_port: int) -> ShmClient:
-    """Who names shm regions: its user is looked up only when it does (shm/binding.py)."""
-    peer = str(context.peer() or "")
-    return ShmClient(lambda: grpc_peer(peer, local_port or None))
+    """Who names shm regions: its user is looked up only when it does (shm/binding.py), per call (no
+    per-connection object to keep it on: a peer address may be another process's once it is free)."""
+    return ShmClient(lambda: grpc_peer(str(context.peer() or ""), local_port or None))
 
 
 def guarded(

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from edgeserve.frontends.http import codec
 from edgeserve.frontends.http.admin import config_to_json
-from edgeserve.frontends.peer import socket_peer
+from edgeserve.frontends.peer import transport_peer
 from edgeserve.frontends.shm.registry import TRITON_OWNER, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, unavailable, unsupported
 
@@ -150,9 +150,10 @@ def _model(request: web.Request) -> tuple[str, str]:
 
 
 def _shm_client(request: web.Request) -> ShmClient:
-    """Who names shm regions: its user is looked up only when it does (shm/binding.py)."""
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    return ShmClient(lambda: socket_peer(sock))
+    """Who names shm regions: its user is looked up only when it does, once per connection
+    (shm/binding.py)."""
+    transport = request.transport
+    return ShmClient(lambda: transport_peer(transport))
 
 
 def _empty(status: int) -> web.Response:

@@ -4,13 +4,14 @@ with real /dev/shm objects and client identities as the frontends find them."""
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from edgeserve.frontends.peer import PeerIdentity
+from edgeserve.frontends.peer import PeerIdentity, parse_proc_net_tcp, socket_peer, transport_peer
 from edgeserve.frontends.shm.binding import principal_of
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status
@@ -157,3 +158,39 @@ def test_the_clients_user_is_looked_up_once_and_only_when_it_names_a_region(obje
         assert calls == [1]
     finally:
         registry.close()
+
+
+def test_an_http_connection_is_looked_up_once() -> None:
+    """aiohttp's transport: the peer of a connection is found once (SO_PEERCRED here), not per request."""
+
+    class Transport:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock, self.asked = sock, 0
+
+        def get_extra_info(self, name: str) -> socket.socket:
+            self.asked += 1
+            return self.sock
+
+    left, right = socket.socketpair()
+    with left, right:
+        transport = Transport(left)
+        first, second = transport_peer(transport), transport_peer(transport)
+        assert first is second and first.uid == os.geteuid() and transport.asked == 1
+        assert transport_peer(Transport(left)) == first  # a new connection is looked up again
+        assert transport_peer(None).uid is None
+
+
+def test_a_loopback_socket_is_found_among_rows_of_its_port_only() -> None:
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as client,
+    ):
+        accepted = server.accept()[0]
+        with accepted:
+            port = client.getsockname()[1]
+            text = Path("/proc/net/tcp").read_text()
+            rows = list(parse_proc_net_tcp(text, port))
+            assert rows and all(row.local[1] == port for row in rows)  # the others are not decoded
+            assert len(rows) < len(list(parse_proc_net_tcp(text)))  # the listening socket at least
+            peer = socket_peer(accepted)
+            assert (peer.transport, peer.uid) == ("tcp-loopback", os.geteuid())
