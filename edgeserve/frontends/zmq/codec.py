@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
+from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient, ShmLease
 from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
 from edgeserve.frontends.zmq import wire
 from edgeserve.protocol import datatypes
@@ -124,7 +124,9 @@ def _shape(desc: dict[str, Any], where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[ShmRef, SlotGuard | None]:
+def _resolve_ref(
+    registry: SharedMemoryRegistry, ref: Any, what: str, client: ShmClient | None
+) -> tuple[ShmRef, SlotGuard | None]:
     """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
     if not isinstance(ref, dict):
         raise invalid_arg(f"{what}: 'shm' must be an object with region, byte_size and offset")
@@ -140,18 +142,18 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
     # A ring's data starts at a page boundary, so its first page (header and, for up to 504 slots,
     # every generation word) can be mapped with one lease that then guards the slot.
     try:
-        lease = registry.acquire(ShmRef(region, PAGE, 0))
+        lease = registry.acquire(ShmRef(region, PAGE, 0), client=client)
     except InferenceError as exc:
         if exc.status != Status.INVALID_ARG:
             raise
-        lease = registry.acquire(ShmRef(region, HEADER_SIZE, 0))  # too small: say why below
+        lease = registry.acquire(ShmRef(region, HEADER_SIZE, 0), client=client)  # too small: say why below
     try:
         layout = RingLayout.parse(lease.view, region, None)
         start = layout.locate(region, slot, offset, byte_size)
         at = layout.generation_offset(slot)
         if at + GEN.size > len(lease.view):
             lease.release()
-            lease = registry.acquire(ShmRef(region, GEN.size, at))
+            lease = registry.acquire(ShmRef(region, GEN.size, at), client=client)
             at = 0
     except BaseException:
         lease.release()
@@ -168,8 +170,14 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
 _SEQUENCE_FIELDS: dict[str, Any] = {"sequence_id": (int, str), "sequence_start": bool, "sequence_end": bool}
 
 
-def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: SharedMemoryRegistry) -> Decoded:
-    """Build the request; on error every lease taken so far is released before raising."""
+def decode_infer(
+    header: dict[str, Any],
+    frames: Sequence[Any],
+    registry: SharedMemoryRegistry,
+    client: ShmClient | None = None,
+) -> Decoded:
+    """Build the request; on error every lease taken so far is released before raising.
+    `client`: who names shm regions (None: in-process)."""
     where = "request header"
     model = _field(header, "model", str, where)
     if not model:
@@ -182,6 +190,7 @@ def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: Shared
         parameters=_params(header, where),
         priority=_field(header, "priority", int, where, 0),
         timeout_us=_field(header, "timeout_us", int, where, 0),
+        shm_client=client,
     )
     for key in _SEQUENCE_FIELDS:  # top-level shorthands for the sequence batcher's parameters
         if key in header:
@@ -213,7 +222,7 @@ def _decode_tensors(
         shape = _shape(desc, what)
         tensor = InputTensor(name, datatype, shape, parameters=_params(desc, what))
         if "shm" in desc:
-            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what)
+            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
             if guard is not None:
                 decoded.guards.append(guard)
         else:
@@ -244,7 +253,7 @@ def _decode_tensors(
             name, classification=_field(desc, "classification", int, what, 0), parameters=_params(desc, what)
         )
         if "shm" in desc:
-            ref, guard = _resolve_ref(registry, desc["shm"], what)
+            ref, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
             if guard is None:
                 wanted.shm = ref  # a plain region: the data plane writes it
             else:
@@ -252,7 +261,7 @@ def _decode_tensors(
                     guard.release()
                     raise invalid_arg(f"{what}: shared memory cannot be combined with classification")
                 try:
-                    lease = registry.acquire(ref, write=True)
+                    lease = registry.acquire(ref, write=True, client=request.shm_client)
                 except BaseException:
                     guard.release()
                     raise
