@@ -197,12 +197,12 @@ class FleetSection:
     cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
     key_file: Path | None = None  # PEM private key of cert_file
     # "5" or "3.1.1" (the es/v1 command surface), or "aws-iot-jobs": commands arrive as AWS IoT Jobs on
-    # $aws/things/{device_id}/jobs/... (MQTT 3.1.1; the thing name is device_id), see ota/fleet.md.
+    # $aws/things/{device_id}/jobs/... (MQTT 3.1.1, thing name = device_id), see docs/fleet-operations.md.
     protocol: str = "5"
     keepalive_s: int = 30  # MQTT keepalive (at least 5)
     metrics_interval_s: float = 60.0  # period of the metrics topic
     max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected
-    # Signed commands (ota/fleet.md): the folder of trusted command public keys, one PEM per *.pub
+    # Signed commands (docs/fleet-operations.md): the folder of trusted command public keys, one PEM per *.pub
     # (not the bundle keys); unset = <state_dir>/trust/commands.
     command_keys: Path | None = None
     require_signed_commands: bool = True  # false: a lab opt-out; what is signed is still verified
