@@ -73,3 +73,23 @@ def test_the_readme_is_short_and_points_only_into_the_repository() -> None:
     for target in re.findall(r"\]\(([^)#\s]+)", readme):
         assert not target.startswith(("../", "/")), target
         assert target.startswith("http") or (ROOT / target).exists(), target
+
+
+def test_every_test_the_threat_model_names_exists() -> None:
+    """docs/security.md backs each statement with a test: every `file.py::name` it names is defined
+    (bare file names are in tests/security/; `::name` continues the file named last)."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    current: Path | None = None
+    missing: list[str] = []
+    names = 0
+    for match in re.finditer(r"((?:tests/(?:[\w/]+/)?)?test_\w+\.py)|::(test_\w+)", text):
+        if match[1]:
+            path = match[1] if match[1].startswith("tests/") else f"tests/security/{match[1]}"
+            current = ROOT / path
+            if not current.is_file():
+                missing.append(path)
+        elif current is not None:
+            names += 1
+            if not re.search(rf"^(?:async )?def {match[2]}\b", current.read_text(), re.M):
+                missing.append(f"{current.relative_to(ROOT)}::{match[2]}")
+    assert names > 50 and not missing, missing
