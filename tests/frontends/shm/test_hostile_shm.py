@@ -254,7 +254,7 @@ def test_truncated_unsealed_ring_or_region_is_a_clear_error(server: RunningServe
 
 
 def test_slot_rewritten_mid_flight(server: RunningServer) -> None:
-    """What a producer that rewrites a slot while its request is in flight gets (README, shm rules)."""
+    """What a producer that rewrites a slot while its request is in flight gets (docs/zmq.md, shm rules)."""
     with ZmqClient(server.zmq_endpoint, timeout=10.0) as client:
         for sealed in (True, False):
             ring = client.create_ring(slots=4, slot_size=4 * D) if sealed else None
