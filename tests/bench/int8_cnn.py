@@ -36,7 +36,7 @@ model_warmup [
 """
 
 
-def build_cnn(path: Path, seed: int = 7) -> Path:
+def build_cnn(path: Path, seed: int = 7, opset: int = 17) -> Path:
     rng = np.random.default_rng(seed)
 
     def he(*shape: int) -> np.ndarray:
@@ -70,7 +70,7 @@ def build_cnn(path: Path, seed: int = 7) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", CLASSES])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
