@@ -41,7 +41,8 @@ def build_cnn(path: Path, seed: int = 7, opset: int = 17) -> Path:
 
     def he(*shape: int) -> np.ndarray:
         fan_in = int(np.prod(shape[1:]))
-        return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        weights: np.ndarray = (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        return weights
 
     inits = [
         numpy_helper.from_array(he(16, 3, 3, 3), "w1"),
@@ -94,7 +95,7 @@ def clear_inputs(model: Path, count: int, seed: int = 0, margin: float = 0.15) -
             colour = rng.random(3).astype(np.float32)[:, None, None]
             image += colour * np.exp(-((ys - cy) ** 2 + (xs - cx) ** 2) / (0.02 + 0.1 * r))
         image += rng.normal(0, 0.05, image.shape).astype(np.float32)
-        image = np.round(np.clip(image, 0.0, 1.0) * 255) / 255  # what an 8-bit image file holds
+        image = (np.round(np.clip(image, 0.0, 1.0) * 255) / 255).astype(np.float32)  # as an 8-bit file holds
         logits = session.run(None, {"x": image[None]})[0][0]
         top2 = np.sort(logits)[-2:]
         if top2[1] - top2[0] >= margin * (logits.max() - logits.min()):

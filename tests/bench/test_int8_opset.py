@@ -20,7 +20,7 @@ from edgeserve.bench.tune_int8 import Int8Options, calibrate
 
 
 def _opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
 
 
 @pytest.fixture(scope="module")
