@@ -17,6 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from edgeserve.logs import safe
+
 log = logging.getLogger("edgeserve.fleet")
 
 # "section.key" -> what it tunes (the docs table is made from this).
@@ -110,8 +112,6 @@ def why_refused(name: str) -> str | None:
 
 def refused_keys(changes: Mapping[str, Any]) -> list[str]:
     """Every "section.key (why)" of `{section: {key: value}}` that a command may not set, sorted."""
-    from edgeserve.fleet.safe_text import safe
-
     refused: list[str] = []
     for section, values in changes.items():
         keys = values if isinstance(values, Mapping) else {"*": None}
@@ -124,8 +124,6 @@ def refused_keys(changes: Mapping[str, Any]) -> list[str]:
 
 def only_allowed(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The overlay without what a command may not set; what was dropped is logged."""
-    from edgeserve.fleet.safe_text import safe
-
     kept: dict[str, Any] = {}
     for section, values in data.items():
         if not isinstance(values, Mapping):

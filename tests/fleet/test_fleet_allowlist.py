@@ -17,7 +17,7 @@ from edgeserve.config import Settings
 from edgeserve.fleet.allowlist import ALLOWED, REFUSED, refused_keys, why_refused
 from edgeserve.fleet.desired import MAX_GENERATION, DesiredRefused, parse_desired
 from edgeserve.fleet.protocol import CommandError, check_args
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.settings_tools import OVERLAY, load_layered
 
 ROOT = Path(__file__).resolve().parents[2]
