@@ -312,7 +312,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _restricted_flag(parser: argparse.ArgumentParser, option: str, feature: str, carries: str) -> None:
     """Triton's `--<option>=<category>[,<category>...]:<key>=<value>` (repeatable)."""
-    from edgeserve.frontends.restricted import CATEGORIES, parse_group
+    from edgeserve.protocol.restricted import CATEGORIES, parse_group
 
     def group(value: str) -> str:
         try:

@@ -31,7 +31,7 @@ from edgeserve.config_sections import (
     SupervisorSection,
     ZmqSection,
 )
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.protocol.restricted import RestrictedGroups
 
 if sys.version_info >= (3, 11):
     import tomllib

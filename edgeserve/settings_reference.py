@@ -20,7 +20,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from edgeserve.config import Settings, to_dict
 from edgeserve.fleet.allowlist import ALLOWED
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.protocol.restricted import RestrictedGroups
 from edgeserve.settings_tools import _toml_value, is_live
 
 ALLOWLIST_MARK, ALLOWLIST_END = "<!-- set_config allowlist -->", "<!-- /set_config allowlist -->"

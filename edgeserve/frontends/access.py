@@ -9,7 +9,7 @@ In this order, for one request:
 2. Admin endpoints (load/unload, shared-memory register/unregister, log-settings updates) are refused
    to non-loopback peers while `admin_loopback_only` (the default), token or not: PERMISSION_DENIED
    (HTTP 403).
-3. Triton's restricted APIs (restricted.py): a restricted category needs its header from every peer,
+3. Triton's restricted APIs (protocol/restricted.py): a restricted category needs its header from every peer,
    loopback included (Triton: HTTP 403, gRPC UNAVAILABLE). The one exception is the supervisor's
    private control socket (a Unix socket of mode 0600: only the service's own user can open it, and
    that user can read the settings that hold the header anyway).
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from edgeserve.frontends.restricted import Restriction, grpc_restrictions, http_restrictions
 from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.restricted import Restriction, grpc_restrictions, http_restrictions
 
 if TYPE_CHECKING:
     from edgeserve.config import GrpcSection, HttpSection
