@@ -210,29 +210,3 @@ def exposure_warnings(section: str, host: str, token: str, tls: bool, client_ca:
             f"(set [{section}] tls_cert and tls_key)"
         )
     return warnings
-
-
-def listener_problems(section: str, values: HttpSection | GrpcSection) -> list[tuple[str, str]]:
-    """Validation of [http]/[grpc] access settings: (field path, message) for each problem."""
-    problems: list[tuple[str, str]] = []
-    if bool(values.tls_cert) != bool(values.tls_key):
-        problems.append((f"{section}.tls_cert", "tls_cert and tls_key must be set together"))
-    if values.tls_client_ca and not values.tls_cert:
-        problems.append(
-            (f"{section}.tls_client_ca", "client certificates need TLS: set tls_cert and tls_key")
-        )
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(values, name)
-        if path is not None and not Path(path).is_file():
-            problems.append((f"{section}.{name}", f"{path} is not a readable file (a PEM file)"))
-    if values.token and (values.token != values.token.strip() or not values.token.isprintable()
-                         or " " in values.token or not values.token.isascii()):  # fmt: skip
-        problems.append(
-            (f"{section}.token", "must be printable ASCII without spaces (it travels in a header)")
-        )
-    groups_field = "restricted_api" if section == "http" else "restricted_protocol"
-    try:
-        (http_restrictions if section == "http" else grpc_restrictions)(getattr(values, groups_field))
-    except ValueError as exc:
-        problems.append((f"{section}.{groups_field}", str(exc)))
-    return problems
