@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from edgeserve.config_allowlist import only_allowed
 from edgeserve.config_sections import (
     MAX_COMMAND_LIFETIME_S,
     MAX_SPIN_US,
@@ -361,8 +362,6 @@ def load_settings_with_sources(
     if path is not None:
         _apply(settings, _read_toml(path), str(path), sources)
     if overlay is not None:  # only what a fleet command may set: a key put there otherwise is dropped
-        from edgeserve.fleet.allowlist import only_allowed
-
         _apply(settings, only_allowed(_read_toml(overlay), str(overlay)), str(overlay), sources)
     env = os.environ if environ is None else environ
     env_values = _env_overrides(env)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 from edgeserve.config import ConfigError, load_settings_with_sources
-from edgeserve.fleet.allowlist import only_allowed, refused_keys
+from edgeserve.config_allowlist import only_allowed, refused_keys
 from edgeserve.fleet.services import FleetCommandFailed, Report
 from edgeserve.fsutil import write_text_atomic
 from edgeserve.ota.errors import BundleRefused, StoreError

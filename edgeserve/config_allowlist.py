@@ -9,6 +9,8 @@ every setting is in one of the two tables and that the docs list ALLOWED).
 
 The same rule holds for the overlay the agent persisted (`<state_dir>/fleet/settings.toml`): a key
 outside ALLOWED in it (written by an older version, or by hand) is dropped at load with a warning.
+Loading enforces it (config.py), so it lives with the settings; the fleet agent and the supervisor
+ask it too.
 """
 
 from __future__ import annotations
