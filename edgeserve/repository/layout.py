@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError
 
 CONFIG_FILE = "config.pbtxt"
 WARMUP_DIR = "warmup"  # model_warmup input_data_file lives in <model>/warmup/ (Triton)
