@@ -89,7 +89,8 @@ def _run(args: argparse.Namespace) -> int:
     """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.settings_tools import repository_problem, resolve_state_dir
+    from edgeserve.repository.layout import repository_problem
+    from edgeserve.settings_tools import resolve_state_dir
     from edgeserve.supervisor.supervisor import Supervisor
 
     loader = _settings_loader(args)

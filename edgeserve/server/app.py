@@ -89,7 +89,7 @@ class Server:
 
     async def start(self) -> None:
         """Frontends first (live answers, ready is false), then the models (ready once all warmed up)."""
-        from edgeserve.settings_tools import repository_problem
+        from edgeserve.repository.layout import repository_problem
 
         problem = repository_problem(self.settings)
         clashes = self.repository.clashes()
