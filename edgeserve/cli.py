@@ -121,9 +121,9 @@ GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    from edgeserve.app import Server, StartupError
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server, StartupError
 
     loader = _settings_loader(args)
     try:
