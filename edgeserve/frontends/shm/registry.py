@@ -277,7 +277,7 @@ class SharedMemoryRegistry:
             region.refs += 1
         start = region.info.offset + ref.offset
         view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
-        return ShmLease(self, region, start, ref.byte_size, view)
+        return ShmLease(self._release, region, start, ref.byte_size, view)
 
     def _release(self, region: Region) -> None:
         with self._lock:
