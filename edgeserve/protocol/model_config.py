@@ -1,7 +1,7 @@
 """Triton's model configuration (model_config.proto, the class tritonclient ships): config.pbtxt and
-the load API's JSON parsed into it, and the names of its data types. Every layer that reads a config
-(backends, the data plane's ensembles, the repository) reads it through here; a syntax error names the
-file, the line and the field.
+the load API's JSON parsed into it, and the names of its data types; a syntax error names the file, the
+line and the field. Below the repository so that the backends and the data plane's ensembles read
+configs too; repository/config.py validates them and re-exports these names.
 """
 
 from __future__ import annotations
