@@ -89,7 +89,8 @@ def _run(args: argparse.Namespace) -> int:
     """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.settings_tools import repository_problem, resolve_state_dir
+    from edgeserve.repository.layout import repository_problem
+    from edgeserve.settings_tools import resolve_state_dir
     from edgeserve.supervisor.supervisor import Supervisor
 
     loader = _settings_loader(args)
@@ -120,9 +121,9 @@ GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    from edgeserve.app import Server, StartupError
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server, StartupError
 
     loader = _settings_loader(args)
     try:
@@ -312,7 +313,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _restricted_flag(parser: argparse.ArgumentParser, option: str, feature: str, carries: str) -> None:
     """Triton's `--<option>=<category>[,<category>...]:<key>=<value>` (repeatable)."""
-    from edgeserve.frontends.restricted import CATEGORIES, parse_group
+    from edgeserve.protocol.restricted import CATEGORIES, parse_group
 
     def group(value: str) -> str:
         try:

@@ -46,8 +46,8 @@ from edgeserve.fleet.connection import connect, device_id, make_client, payload
 from edgeserve.fleet.gate import command_keys
 from edgeserve.fleet.persist import RUNNING, CommandLedger
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, Topics, utc
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, execute
+from edgeserve.logs import safe
 from edgeserve.ota.trust import TrustStore, default_trust_dir
 
 log = logging.getLogger("edgeserve.fleet")

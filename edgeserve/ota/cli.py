@@ -210,11 +210,11 @@ class _Progress:
 
 
 def _offline_installer(args: argparse.Namespace) -> Any:
-    from edgeserve.ota.activate import OfflineActivator, TrialRunner
     from edgeserve.ota.installer import Installer
     from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
     from edgeserve.ota.trust import trust_dir_for
+    from edgeserve.supervisor.activate import OfflineActivator, TrialRunner
     from edgeserve.supervisor.report import device_accelerators
 
     settings, state_dir, config, sources = _settings(args)

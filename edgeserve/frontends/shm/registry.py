@@ -23,9 +23,14 @@ import os
 import threading
 from collections.abc import Iterator
 
-from edgeserve.frontends.peer import PeerIdentity
 from edgeserve.frontends.shm.access import PEER_CREDENTIALS, TRITON, authorize
-from edgeserve.frontends.shm.binding import IN_PROCESS_CLIENT, TRITON_OWNER, ShmClient, principal_of
+from edgeserve.frontends.shm.binding import (
+    IN_PROCESS_CLIENT,
+    TRITON_OWNER,
+    PeerIdentity,
+    ShmClient,
+    principal_of,
+)
 from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
 from edgeserve.frontends.shm.region import Region, RegionInfo, ShmLease
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
@@ -277,7 +282,7 @@ class SharedMemoryRegistry:
             region.refs += 1
         start = region.info.offset + ref.offset
         view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
-        return ShmLease(self, region, start, ref.byte_size, view)
+        return ShmLease(self._release, region, start, ref.byte_size, view)
 
     def _release(self, region: Region) -> None:
         with self._lock:
