@@ -267,8 +267,9 @@ class ZmqClient:
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         try:
             last = len(frames) - 1
-            for i, frame in enumerate(frames):  # send_multipart costs microseconds more
-                sock.send(frame, _SNDMORE if i < last else 0, copy=wire.send_copy(frame))
+            send = wire.sock_send  # past pyzmq's Python layer; send_multipart costs more still
+            for i, frame in enumerate(frames):
+                send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
         except zmq.Again:
             if pending is not None:
                 pending.release_slots()
@@ -308,27 +309,28 @@ class ZmqClient:
         if not 0 <= self._rcvtimeo <= wait_ms or wait_ms - self._rcvtimeo > wait_ms >> 4:
             sock.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
+        recv, get = wire.sock_recv, wire.sock_get
         if self.spinning:
             end = min(until, time.monotonic() + self.spin_s)
-            while not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN and time.monotonic() < end:
+            while not cast(int, get(sock, _EVENTS)) & _POLLIN and time.monotonic() < end:
                 # Let a woken thread (ZeroMQ's I/O thread, the server's) have this core now: with
                 # EEVDF it may otherwise wait for the rest of our time slice (p99 0.74 -> 0.33 ms).
                 os.sched_yield()
         try:
-            frame = sock.recv(0, copy=False)  # one call: no poll first
+            frame = recv(sock, 0, False)  # one call: no poll first
         except zmq.Again:
             frame = None
         while frame is not None:
             msg = [frame]
             while frame.more:  # the parts of a message arrive together
-                frame = sock.recv(0, copy=False)
+                frame = recv(sock, 0, False)
                 msg.append(frame)
             self._dispatch(msg)
             if (target is not None and target._done) or self._sock is None:
                 break
-            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+            if not cast(int, get(sock, _EVENTS)) & _POLLIN:
                 break
-            frame = sock.recv(_DONTWAIT, copy=False)
+            frame = recv(sock, _DONTWAIT, False)
         heap = self._deadlines
         if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
             self._expire(time.monotonic())

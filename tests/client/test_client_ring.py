@@ -42,7 +42,21 @@ def test_quarantined_slots_are_reused_last() -> None:
         ring.quarantine(s0)  # its request timed out
         s1.release()
         order = [ring.acquire().index for _ in range(3)]
-        assert order == [2, 1, 0]
+        assert order == [1, 2, 0]  # the slot released last first (its memory is warm), the stale one last
+
+
+def test_the_slot_released_last_is_taken_first() -> None:
+    """A producer sending one frame at a time writes into the same slot every time (its pages stay in
+    cache); with more in flight, the most recently freed slot goes first."""
+    with FrameRing(4, 64) as ring:
+        first = ring.acquire()
+        first.release()
+        assert [ring.acquire().index for _ in range(1)] == [first.index]
+        slots = [ring.acquire() for _ in range(3)]
+        slots[1].release()
+        slots[0].release()
+        assert ring.acquire().index == slots[0].index
+        assert ring.acquire().index == slots[1].index
 
 
 def test_the_late_answer_of_a_timed_out_call_gives_its_slot_back() -> None:

@@ -29,7 +29,7 @@ import zmq
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
-from edgeserve.frontends.zmq import codec, wire
+from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
@@ -144,13 +144,13 @@ class ZmqFrontend:
                     Status.RESOURCE_EXHAUSTED,
                     f"too many zmq clients (max {self.max_clients}, [zmq] max_clients); try again later",
                 )
-                self._reply(peer, codec.error_reply(None, error))
+                self._reply(peer, replies.error_reply(None, error))
                 return
             self._peers[ident] = peer
         try:
             header = wire.loads(msg[index].buffer)
         except ValueError:
-            self._reply(peer, codec.error_reply(None, invalid_arg("header frame is not valid JSON")))
+            self._reply(peer, replies.error_reply(None, invalid_arg("header frame is not valid JSON")))
             self._maybe_forget(peer)
             return
         req_id = header.get("id") if isinstance(header, dict) else None
@@ -170,14 +170,14 @@ class ZmqFrontend:
                 return
             self._control(peer, op, header, msg[index])
         except InferenceError as exc:
-            self._reply(peer, codec.error_reply(req_id, exc))
+            self._reply(peer, replies.error_reply(req_id, exc))
         except Exception as exc:
             log.exception("zmq request %r failed", req_id)
-            self._reply(peer, codec.error_reply(req_id, internal(f"internal error: {exc}")))
+            self._reply(peer, replies.error_reply(req_id, internal(f"internal error: {exc}")))
         self._maybe_forget(peer)
 
     def _infer(self, peer: _Peer, header: dict[str, Any], frames: list[Any]) -> None:
-        size = sum(len(frame) for frame in frames)
+        size = sum(len(frame) for frame in frames) if frames else 0
         if size > self.max_message_bytes:
             raise InferenceError(
                 Status.RESOURCE_EXHAUSTED,
@@ -208,14 +208,14 @@ class ZmqFrontend:
         def on_done(result: InferResponse | InferenceError) -> None:
             try:
                 if isinstance(result, InferenceError):
-                    reply = codec.error_reply(decoded.req_id, result)
+                    reply = replies.error_reply(decoded.req_id, result)
                 else:
-                    reply = codec.infer_reply(decoded, result)
+                    reply = replies.infer_reply(decoded, result)
             except InferenceError as exc:
-                reply = codec.error_reply(decoded.req_id, exc)
+                reply = replies.error_reply(decoded.req_id, exc)
             except Exception as exc:
                 log.exception("building the zmq reply for request %r failed", decoded.req_id)
-                reply = codec.error_reply(
+                reply = replies.error_reply(
                     decoded.req_id, internal(f"internal error building the reply: {exc}")
                 )
             finally:
@@ -293,7 +293,7 @@ class ZmqFrontend:
             )
             body = {"live": self.dataplane.live(), "ready": ready}
         elif op == wire.OP_BYE:
-            self._reply(peer, codec.ok_reply(req_id, {}))
+            self._reply(peer, replies.ok_reply(req_id, {}))
             self._forget(peer, "said bye")
             return
         else:
@@ -301,7 +301,7 @@ class ZmqFrontend:
                 f"unknown op {op!r}; expected one of infer, ping, register, unregister, "
                 "status, metadata, ready, bye"
             )
-        self._reply(peer, codec.ok_reply(req_id, body))
+        self._reply(peer, replies.ok_reply(req_id, body))
 
     # -- send -----------------------------------------------------------------------------------
     def _post(self, peer: _Peer, frames: list[Any]) -> None:
