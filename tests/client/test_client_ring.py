@@ -126,6 +126,29 @@ def test_write_gathers_a_strided_view_in_one_copy() -> None:
         assert np.array_equal(ring.read(slot, "FP16", (3, 2), 12), half)
 
 
+def test_writes_reuse_a_view_per_slot_and_closing_unmaps() -> None:
+    """Slot.write keeps one typed view per (slot, dtype, shape): each write lands in its own slot, a
+    new dtype or shape gets its own view, and close() drops them so the mapping really goes."""
+    ring = FrameRing(2, 64)
+    first, second = ring.acquire(), ring.acquire()
+    first.write(np.full((2, 2), 1.5, np.float32))
+    second.write(np.full((2, 2), -3.0, np.float32))
+    first.write(np.full((2, 2), 2.5, np.float32))  # the cached view of slot `first`, new values
+    assert ring.read(first, "FP32", (2, 2), 16).tolist() == [[2.5, 2.5], [2.5, 2.5]]
+    assert ring.read(second, "FP32", (2, 2), 16).tolist() == [[-3.0, -3.0], [-3.0, -3.0]]
+    ref = second.write(np.array([1, -2, 3], np.int8))
+    assert (ref.datatype, ref.shape, ref.byte_size) == ("INT8", (3,), 3)
+    assert ring.read(second, "INT8", (3,), 3).tolist() == [1, -2, 3]
+    with pytest.raises(ClientError, match="does not fit a 64-byte slot"):
+        first.write(np.zeros((5, 4), np.float32))
+    mapping = ring._map
+    ring.close()
+    assert mapping is not None and mapping.closed  # no cached view kept it mapped
+    with pytest.raises(ClientError) as info:
+        first.write(np.full((2, 2), 1.0, np.float32))
+    assert info.value.status == "UNAVAILABLE"
+
+
 def test_closed_ring_refuses_slots() -> None:
     ring = FrameRing(1, 64)
     ring.close()

@@ -207,20 +207,21 @@ class ZmqFrontend:
 
         def on_done(result: InferResponse | InferenceError) -> None:
             try:
-                if isinstance(result, InferenceError):
-                    reply = replies.error_reply(decoded.req_id, result)
-                else:
-                    reply = replies.infer_reply(decoded, result)
-            except InferenceError as exc:
-                reply = replies.error_reply(decoded.req_id, exc)
-            except Exception as exc:
-                log.exception("building the zmq reply for request %r failed", decoded.req_id)
-                reply = replies.error_reply(
-                    decoded.req_id, internal(f"internal error building the reply: {exc}")
-                )
+                try:
+                    if isinstance(result, InferenceError):
+                        reply = replies.error_reply(decoded.req_id, result)
+                    else:
+                        reply = replies.infer_reply(decoded, result)
+                except InferenceError as exc:
+                    reply = replies.error_reply(decoded.req_id, exc)
+                except Exception as exc:
+                    log.exception("building the zmq reply for request %r failed", decoded.req_id)
+                    reply = replies.error_reply(
+                        decoded.req_id, internal(f"internal error building the reply: {exc}")
+                    )
+                self._post(peer, reply)
             finally:
-                decoded.release()
-            self._post(peer, reply)
+                decoded.release()  # after the send: the slot guards are checked, the reply goes first
 
         # While other requests wait, only a tiny model runs here: for a longer one the workers (and the
         # batcher) do better, and those requests would wait for it; a tiny one costs less than the
