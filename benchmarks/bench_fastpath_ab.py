@@ -146,12 +146,25 @@ def served_parameters(variants: list[Variant]) -> dict[str, str]:
     return tuned
 
 
-def run_client(args: list[str], env: dict[str, str], seconds: float) -> dict[str, Any]:
+def server_cpu(variant: Variant | None) -> float:
+    """CPU seconds the variant's server has used so far (0 for the in-process phase)."""
+    if variant is None or variant.server is None:
+        return 0.0
+    times = psutil.Process(variant.server.process.pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def run_client(
+    args: list[str], env: dict[str, str], seconds: float, variant: Variant | None = None
+) -> dict[str, Any]:
+    """One client process; adds the server's CPU per answered call over the client's whole life."""
+    cpu0 = server_cpu(variant)
     cmd = [sys.executable, str(CLIENT), "--seconds", str(seconds), "--start", str(time.time() + 3.0), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 180, cwd="/")
     if done.returncode != 0:
         raise RuntimeError(f"client {args} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout)
+    result["server_cpu_us"] = 1e6 * (server_cpu(variant) - cpu0) / max(1, result["calls"])
     return result
 
 
@@ -176,6 +189,7 @@ def main() -> int:
     latencies: dict[str, list[list[float]]] = {v.name: [] for v in variants}
     latencies["inproc"] = []
     cpu: dict[str, list[float]] = {name: [] for name in latencies}
+    cpu_us: dict[str, list[tuple[float, float]]] = {name: [] for name in latencies}  # client, server
     try:
         for variant in variants:
             progress(f"starting {variant.name}: {variant.src} {variant.server_env or ''}")
@@ -199,9 +213,12 @@ def main() -> int:
                     assert variant.server is not None
                     client = ["--mode", args.mode, "--endpoint", variant.server.zmq_endpoint,
                               "--slots", str(args.slots), "--spin-us", str(variant.spin_us)]  # fmt: skip
-                    result = run_client(client, variant.env(), args.seconds)
+                    result = run_client(client, variant.env(), args.seconds, variant)
                 latencies[name].append(result["latencies"])
                 cpu[name].append(100.0 * result["cpu"] / max(result["wall"], 1e-9))
+                cpu_us[name].append(
+                    (1e6 * result["cpu"] / max(1, len(result["latencies"])), result["server_cpu_us"])
+                )
                 checksums[name] = result["checksum"]
                 p50 = percentile(result["latencies"], 50) * 1e3
                 progress(
@@ -211,7 +228,7 @@ def main() -> int:
         for name, value in checksums.items():
             if abs(value - reference) > 1e-3 * max(1.0, abs(reference)):
                 raise SystemExit(f"{name}: output checksum {value} differs from in-process {reference}")
-        report(args, variants, latencies, cpu, facts, tmp)
+        report(args, variants, latencies, cpu, cpu_us, facts, tmp)
     finally:
         for variant in variants:
             variant.resume()
@@ -225,6 +242,7 @@ def report(
     variants: list[Variant],
     latencies: dict[str, list[list[float]]],
     cpu: dict[str, list[float]],
+    cpu_us: dict[str, list[tuple[float, float]]],
     facts: str,
     tmp: Path,
 ) -> None:
@@ -234,8 +252,8 @@ def report(
     print(f"frame_pool: 600 KB FP32 in ({frame}), 4 KB out; 1 client in its own process, one request in "
           f"flight; {args.rounds} rounds of {args.seconds:g} s, order rotated\n")  # fmt: skip
     print("| variant | calls | p50 ms | p99 ms | p50 above in-process (median of rounds) | per round "
-          "| client CPU |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---|---:|")
+          "| client CPU | CPU µs per call: client + server |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
     rows = []
     for name in ["inproc", *(v.name for v in variants)]:
         pooled = [x for r in latencies[name] for x in r]
@@ -249,12 +267,15 @@ def report(
             "above_ms": statistics.median(added) if name != "inproc" else 0.0,
             "per_round_above_ms": added,
             "client_cpu_pct": statistics.mean(cpu[name]),
+            "client_cpu_us": statistics.median(c for c, _ in cpu_us[name]),
+            "server_cpu_us": statistics.median(s for _, s in cpu_us[name]),
         }
         rows.append(row)
         above = "—" if name == "inproc" else f"{row['above_ms']:+.3f} ms"
         rounds = ", ".join(f"{a:+.3f}" for a in added) if name != "inproc" else ""
+        work = f"{row['client_cpu_us']:.0f} + {row['server_cpu_us']:.0f}"
         print(f"| {name} | {row['calls']:,} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {above} | {rounds} "
-              f"| {row['client_cpu_pct']:.0f}% |")  # fmt: skip
+              f"| {row['client_cpu_pct']:.0f}% | {work} |")  # fmt: skip
     print()
     for row in rows[1:]:
         verdict = "PASS" if row["above_ms"] < TARGET_MS else "FAIL"

@@ -88,7 +88,10 @@ def main() -> int:
         cpu = time.process_time() - cpu0
     finally:
         close()
-    json.dump({"latencies": latencies, "wall": wall, "cpu": cpu, "checksum": checksum}, sys.stdout)
+    calls = 1 + args.warmup + len(latencies)  # everything the server answered for this process
+    json.dump(
+        {"latencies": latencies, "wall": wall, "cpu": cpu, "checksum": checksum, "calls": calls}, sys.stdout
+    )
     return 0
 
 
