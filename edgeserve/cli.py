@@ -198,7 +198,12 @@ def _die_with_supervisor() -> None:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """`edgeserve config check`: validate, then print the effective settings and where each came from."""
+    """`edgeserve config check`: validate, then print the effective settings and where each came from.
+    `edgeserve config reference`: every setting as Markdown (the docs' settings reference)."""
+    if args.action == "reference":
+        from edgeserve.settings_reference import main
+
+        return main(args.out)
     from edgeserve.config import ConfigError
     from edgeserve.settings_tools import load_layered, render_effective, resolve_state_dir
 
@@ -339,9 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--control-socket", type=Path, help=argparse.SUPPRESS)  # set by the supervisor
     serve.set_defaults(func=_serve)
 
-    config = sub.add_parser("config", help="validate a settings file and print the effective settings")
-    config.add_argument("action", choices=["check"])
+    config = sub.add_parser("config", help="check: validate settings, print them; reference: document them")
+    config.add_argument("action", choices=["check", "reference"])
     config.add_argument("--config", type=Path, help="settings TOML file")
+    config.add_argument("--out", type=Path, help="reference: write this Markdown file instead of stdout")
     config.set_defaults(func=_config)
 
     from edgeserve.fleet.fleet_cli import add_commands as add_fleet_commands
@@ -378,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeserve.bench.cli import add_commands as add_bench_commands  # stdlib only at import time
 
     add_bench_commands(sub)
+
+    from edgeserve.video.cli import add_commands as add_watch_commands  # PyAV only when it runs
+
+    add_watch_commands(sub)
     return parser
 
 

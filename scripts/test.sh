@@ -33,6 +33,19 @@ else
     echo "warning: could not install systemd (needs root or sudo); the unit tests will skip" >&2
 fi
 
+# tests/video: an RTSP server on loopback (gst-rtsp-server, run by Debian's python3 with its gi
+# bindings) and the H.264/H.265 payloaders and parsers it needs.
+GST_PACKAGES="gstreamer1.0-rtsp gir1.2-gst-rtsp-server-1.0 gir1.2-gstreamer-1.0 python3-gi
+  gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad"
+if /usr/bin/python3 -c 'import gi; gi.require_version("GstRtspServer", "1.0"); from gi.repository import GstRtspServer' >/dev/null 2>&1; then
+  step "gst-rtsp-server present (RTSP server for the video tests)"
+else
+  step "installing gst-rtsp-server (RTSP server for the video tests)"
+  # shellcheck disable=SC2086
+  apt_install --no-install-recommends $GST_PACKAGES ||
+    echo "warning: could not install gst-rtsp-server (needs root or sudo); the RTSP tests will skip" >&2
+fi
+
 step "python -m pytest $*"
 set +e
 .venv/bin/python -m pytest -ra "$@"

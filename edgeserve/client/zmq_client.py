@@ -192,7 +192,8 @@ class ZmqClient:
                     raise
 
     def regions(self, name: str = "") -> list[dict[str, Any]]:
-        """Every registered region (`mine` marks this client's)."""
+        """The regions this client may name (`mine`: registered by it; every region under the server's
+        `[shm] registration = "triton"`)."""
         regions: list[dict[str, Any]] = self._call(wire.OP_STATUS, None, name=name)["regions"]
         return regions
 

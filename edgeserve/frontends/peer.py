@@ -26,6 +26,7 @@ import re
 import socket
 import struct
 import tempfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,20 @@ def socket_peer(sock: Any, server_port: int | None = None, proc_root: Path = Pat
     return tcp_peer(str(peer[0]), int(peer[1]), server_port or int(local[1]), proc_root)
 
 
+_TRANSPORT_PEERS: weakref.WeakKeyDictionary[Any, PeerIdentity] = weakref.WeakKeyDictionary()
+
+
+def transport_peer(transport: Any) -> PeerIdentity:
+    """The peer of an asyncio transport (an aiohttp connection), looked up once per connection: the
+    owner of a socket, like SO_PEERCRED, is fixed when it connects."""
+    if transport is None:
+        return PeerIdentity("unknown", "")
+    known = _TRANSPORT_PEERS.get(transport)
+    if known is None:
+        known = _TRANSPORT_PEERS[transport] = socket_peer(transport.get_extra_info("socket"))
+    return known
+
+
 def grpc_peer(peer: str, server_port: int | None, proc_root: Path = Path("/proc")) -> PeerIdentity:
     """From grpc's `context.peer()`: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:..."."""
     from edgeserve.frontends.grpc.auth import peer_host
@@ -184,7 +199,7 @@ def tcp_socket_owner(ip: IpAddress, port: int, server_port: int | None, proc_roo
             text = (proc_root / "net" / name).read_text()
         except OSError:
             continue
-        for row in parse_proc_net_tcp(text):
+        for row in parse_proc_net_tcp(text, port):
             if row.state != _TCP_ESTABLISHED or not row.inode or row.local != (ip, port):
                 continue
             if server_port is not None and row.remote[1] != server_port:
@@ -206,12 +221,14 @@ class TcpRow:
     inode: int
 
 
-def parse_proc_net_tcp(text: str) -> Iterator[TcpRow]:
+def parse_proc_net_tcp(text: str, local_port: int | None = None) -> Iterator[TcpRow]:
     """The rows of /proc/net/tcp or /proc/net/tcp6 (addresses as the kernel prints them: 32-bit words
-    in host byte order; IPv4-mapped IPv6 addresses come back as IPv4)."""
+    in host byte order; IPv4-mapped IPv6 addresses come back as IPv4); with `local_port`, only rows of
+    that local port (a box may hold thousands of sockets: the others are not decoded)."""
+    port = None if local_port is None else f":{local_port:04X}"
     for line in text.splitlines()[1:]:
         parts = line.split()
-        if len(parts) < 10:
+        if len(parts) < 10 or (port is not None and not parts[1].endswith(port)):
             continue
         with contextlib.suppress(ValueError, struct.error):
             yield TcpRow(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from edgeserve.frontends.shm.binding import IN_PROCESS
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg
 
 if TYPE_CHECKING:
@@ -37,10 +38,16 @@ class RegionInfo:
 class Region:
     """A registered region: mapped when sealed against shrinking, else only an open file."""
 
-    __slots__ = ("fd", "info", "map", "owner", "refs", "retired", "writable")
+    __slots__ = ("fd", "info", "map", "owner", "principal", "refs", "retired", "writable")
 
     def __init__(
-        self, info: RegionInfo, fd: int, mapping: mmap.mmap | None, owner: str, writable: bool = True
+        self,
+        info: RegionInfo,
+        fd: int,
+        mapping: mmap.mmap | None,
+        owner: str,
+        writable: bool = True,
+        principal: str = IN_PROCESS,
     ) -> None:
         self.info = info
         self.fd = fd  # -1 for a mapped (sealed) region: the mapping keeps the memory alive
@@ -49,6 +56,7 @@ class Region:
         self.refs = 0
         self.retired = False
         self.writable = writable  # False: the client that registered it may only read it
+        self.principal = principal  # who may name it (binding.py)
 
     def check_writable(self, what: str) -> None:
         if not self.writable:

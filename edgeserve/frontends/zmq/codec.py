@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
+from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient, ShmLease
 from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
 from edgeserve.frontends.zmq.replies import error_reply, infer_reply, ok_reply
 from edgeserve.protocol import datatypes
@@ -145,7 +145,9 @@ def _layout(view: Any, region: str) -> RingLayout:
     return layout
 
 
-def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[ShmRef, SlotGuard | None]:
+def _resolve_ref(
+    registry: SharedMemoryRegistry, ref: Any, what: str, client: ShmClient | None
+) -> tuple[ShmRef, SlotGuard | None]:
     """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
     if not isinstance(ref, dict):
         raise invalid_arg(f"{what}: 'shm' must be an object with region, byte_size and offset")
@@ -165,11 +167,11 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
     # A ring's data starts at a page boundary, so its first page (header and, for up to 504 slots,
     # every generation word) can be mapped with one lease that then guards the slot.
     try:
-        lease = registry.acquire(ShmRef(region, PAGE, 0))
+        lease = registry.acquire(ShmRef(region, PAGE, 0), client=client)
     except InferenceError as exc:
         if exc.status != Status.INVALID_ARG:
             raise
-        lease = registry.acquire(ShmRef(region, HEADER_SIZE, 0))  # too small: say why below
+        lease = registry.acquire(ShmRef(region, HEADER_SIZE, 0), client=client)  # too small: say why below
     try:
         view = lease.view
         layout = _layout(view, region)
@@ -177,7 +179,7 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
         at = layout.generation_offset(slot)
         if at + GEN.size > len(view):
             lease.release()
-            lease = registry.acquire(ShmRef(region, GEN.size, at))
+            lease = registry.acquire(ShmRef(region, GEN.size, at), client=client)
             at = 0
     except BaseException:
         lease.release()
@@ -194,8 +196,14 @@ def _resolve_ref(registry: SharedMemoryRegistry, ref: Any, what: str) -> tuple[S
 _SEQUENCE_FIELDS: dict[str, Any] = {"sequence_id": (int, str), "sequence_start": bool, "sequence_end": bool}
 
 
-def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: SharedMemoryRegistry) -> Decoded:
-    """Build the request; on error every lease taken so far is released before raising."""
+def decode_infer(
+    header: dict[str, Any],
+    frames: Sequence[Any],
+    registry: SharedMemoryRegistry,
+    client: ShmClient | None = None,
+) -> Decoded:
+    """Build the request; on error every lease taken so far is released before raising.
+    `client`: who names shm regions (None: in-process)."""
     where = "request header"
     model, version = header.get("model"), header.get("version", "")
     priority, timeout_us = header.get("priority", 0), header.get("timeout_us", 0)
@@ -216,6 +224,7 @@ def decode_infer(header: dict[str, Any], frames: Sequence[Any], registry: Shared
         parameters=_params(header, where) if "parameters" in header else {},
         priority=priority,
         timeout_us=timeout_us,
+        shm_client=client,
     )
     if "sequence_id" in header or "sequence_start" in header or "sequence_end" in header:
         for key in _SEQUENCE_FIELDS:  # top-level shorthands for the sequence batcher's parameters
@@ -254,7 +263,7 @@ def _decode_tensors(
             name, datatype, shape, parameters=_params(desc, what) if "parameters" in desc else {}
         )
         if "shm" in desc:
-            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what)
+            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
             if guard is not None:
                 decoded.guards.append(guard)
         else:
@@ -285,7 +294,7 @@ def _decode_tensors(
             name, classification=_field(desc, "classification", int, what, 0), parameters=_params(desc, what)
         )
         if "shm" in desc:
-            ref, guard = _resolve_ref(registry, desc["shm"], what)
+            ref, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
             if guard is None:
                 wanted.shm = ref  # a plain region: the data plane writes it
             else:
@@ -293,7 +302,7 @@ def _decode_tensors(
                     guard.release()
                     raise invalid_arg(f"{what}: shared memory cannot be combined with classification")
                 try:
-                    lease = registry.acquire(ref, write=True)
+                    lease = registry.acquire(ref, write=True, client=request.shm_client)
                 except BaseException:
                     guard.release()
                     raise

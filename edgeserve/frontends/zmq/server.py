@@ -29,6 +29,7 @@ import zmq
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
+from edgeserve.frontends.shm.binding import ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
@@ -166,7 +167,7 @@ class ZmqFrontend:
                 )
             op = header.get("op", wire.OP_INFER)
             if op == wire.OP_INFER:
-                self._infer(peer, header, msg[index + 1 :])
+                self._infer(peer, header, msg[index], msg[index + 1 :])
                 return
             self._control(peer, op, header, msg[index])
         except InferenceError as exc:
@@ -176,7 +177,12 @@ class ZmqFrontend:
             self._reply(peer, replies.error_reply(req_id, internal(f"internal error: {exc}")))
         self._maybe_forget(peer)
 
-    def _infer(self, peer: _Peer, header: dict[str, Any], frames: list[Any]) -> None:
+    def _shm_client(self, peer: _Peer, frame: Any) -> ShmClient:
+        """Who names shm regions: this socket, as the user libzmq says sent `frame` (read per message:
+        a routing id reused by another connection lends it nothing), looked up only when it does."""
+        return ShmClient(lambda: zmq_peer(frame, self._peer_credentials), owner=peer.owner)
+
+    def _infer(self, peer: _Peer, header: dict[str, Any], head: Any, frames: list[Any]) -> None:
         size = sum(len(frame) for frame in frames) if frames else 0
         if size > self.max_message_bytes:
             raise InferenceError(
@@ -197,7 +203,7 @@ class ZmqFrontend:
             peer.owner,
         )
         try:
-            decoded = codec.decode_infer(header, frames, self.dataplane.shm)
+            decoded = codec.decode_infer(header, frames, self.dataplane.shm, self._shm_client(peer, head))
         except BaseException:
             self.dataplane.release()
             raise
@@ -272,16 +278,17 @@ class ZmqFrontend:
                 codec._field(header, "offset", int, "register", 0),
                 codec._field(header, "byte_size", int, "register"),
                 owner=peer.owner,
-                # Read per message: a routing id reused by another connection lends it nothing.
-                peer=zmq_peer(frame, self._peer_credentials),
+                peer=self._shm_client(peer, frame).peer,
             )
             peer.owns_regions = True
         elif op == wire.OP_UNREGISTER:
-            shm.unregister(codec._field(header, "name", str, "unregister", ""), owner=peer.owner)
+            name = codec._field(header, "name", str, "unregister", "")
+            shm.unregister(name, owner=peer.owner, client=self._shm_client(peer, frame))
         elif op == wire.OP_STATUS:
             name = codec._field(header, "name", str, "status", "")
             mine = set(shm.names(owner=peer.owner))
-            body = {"regions": [{**info.as_dict(), "mine": info.name in mine} for info in shm.status(name)]}
+            listed = shm.status(name, client=self._shm_client(peer, frame))
+            body = {"regions": [{**info.as_dict(), "mine": info.name in mine} for info in listed]}
         elif op == wire.OP_METADATA:
             model = codec._field(header, "model", str, "metadata")
             body = {"metadata": self.dataplane.model_metadata(model, str(header.get("version", "")))}
@@ -294,8 +301,10 @@ class ZmqFrontend:
             )
             body = {"live": self.dataplane.live(), "ready": ready}
         elif op == wire.OP_BYE:
-            self._reply(peer, replies.ok_reply(req_id, {}))
+            # Release first, then reply (as the wire spec says): a client that got its answer may
+            # rely on its regions being gone (the test that lists them right after close() raced).
             self._forget(peer, "said bye")
+            self._reply(peer, replies.ok_reply(req_id, {}))
             return
         else:
             raise invalid_arg(
@@ -346,10 +355,9 @@ class ZmqFrontend:
             self._release_regions(peer, why)
 
     def _release_regions(self, peer: _Peer, why: str) -> None:
-        names = self.dataplane.shm.names(owner=peer.owner)
+        names = self.dataplane.shm.drop_owner(peer.owner)
         peer.owns_regions = False
         if names:
-            self.dataplane.shm.unregister("", owner=peer.owner)
             log.info("zmq client %s %s: released its shm regions %s", peer.ident.hex(), why, names)
 
     def _on_disconnect(self) -> None:

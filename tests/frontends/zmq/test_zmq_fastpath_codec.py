@@ -107,7 +107,7 @@ def test_a_rewritten_ring_header_is_read_again(registry: SharedMemoryRegistry) -
     """Layouts are cached by the header's bytes: a producer that rewrites its header (a corrupt one
     here) gets the error for what is there now, not the layout cached for the old bytes."""
     with FrameRing(2, 64) as ring:
-        registry.register(ring.name, ring.key, 0, ring.byte_size, owner="zmq:aa")
+        registry.register(ring.name, ring.key, 0, ring.byte_size)  # an in-process caller
         slot = ring.acquire()
         decoded = codec.decode_infer(ring_request(ring, slot.index, slot.gen), [], registry)
         assert decoded.request.inputs[0].shm is not None
@@ -125,7 +125,7 @@ def test_a_rewritten_ring_header_is_read_again(registry: SharedMemoryRegistry) -
 def test_two_rings_with_different_layouts(registry: SharedMemoryRegistry) -> None:
     with FrameRing(2, 64) as small, FrameRing(3, 4096) as large:
         for ring in (small, large):
-            registry.register(ring.name, ring.key, 0, ring.byte_size, owner="zmq:aa")
+            registry.register(ring.name, ring.key, 0, ring.byte_size)  # an in-process caller
         for ring in (small, large, small, large):
             slot = ring.acquire()
             decoded = codec.decode_infer(ring_request(ring, slot.index, slot.gen), [], registry)
