@@ -28,7 +28,7 @@ import zmq
 
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
-from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
+from edgeserve.frontends.peer import PeerIdentity, zmq_peer, zmq_peer_credentials_work
 from edgeserve.frontends.shm.binding import ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
@@ -45,6 +45,7 @@ log = logging.getLogger("edgeserve.zmq")
 
 PROBE_DELAYS_S = (0.0, 0.2)  # check region owners right after a disconnect, and once more
 SWEEP_S = 5.0  # forget idle clients that own nothing
+IDENTITIES_MAX = 1024  # peer identities remembered by address (the client cap is far above a box's users)
 BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait (as [http] inline_max_us)
 
 
@@ -81,6 +82,7 @@ class ZmqFrontend:
         self._last_drop_log = 0.0
         self._collector = ZmqCollector(self)
         self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
+        self._identities: dict[str, PeerIdentity] = {}  # by Peer-Address
 
     def apply_limits(self, settings: Settings) -> None:
         """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
@@ -180,7 +182,20 @@ class ZmqFrontend:
     def _shm_client(self, peer: _Peer, frame: Any) -> ShmClient:
         """Who names shm regions: this socket, as the user libzmq says sent `frame` (read per message:
         a routing id reused by another connection lends it nothing), looked up only when it does."""
-        return ShmClient(lambda: zmq_peer(frame, self._peer_credentials), owner=peer.owner)
+        return ShmClient(lambda: self._peer_of(frame), owner=peer.owner)
+
+    def _peer_of(self, frame: Any) -> PeerIdentity:
+        """`zmq_peer(frame)`, memoised by the Peer-Address libzmq reports for this very message: the
+        identity follows from that string alone, and a ring request names a region every time."""
+        try:
+            address = frame.get("Peer-Address")
+        except Exception:  # no metadata on this message: zmq_peer says what that means
+            return zmq_peer(frame, self._peer_credentials)
+        identity = self._identities.get(address) or zmq_peer(frame, self._peer_credentials)
+        if len(self._identities) >= IDENTITIES_MAX:  # any thread: single dict operations, bounded
+            self._identities.clear()
+        self._identities[address] = identity
+        return identity
 
     def _infer(self, peer: _Peer, header: dict[str, Any], head: Any, frames: list[Any]) -> None:
         size = sum(len(frame) for frame in frames) if frames else 0

@@ -9,11 +9,17 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import zmq
+from fake_plane import FakeRepository, fake_plane
+from zmq_harness import NO_DIR
 
 from edgeserve.client.ring import FrameRing
+from edgeserve.config import Settings
+from edgeserve.frontends.peer import zmq_peer
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.shm.ring import HEADER, MAGIC
 from edgeserve.frontends.zmq import codec, replies, wire
+from edgeserve.frontends.zmq.server import ZmqFrontend
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
@@ -167,3 +173,32 @@ def test_send_copy_threshold() -> None:
     assert not wire.send_copy(memoryview(bytearray(wire.ZERO_COPY_MIN)))
     with mmap.mmap(-1, wire.ZERO_COPY_MIN) as mapping:
         assert not wire.send_copy(memoryview(mapping))
+
+
+class _Frame:
+    """A received frame as far as the peer lookup reads it: libzmq's Peer-Address property."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+
+    def get(self, name: str) -> str:
+        if name != "Peer-Address" or self.address is None:
+            raise zmq.ZMQError(22)
+        return self.address
+
+
+def test_peer_identities_are_read_per_message_and_memoised_by_address() -> None:
+    """The identity behind a routing id is read from every message (a reused id lends nothing): the
+    memo is keyed by the address libzmq reports for that message, never by the socket."""
+    frontend = ZmqFrontend(fake_plane(FakeRepository(NO_DIR, [])), Settings())
+    frontend._peer_credentials = True
+    alice, bob = "localhost:1000:1000:41", "localhost:1001:1001:42"
+    first = frontend._peer_of(_Frame(alice))
+    assert first == zmq_peer(_Frame(alice), True) and first.uid == 1000
+    assert frontend._peer_of(_Frame(alice)) is first  # memoised
+    assert frontend._peer_of(_Frame(bob)).uid == 1001  # same socket, another user: read again
+    assert frontend._peer_of(_Frame("10.0.0.7:5555")).transport == "zmq-tcp"
+    assert frontend._peer_of(_Frame(None)) == zmq_peer(_Frame(None), True)  # no metadata
+    for n in range(2000):  # bounded
+        frontend._peer_of(_Frame(f"localhost:{n}:{n}:1"))
+    assert len(frontend._identities) <= 1024
