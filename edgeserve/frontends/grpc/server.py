@@ -86,15 +86,6 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-STREAM_WINDOW_MAX = 4 << 20  # C-core's probed window under low memory pressure
-STREAM_WINDOW_MIN = 64 << 10  # HTTP/2's default
-
-
-def stream_window(max_message_bytes: int) -> int:
-    """The per-stream receive window: a whole request (5-byte gRPC prefix included) up to 4 MiB."""
-    return max(STREAM_WINDOW_MIN, min(STREAM_WINDOW_MAX, max_message_bytes + 5))
-
-
 def server_options(max_message_bytes: int, settings: Any = None) -> list[tuple[str, Any]]:
     """`settings`: the [grpc] section (connection bounds); None = the defaults."""
     if settings is None:
@@ -114,13 +105,6 @@ def server_options(max_message_bytes: int, settings: Any = None) -> list[tuple[s
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
         ("grpc.http2.max_pings_without_data", 0),
-        # Fixed HTTP/2 stream windows instead of probed ones: with the BDP probe on, every burst of
-        # request data makes the server send a PING and handle its ACK, a wake-up of gRPC's poller
-        # and of the loop per request, while the model runs on both cores. Under low memory pressure
-        # the probed window sits at 4 MiB anyway; a request up to the window never waits for a
-        # WINDOW_UPDATE.
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", stream_window(max_message_bytes)),
     ]
     if settings.connection_idle_timeout_s > 0:
         options.append(("grpc.max_connection_idle_ms", int(settings.connection_idle_timeout_s * 1000)))
