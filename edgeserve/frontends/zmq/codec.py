@@ -13,7 +13,6 @@ from typing import Any
 
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient, ShmLease
 from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
-from edgeserve.frontends.zmq.replies import error_reply, infer_reply, ok_reply
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg
 from edgeserve.protocol.inference import (
@@ -25,7 +24,7 @@ from edgeserve.protocol.inference import (
     clamp_timeout_us,
 )
 
-__all__ = ["Decoded", "OutputSlot", "SlotGuard", "decode_infer", "error_reply", "infer_reply", "ok_reply"]
+__all__ = ["Decoded", "OutputSlot", "SlotGuard", "decode_infer"]
 
 
 class SlotGuard:
