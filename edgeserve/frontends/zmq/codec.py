@@ -19,6 +19,7 @@ from edgeserve.protocol.inference import (
     InferRequest,
     InputTensor,
     ParamValue,
+    RegionNamer,
     RequestedOutput,
     ShmRef,
     clamp_timeout_us,
@@ -145,7 +146,7 @@ def _layout(view: Any, region: str) -> RingLayout:
 
 
 def _resolve_ref(
-    registry: SharedMemoryRegistry, ref: Any, what: str, client: ShmClient | None
+    registry: SharedMemoryRegistry, ref: Any, what: str, client: RegionNamer | None
 ) -> tuple[ShmRef, SlotGuard | None]:
     """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
     if not isinstance(ref, dict):
