@@ -238,13 +238,18 @@ def _describe(update: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _send(args: argparse.Namespace) -> int:
+def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
-        command_args = json.loads(args.args_json)
+        value = json.loads(text)
     except ValueError as exc:
-        raise _UsageError(f"ARGS_JSON is not JSON: {exc}") from None
-    if not isinstance(command_args, dict):
-        raise _UsageError("ARGS_JSON must be a JSON object")
+        raise _UsageError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _UsageError(f"{name} must be a JSON object")
+    return value
+
+
+def _send(args: argparse.Namespace) -> int:
+    command_args = _json_object(args.args_json, "ARGS_JSON")
     with _manager(args) as manager:
 
         def on_update(update: dict[str, Any]) -> None:
@@ -258,12 +263,7 @@ def _send(args: argparse.Namespace) -> int:
 
 
 def _desired(args: argparse.Namespace) -> int:
-    try:
-        state = json.loads(args.state_json)
-    except ValueError as exc:
-        raise _UsageError(f"STATE_JSON is not JSON: {exc}") from None
-    if not isinstance(state, dict):
-        raise _UsageError("STATE_JSON must be a JSON object")
+    state = _json_object(args.state_json, "STATE_JSON")
     with _manager(args) as manager:
         manager.set_desired(args.device, state)
     how = "signed" if manager.command_key else "UNSIGNED"
