@@ -212,9 +212,9 @@ def test_accuracy_cache_write_on_a_full_disk_is_logged_and_leaves_no_temp_file(
 
     (full_tmpfs / "accuracy").mkdir()  # a directory costs no data block: the file write is what fails
     guard = AccuracyGuard(full_tmpfs)
-    file = guard._cache_file("0" * 64)
+    file = guard.cache.file("0" * 64)
     with caplog.at_level("WARNING", logger="edgeserve.hardware"):
-        guard._store(file, {"key": {"ok": True, "error": 0.0, "note": "x" * 65536}})
+        guard.cache.store("0" * 64, {"key": {"ok": True, "error": 0.0, "note": "x" * 65536}})
     assert "cannot cache the accuracy check" in caplog.text
     assert file is not None and not file.exists()
     assert list((full_tmpfs / "accuracy").iterdir()) == []
