@@ -16,13 +16,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edgeserve.config import FleetSection
 from edgeserve.fleet.agent_base import AgentBase, utc_now
 from edgeserve.fleet.connection import connect, payload, publish_properties
 from edgeserve.fleet.desired import DesiredRefused, parse_desired
@@ -42,8 +40,7 @@ from edgeserve.fleet.protocol import (
     parse_command,
 )
 from edgeserve.fleet.safe_text import safe
-from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
-from edgeserve.ota.trust import TrustStore
+from edgeserve.fleet.services import FleetCommandFailed, Report, execute
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -56,15 +53,8 @@ class _Job:
 
 
 class FleetAgent(AgentBase):
-    def __init__(
-        self,
-        settings: FleetSection,
-        state_dir: Path,
-        services: DeviceServices,
-        version: str,
-        trust: TrustStore | None = None,
-    ) -> None:
-        super().__init__(settings, state_dir, services, version, trust)
+    def _init_agent(self) -> None:
+        settings = self.settings
         self.topics = Topics(settings.fleet, self.device)
         # Command keys: [fleet] command_keys, else <trust_dir>/commands, less the keys the fleet revoked.
         self.gate = CommandGate(settings, self.topics, self.trust)
@@ -119,12 +109,7 @@ class FleetAgent(AgentBase):
         self._reported_dirty.set()
 
     # -- connection -------------------------------------------------------------------------------
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("fleet broker refused the connection: %s", reason)
-            return
+    def _on_accepted(self, client: mqtt.Client, flags: Any) -> None:
         if self.v5:  # keep the retain flag as published: a retained command is refused even when live
             client.subscribe(self.topics.cmd("+"), options=SubscribeOptions(qos=1, retainAsPublished=True))
         else:

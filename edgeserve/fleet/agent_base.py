@@ -48,6 +48,11 @@ class AgentBase:
         self.boot_id = uuid.uuid4().hex[:12]
         self.connected = threading.Event()
         self._stop = threading.Event()
+        self._init_agent()
+
+    def _init_agent(self) -> None:
+        """The agent's own state, its client (`_make_client`), and what an interrupted command left."""
+        raise NotImplementedError
 
     def _make_client(self, client_id: str, presence: str) -> None:
         """The MQTT client; should the device vanish, the broker publishes it offline on `presence`."""
@@ -81,6 +86,13 @@ class AgentBase:
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
+        if reason.is_failure:
+            log.warning("fleet broker refused the connection: %s", reason)
+            return
+        self._on_accepted(client, flags)
+
+    def _on_accepted(self, client: mqtt.Client, flags: Any) -> None:
+        """Connected: subscribe, say online, send what waited for the connection."""
         raise NotImplementedError
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:

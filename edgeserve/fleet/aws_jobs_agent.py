@@ -19,12 +19,10 @@ import queue
 import threading
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edgeserve.config import FleetSection
 from edgeserve.fleet.agent_base import AgentBase
 from edgeserve.fleet.aws_jobs import (
     DEFAULT_STEP_TIMEOUT_MIN,
@@ -47,8 +45,7 @@ from edgeserve.fleet.gate import command_keys
 from edgeserve.fleet.persist import RUNNING
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, Topics
 from edgeserve.fleet.safe_text import safe
-from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, execute
-from edgeserve.ota.trust import TrustStore
+from edgeserve.fleet.services import FleetCommandFailed, execute
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -57,15 +54,8 @@ INTERRUPTED = "interrupted: the device restarted while it ran; what was under wa
 
 
 class JobsAgent(AgentBase):
-    def __init__(
-        self,
-        settings: FleetSection,
-        state_dir: Path,
-        services: DeviceServices,
-        version: str,
-        trust: TrustStore | None = None,
-    ) -> None:
-        super().__init__(settings, state_dir, services, version, trust)
+    def _init_agent(self) -> None:
+        settings = self.settings
         self.thing = self.device  # AWS IoT's name for it
         self.topics = JobTopics(self.thing)
         self.presence = Topics(settings.fleet, self.thing).state
@@ -111,12 +101,7 @@ class JobsAgent(AgentBase):
     def _publish(self, topic: str, data: dict[str, Any], *, retain: bool = False) -> mqtt.MQTTMessageInfo:
         return self.client.publish(topic, payload(data), qos=1, retain=retain)
 
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("fleet broker refused the connection: %s", reason)
-            return
+    def _on_accepted(self, client: mqtt.Client, flags: Any) -> None:
         for topic in self.topics.subscriptions():
             client.subscribe(topic, qos=1)
         self._publish(self.presence, self._online(), retain=True)

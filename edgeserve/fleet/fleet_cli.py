@@ -67,23 +67,22 @@ def _signing_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _percent(value: str) -> float:
-    text = value.strip().removesuffix("%")
-    try:
-        number = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a percentage (e.g. 10%)") from None
-    if not 0 <= number <= 100:
-        raise argparse.ArgumentTypeError("the canary percentage must be between 0% and 100%")
-    return number
+    return _number(value.strip().removesuffix("%"), 100, f"{value!r} is not a percentage (e.g. 10%)",
+                   "the canary percentage must be between 0% and 100%")  # fmt: skip
 
 
 def _ratio(value: str) -> float:
+    return _number(value, 1, f"{value!r} is not a number between 0 and 1",
+                   "the failure ratio must be between 0 and 1")  # fmt: skip
+
+
+def _number(text: str, most: float, not_a_number: str, out_of_range: str) -> float:
     try:
-        number = float(value)
+        number = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number between 0 and 1") from None
-    if not 0 <= number <= 1:
-        raise argparse.ArgumentTypeError("the failure ratio must be between 0 and 1")
+        raise argparse.ArgumentTypeError(not_a_number) from None
+    if not 0 <= number <= most:
+        raise argparse.ArgumentTypeError(out_of_range)
     return number
 
 
