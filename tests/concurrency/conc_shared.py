@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
 from conc_transports import (
@@ -24,10 +23,11 @@ from conc_transports import (
     Call,
     Endpoints,
     Transport,
+    failure,
     grpc_answer,
-    grpc_inputs,
+    grpc_request,
     http_answer,
-    http_tensors,
+    http_request,
     sequence_kwargs,
 )
 
@@ -111,19 +111,10 @@ class GrpcAioTransport(SharedTransport):
         return grpcaio.InferenceServerClient(self.endpoints.grpc_url)
 
     async def _one(self, call: Call) -> Answer:
-        outputs = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
         try:
-            result = await self.hub.client.infer(
-                call.model,
-                grpc_inputs(call),
-                model_version=call.version,
-                outputs=outputs,
-                request_id=call.request_id,
-                client_timeout=call.timeout_s or REQUEST_TIMEOUT_S,
-                **sequence_kwargs(call),
-            )
+            result = await self.hub.client.infer(**grpc_request(call))
         except Exception as exc:
-            return Answer(error=f"{type(exc).__name__}: {exc}")
+            return failure(exc)
         return grpc_answer(result, call.outputs)
 
     async def _close(self) -> None:
@@ -137,18 +128,11 @@ class HttpAioTransport(SharedTransport):
         return httpaio.InferenceServerClient(self.endpoints.http_url, conn_timeout=REQUEST_TIMEOUT_S)
 
     async def _one(self, call: Call) -> Answer:
-        inputs, outputs = http_tensors(call, httpaio)
+        request = http_request(call, httpaio)
         try:
-            result = await self.hub.client.infer(
-                call.model,
-                inputs,
-                model_version=call.version,
-                outputs=outputs,
-                request_id=call.request_id,
-                **sequence_kwargs(call),
-            )
+            result = await self.hub.client.infer(**request)
         except Exception as exc:
-            return Answer(error=f"{type(exc).__name__}: {exc}")
+            return failure(exc)
         return http_answer(result, call.outputs)
 
     async def _close(self) -> None:
