@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from appliance import Appliance, ApplianceFactory, start_appliance
+from appliance import ApplianceFactory, start_appliance
+from es_server import stopped_after
 from onnx_models import write_model
 
 
@@ -23,13 +24,4 @@ def mlp_repo(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def appliance_factory(tmp_path: Path) -> Iterator[ApplianceFactory]:
-    started: list[Appliance] = []
-
-    def factory(repository: Path, **kwargs: object) -> Appliance:
-        appliance = start_appliance(repository, tmp_path, **kwargs)  # type: ignore[arg-type]
-        started.append(appliance)
-        return appliance
-
-    yield factory
-    for appliance in started:
-        appliance.stop()
+    yield from stopped_after(start_appliance, tmp_path)
