@@ -18,7 +18,6 @@ import contextlib
 import functools
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -40,6 +39,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # es_server; edgeserve when it 
 from es_server import RunningServer, free_port  # noqa: E402
 from es_server import start_server as _start_server  # noqa: E402
 
+from edgeserve.bench.stats import percentile  # noqa: E402  (the same nearest-rank rule as `edgeserve bench`)
+
 __all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
            "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
            "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_config",
@@ -48,15 +49,6 @@ __all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "
 
 def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of unsorted values; nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 # -- CPU accounting ---------------------------------------------------------------------------------------
