@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeserve.samples import build_mlp
+from edgeserve.samples import build_mlp, save_onnx
 
 __all__ = [
     "build_add_sub",
@@ -38,14 +38,7 @@ ONNX_TYPES = {
 
 
 def _save(graph: onnx.GraphProto, path: Path, opset: int = 17) -> Path:
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgeserve-tests"
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_onnx(graph, path, opset=opset, producer="edgeserve-tests")
 
 
 def build_add_sub(path: Path, datatype: str = "FP32", dims: int = 16, batch: bool = True) -> Path:
