@@ -113,6 +113,14 @@ def get_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+def scrape(base: str, prefix: str, timeout: float = 30.0) -> dict[str, float]:
+    """GET {base}/metrics: the value of each series (its name with its labels) named `prefix`..."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    series = (line.rpartition(" ") for line in text.splitlines() if line.startswith(prefix))
+    return {name: float(value) for name, _, value in series}
+
+
 def start_server(
     repository: Path,
     tmp: Path,
