@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_fakes import Client, Inproc, InProcessServer, make_plane
+from grpc_fakes import Client, Inproc, InProcessServer, add_sub_inputs, make_plane
 from tls_certs import self_signed
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
@@ -30,15 +30,6 @@ from edgeserve.protocol.errors import InferenceError, Status
 
 def status_of(exc: pytest.ExceptionInfo[InferenceServerException]) -> str:
     return str(exc.value.status())
-
-
-def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:
-    inputs = []
-    for name, value in (("INPUT0", a), ("INPUT1", b)):
-        tensor = grpcclient.InferInput(name, list(value.shape), "INT32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
 
 
 def test_health_and_metadata(client: Client) -> None:
