@@ -11,7 +11,9 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 from es_server import RunningServer, free_port, start_server
 from onnx_models import write_model
 from shm_helpers import CONFIG, MODEL
@@ -57,3 +59,18 @@ def serving(tmp: Path, public: Path) -> Iterator[Served]:
     finally:
         assert running.alive(), running.log()[-3000:]
         running.stop()
+
+
+def shm_fixtures(name: str) -> tuple[Any, Any]:
+    """An attack file's module fixtures: `public_dir, served = shm_fixtures(name)` (pytest finds them by
+    their names)."""
+
+    @pytest.fixture(scope="module")
+    def public_dir() -> Iterator[Path]:
+        yield from public_folder(f"es-{name}-")
+
+    @pytest.fixture(scope="module")
+    def served(tmp_path_factory: pytest.TempPathFactory, public_dir: Path) -> Iterator[Served]:
+        yield from serving(tmp_path_factory.mktemp(name), public_dir)
+
+    return public_dir, served

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 from es_server import RunningServer, wait_until
 from shm_binding_helpers import SIZE, Session
 from shm_helpers import NOBODY, D
-from shm_server_helpers import Served, lan_address, public_folder, serve, serving
+from shm_server_helpers import lan_address, serve, shm_fixtures
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/shm").is_dir(),
@@ -35,14 +34,7 @@ TRANSPORTS = ("http", "grpc", "ipc", "zmq-tcp")  # every way an attacker may try
 NOT_FOUND = {"http": "404", "grpc": "NOT_FOUND", "ipc": "NOT_FOUND", "zmq-tcp": "NOT_FOUND"}
 
 
-@pytest.fixture(scope="module")
-def public_dir() -> Iterator[Path]:
-    yield from public_folder("es-shm-bind-")
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, public_dir: Path) -> Iterator[Served]:
-    yield from serving(tmp_path_factory.mktemp("shm-bind"), public_dir)
+public_dir, served = shm_fixtures("shm-bind")
 
 
 def _key(tag: str) -> str:

@@ -22,7 +22,7 @@ import pytest
 from es_server import RunningServer, wait_until
 from shm_helpers import NOBODY, D, run_as
 from shm_objects import shm_object
-from shm_server_helpers import Served, lan_address, public_folder, serve, serving
+from shm_server_helpers import lan_address, serve, shm_fixtures
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/shm").is_dir(),
@@ -34,14 +34,7 @@ SECRET = np.full(D, 4242.0, dtype=np.float32).tobytes()
 SIZE = len(SECRET)
 
 
-@pytest.fixture(scope="module")
-def public_dir() -> Iterator[Path]:
-    yield from public_folder("es-shm-sec-")
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, public_dir: Path) -> Iterator[Served]:
-    yield from serving(tmp_path_factory.mktemp("shm-sec"), public_dir)
+public_dir, served = shm_fixtures("shm-sec")
 
 
 def _object(owner: int, mode: int, data: bytes = SECRET) -> contextlib.AbstractContextManager[str]:
