@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota" / "mender"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
-from mender_env import MenderEnv, copy_of_v1, unavailable, wrap
+from mender_env import MenderEnv, fleet_fixture, unavailable, wrap
 from ota_fixtures import Fleet, status
 
 from edgeserve.ota.signing import keygen
@@ -31,11 +31,7 @@ from edgeserve.ota.signing import keygen
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Fleet:
-    """Serving vision v1 (a copy: the install behind it is made once per run, it costs a trial server)."""
-    copy: Fleet = copy_of_v1(tmp_path)
-    return copy
+fleet = fleet_fixture()  # serving vision v1: a copy per test of one install (it costs a trial server)
 
 
 @pytest.fixture

@@ -14,17 +14,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "supervisor"))
-from mender_env import MenderEnv, copy_of_v1, kill_tree, raw_artifact, unavailable, wait_file, wrap
+from mender_env import MenderEnv, fleet_fixture, kill_tree, raw_artifact, unavailable, wait_file, wrap
 from ota_fixtures import Fleet, edgeserve, mlp_check, status
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Fleet:
-    """Serving vision v1 (a copy: the install behind it is made once per run, it costs a trial server)."""
-    copy: Fleet = copy_of_v1(tmp_path)
-    return copy
+fleet = fleet_fixture()  # serving vision v1: a copy per test of one install (it costs a trial server)
 
 
 @pytest.fixture
