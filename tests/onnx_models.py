@@ -11,6 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeserve.samples import build_mlp, save_onnx
 
 __all__ = [
+    "MLP_CONFIG",
+    "ORT",
     "build_add_sub",
     "build_bf16_identity",
     "build_conv_dynamic_hw",
@@ -19,6 +21,13 @@ __all__ = [
     "build_mlp",
     "write_model",
 ]
+
+ORT = 'backend: "onnxruntime"\n'  # the rest of a config.pbtxt is auto-completed from the model
+MLP_CONFIG = """backend: "onnxruntime"
+max_batch_size: 8
+input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
+output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
+"""  # build_mlp's model, batching up to 8 rows
 
 ONNX_TYPES = {
     "FP32": TensorProto.FLOAT,

@@ -104,39 +104,51 @@ class SharedTransport(Transport):
         self.hub.close(self._close())
 
 
-class GrpcAioTransport(SharedTransport):
+class _TritonAioTransport(SharedTransport):
+    """tritonclient's asyncio clients: the same infer() and close(), a request and an answer of their own."""
+
+    def _request(self, call: Call) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        raise NotImplementedError
+
+    async def _one(self, call: Call) -> Answer:
+        request = self._request(call)
+        try:
+            result = await self.hub.client.infer(**request)
+        except Exception as exc:
+            return failure(exc)
+        return self._answer(result, call.outputs)
+
+    async def _close(self) -> None:
+        await self.hub.client.close()
+
+
+class GrpcAioTransport(_TritonAioTransport):
     name = "grpc_aio"
 
     async def _make(self) -> Any:
         return grpcaio.InferenceServerClient(self.endpoints.grpc_url)
 
-    async def _one(self, call: Call) -> Answer:
-        try:
-            result = await self.hub.client.infer(**grpc_request(call))
-        except Exception as exc:
-            return failure(exc)
-        return grpc_answer(result, call.outputs)
+    def _request(self, call: Call) -> dict[str, Any]:
+        return grpc_request(call)
 
-    async def _close(self) -> None:
-        await self.hub.client.close()
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        return grpc_answer(result, names)
 
 
-class HttpAioTransport(SharedTransport):
+class HttpAioTransport(_TritonAioTransport):
     name = "http_aio"
 
     async def _make(self) -> Any:
         return httpaio.InferenceServerClient(self.endpoints.http_url, conn_timeout=REQUEST_TIMEOUT_S)
 
-    async def _one(self, call: Call) -> Answer:
-        request = http_request(call, httpaio)
-        try:
-            result = await self.hub.client.infer(**request)
-        except Exception as exc:
-            return failure(exc)
-        return http_answer(result, call.outputs)
+    def _request(self, call: Call) -> dict[str, Any]:
+        return http_request(call, httpaio)
 
-    async def _close(self) -> None:
-        await self.hub.client.close()
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        return http_answer(result, names)
 
 
 class ZmqAioTransport(SharedTransport):

@@ -43,6 +43,15 @@ def find_mosquitto() -> str | None:
     return next((c for c in MOSQUITTO_CANDIDATES if os.access(c, os.X_OK)), None)
 
 
+def needs_mosquitto() -> Any:
+    """The pytest mark that skips where no mosquitto binary is installed."""
+    import pytest
+
+    return pytest.mark.skipif(
+        find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -464,41 +464,15 @@ def test_cli_devices_send_deploy_end_to_end(
     assert [ln["update"]["status"] for ln in lines[:-1]] == ["ACCEPTED", "IN_PROGRESS", "SUCCEEDED"]
     assert lines[-1]["outcome"]["status"] == "SUCCEEDED"
 
-    rc = main(
-        [
-            "deploy",
-            "https://b.example/bundle-v3.tar",
-            "--devices",
-            "cam-0[0-5]",
-            "--canary",
-            "20%",
-            "--wave-size",
-            "2",
-            "--pause",
-            "0",
-            "--max-failure-ratio",
-            "0",
-        ]
-    )
+    rc = main(["deploy", "https://b.example/bundle-v3.tar", "--devices", "cam-0[0-5]", "--canary", "20%",
+               "--wave-size", "2", "--pause", "0", "--max-failure-ratio", "0"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "wave 0 (canary, 2 devices): cam-00,cam-01" in out and "OK in" in out
     assert "6 succeeded, 0 failed" in out
 
-    rc = main(
-        [
-            "deploy",
-            "https://b.example/bundle-v4.tar",
-            "--devices",
-            "cam-05,cam-06",
-            "--canary",
-            "0",
-            "--wave-size",
-            "2",
-            "--max-failure-ratio",
-            "0.4",
-        ]
-    )
+    rc = main(["deploy", "https://b.example/bundle-v4.tar", "--devices", "cam-05,cam-06", "--canary", "0",
+               "--wave-size", "2", "--max-failure-ratio", "0.4"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 1, out
     assert "STOP: failure ratio 1/2" in out and "rolling back 1 devices of the stopped wave: cam-05" in out

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fleet"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from appliance import Appliance, start_appliance, wait_until
-from broker import Mosquitto, Spy, find_mosquitto
+from broker import Mosquitto, Spy, needs_mosquitto
 from commander import Commander, stamp
 from fleet_keys import COMMAND_KEY, OTHER_KEY, public_pem, trust, write_private
 from ota_fixtures import Fleet, edgeserve, make_fleet, status
@@ -32,7 +32,7 @@ from ota_fixtures import Fleet, edgeserve, make_fleet, status
 from edgeserve.fleet.fleet_cli import main as fleet_main
 from edgeserve.ota.signing import load_private
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+pytestmark = needs_mosquitto()
 
 SET_DEBUG = {"logging": {"level": "DEBUG"}}
 

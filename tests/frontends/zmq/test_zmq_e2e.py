@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from es_server import ROOT, RunningServer, scrape, start_server
-from onnx_models import ONNX_TYPES, write_model
+from onnx_models import ONNX_TYPES, ORT, write_model
 from tritonclient.utils import InferenceServerException
 from zmq_harness import assert_same, sample
 
@@ -26,7 +26,6 @@ PRODUCER = Path(__file__).with_name("zmq_producer.py")
 E2E_TYPES = list(
     ONNX_TYPES
 )  # BF16 is not served by the ONNX Runtime backend; its wire path is in test_zmq_frontend
-ORT = 'backend: "onnxruntime"\n'
 QUEUED_CONV = (
     ORT
     + """max_batch_size: 1
