@@ -381,10 +381,17 @@ def served_config(http_base: str, model: str, folder: Path) -> Path:
 _PIN = re.compile(r"^(backend|platform)\s*:")  # top-level fields only: they start a line in these configs
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 @contextlib.contextmanager
 def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[Path]:
     """The repository one run serves. `plan`: `source` itself. Otherwise a temporary one (removed
-    afterwards): per model, its version folders with the model files symlinked from `source` and its
+    afterwards): per model, its version folders with the model files linked from `source` and its
     config.pbtxt copied with any `backend:`/`platform:` line replaced by `backend: "<backend>"`, so the
     server runs the runtime the in-process baseline runs, whatever the plan would pick."""
     if backend == "plan":
@@ -398,8 +405,8 @@ def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[
             src, dst = source / model, root / model
             for version in sorted(p for p in src.iterdir() if p.is_dir() and p.name.isdigit()):
                 (dst / version.name).mkdir(parents=True)
-                for item in version.iterdir():
-                    (dst / version.name / item.name).symlink_to(item.resolve())
+                # hard links (copies across filesystems): the server refuses a symlink out of a version folder
+                shutil.copytree(version, dst / version.name, copy_function=_link_or_copy, dirs_exist_ok=True)
             config = src / "config.pbtxt"  # none: the server completes it from the model
             lines = config.read_text(encoding="utf-8").splitlines() if config.exists() else []
             text = "\n".join(line for line in lines if not _PIN.match(line))
