@@ -15,6 +15,8 @@ from conc_plans import Expect, Op
 from conc_seq_models import ID_BASE, NARROW_UINT64_BASE, SeqModel
 from conc_transports import Answer, Call
 
+from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE
+
 if TYPE_CHECKING:
     from workload import Report
 
@@ -125,6 +127,15 @@ class Checker:
             if answer.error is not None:
                 if not answer.lost and _retired(answer.error, named, window):
                     self._note("refused: named version replaced")  # a clear refusal is right
+                    continue
+                if (
+                    QUEUE_FULL_MESSAGE in answer.error
+                    and not answer.lost
+                    and not isinstance(expect.model, SeqModel)
+                ):
+                    self._note(
+                        "refused: queue full"
+                    )  # shed under overload: a clear refusal, no answer to check
                     continue
                 if expect.may_give_up and "DEADLINE_EXCEEDED" in answer.error:
                     self._note("gave up: client deadline")  # as asked; its late answer must go nowhere

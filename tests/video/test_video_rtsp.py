@@ -48,7 +48,7 @@ def test_rtsp_over_tcp_and_udp(clips, rtsp_server, watching) -> None:
 
 def test_a_stalled_and_a_vanished_camera_come_back(clips, rtsp_server, watching) -> None:
     flaky = rtsp_server(clips["long"])
-    steady = rtsp_server(clips["long"])
+    steady = rtsp_server(clips["steady"])
     run = watching([f"flaky={flaky.url}", f"steady={steady.url}"])
     run.wait(lambda: len(run.of("flaky")) >= 3 and len(run.of("steady")) >= 3, what="both streams")
     stream = run.stream("flaky")
