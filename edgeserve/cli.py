@@ -140,6 +140,9 @@ def _serve(args: argparse.Namespace) -> int:
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
+    from edgeserve.backends.memory import tune_server_process
+
+    tune_server_process(settings)  # before any runtime is imported or a thread started
     import logging
 
     from edgeserve.server import eventloop

@@ -125,6 +125,9 @@ class RuntimeSection:
     default_max_batch_size: int = 4  # Triton's auto-complete default
     ort_memory_arena: bool = False  # the arena trades RSS for a little speed; off on small boxes
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
+    # Runtime memory settings (edgeserve/backends/memory.py): "small" trades some speed for memory,
+    # "standard" keeps the runtimes' caches (bounded); "auto" = small on a device with <= 4 GiB.
+    memory_profile: str = "auto"
     openvino_performance_hint: str = "LATENCY"
     allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
     accuracy_tolerance: float = 1e-2  # max error (share of each output's range) a lower precision may add
