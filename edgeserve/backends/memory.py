@@ -59,6 +59,12 @@ class MemoryProfile:
     # of free heap top for the next call (frame-sized arrays are not page-faulted in again).
     worker_mmap_threshold: int
     worker_trim_threshold: int
+    # The plan leaves OpenVINO out for models with dynamic dims on the CPU (unless the config names
+    # it): its CPU plugin keeps kernels and buffers per shape seen (~100 MB for PP-OCR det and rec after
+    # a few hundred frames, with the caches above at 0), where ONNX Runtime with its arena off frees a
+    # call's buffers when the call ends. The cost: those models run slower (here PP-OCR det and rec
+    # ran 2-4x slower on ONNX Runtime than on OpenVINO bf16).
+    lean_dynamic_shapes: bool
     # Python models: bytes of an instance's shared-memory region kept resident after a call; the pages
     # beyond are handed back (the region keeps the size of the largest call, so without this a large
     # call's pages stayed resident in the server and the worker both).
@@ -68,15 +74,16 @@ class MemoryProfile:
 STANDARD = MemoryProfile(
     name="standard",
     why="",
-    ov_runtime_cache=64,
-    onednn_primitive_cache=256,
+    ov_runtime_cache=16,
+    onednn_primitive_cache=64,
     ov_release_idle_s=10.0,
     malloc_arena_max=2,
     server_mmap_threshold=4 << 20,
     server_trim_growth=32 << 20,
+    lean_dynamic_shapes=False,
     worker_mmap_threshold=32 << 20,
-    worker_trim_threshold=64 << 20,
-    worker_region_keep=64 << 20,
+    worker_trim_threshold=16 << 20,
+    worker_region_keep=16 << 20,
 )
 SMALL = MemoryProfile(
     name="small",
@@ -87,6 +94,7 @@ SMALL = MemoryProfile(
     malloc_arena_max=2,
     server_mmap_threshold=1 << 20,
     server_trim_growth=8 << 20,
+    lean_dynamic_shapes=True,
     worker_mmap_threshold=4 << 20,
     worker_trim_threshold=8 << 20,
     worker_region_keep=1 << 20,
@@ -104,6 +112,18 @@ def resolve(setting: str, memory_bytes: int | None, memory_reason: str = "device
         return _with_why(SMALL, f"auto: {memory_bytes / 2**20:.0f} MiB ({memory_reason}) <= 4096 MiB")
     known = f"{memory_bytes / 2**20:.0f} MiB ({memory_reason})" if memory_bytes else "memory size unknown"
     return _with_why(STANDARD, f"auto: {known}")
+
+
+def plan_refusal(profile: MemoryProfile, backend: str, device: str, dynamic_dims: bool) -> str | None:
+    """Why the runtime plan should not use `backend` on `device` for a model under this profile."""
+    cpu = device.split(":")[0] == "CPU"
+    if profile.lean_dynamic_shapes and backend == "openvino" and cpu and dynamic_dims:
+        return (
+            f"memory profile {profile.name}: OpenVINO's CPU plugin keeps kernels and buffers per input shape "
+            "of a model with dynamic dims, ONNX Runtime frees them after each call (set backend: "
+            '"openvino" in config.pbtxt to use it anyway)'
+        )
+    return None
 
 
 def _with_why(profile: MemoryProfile, why: str) -> MemoryProfile:

@@ -165,7 +165,7 @@ class OpenVinoInstance:
     ) -> None:
         self._compiled: Any = compiled
         self._request: Any = compiled.create_infer_request()
-        self._memory = IdleRelease(compiled, memory.current().ov_release_idle_s)
+        self._memory = IdleRelease(compiled, memory.current().ov_release_idle_s, self._renew)
         self.io = io
         self.path = path
         self.device = device
@@ -174,6 +174,11 @@ class OpenVinoInstance:
         self._output_names = [t.name for t in io.outputs]
         self._bf16_outputs = {t.name for t in io.outputs if t.datatype == "BF16"}
         self._weights: int | None = None
+
+    def _renew(self) -> None:
+        """A fresh infer request (`_memory.busy` held): the old one's tensors go with it."""
+        if self._request is not None and self._compiled is not None:
+            self._request = self._compiled.create_infer_request()
 
     def compiled_property(self, name: str) -> Any:
         """A property of the compiled model, e.g. INFERENCE_PRECISION_HINT (for checks and logs)."""
@@ -191,11 +196,11 @@ class OpenVinoInstance:
         return ensure_contiguous(array)
 
     def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
-        request = self._request
-        if request is None:
-            raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
         feed = {name: self._feed(name, array) for name, array in inputs.items()}
         with self._memory.busy:
+            request = self._request  # renewed while idle (openvino_memory.py)
+            if request is None:
+                raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
             try:
                 # share_inputs: no copy in; outputs are copied out, since the request reuses its buffers.
                 result = request.infer(feed, share_inputs=True, share_outputs=False)

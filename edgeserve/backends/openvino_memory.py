@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("edgeserve.backends.openvino")
@@ -49,10 +50,13 @@ def weights_bytes(compiled: Any) -> int:
 
 
 class IdleRelease:
-    """Holds `busy` around each call; releases the compiled model's buffers when it has been idle."""
+    """Holds `busy` around each call; releases the compiled model's buffers when it has been idle,
+    and `renew()`s the instance's infer request, which holds its last input (shared with the caller's
+    array) and output tensors: a frame and a score map per model, otherwise kept until the next call."""
 
-    def __init__(self, compiled: Any, idle_s: float) -> None:
+    def __init__(self, compiled: Any, idle_s: float, renew: Callable[[], None] = lambda: None) -> None:
         self.compiled = compiled
+        self.renew = renew
         self.idle_s = idle_s
         self.busy = threading.Lock()
         self.used_at = 0.0
@@ -84,6 +88,7 @@ class IdleRelease:
 
     def _release(self) -> None:
         with contextlib.suppress(Exception):  # an older openvino without release_memory: keep serving
+            self.renew()
             self.compiled.release_memory()
             self.releases += 1
         self.dirty = False

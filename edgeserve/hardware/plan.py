@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from edgeserve.backends import memory
 from edgeserve.backends.options import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
 from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
@@ -72,6 +73,11 @@ class Planner:
         if instances > 1:
             return max(1, total // instances), f"{why}, shared by {instances} instances"
         return max(1, total), why
+
+    def memory_profile(self) -> memory.MemoryProfile:
+        """The runtime memory profile for this box (backends/memory.py): as the server resolves it."""
+        budget = self.hw.budget
+        return memory.resolve(self.settings.runtime.memory_profile, budget.memory_bytes, budget.memory_reason)
 
     def memory_budget(self) -> int | None:
         total = self.hw.budget.memory_bytes
@@ -235,6 +241,11 @@ class Planner:
             return reason, artifact, ""
         if option.device.split(":")[0] == "NPU" and _dynamic_dims(config):
             return "the NPU needs static shapes; the config declares dynamic dims", artifact, ""
+        if pins.backend != option.backend:
+            dynamic = _dynamic_dims(config)
+            reason = memory.plan_refusal(self.memory_profile(), option.backend, option.device, dynamic)
+            if reason:
+                return reason, artifact, ""
         note = cand.note
         if option.backend == "tensorrt" and artifact.suffix == ".onnx":
             note = "no model.plan: the engine is built from model.onnx on first load and cached"
