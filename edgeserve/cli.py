@@ -120,6 +120,7 @@ GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    from edgeserve.backends.memory import tune_server_process
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
     from edgeserve.server.app import Server, StartupError
@@ -140,9 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
-    from edgeserve.backends.memory import tune_server_process
-
-    tune_server_process(settings)  # before any runtime is imported or a thread started
+    tune_server_process(settings)  # memory settings: before any runtime is imported or a thread started
     import logging
 
     from edgeserve.server import eventloop
@@ -258,9 +257,11 @@ def _models(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(index, indent=2))
         else:
+            from edgeserve.procmem import print_breakdown
             from edgeserve.repository.residency_cli import print_index
 
             print_index(index, base)
+            print_breakdown(base)  # memory per process and per model
         return 0
     if not args.name:
         raise SystemExit(f"edgeserve: models {args.action} needs a model name")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,21 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+_live: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def live_workers() -> list[tuple[int, str, str]]:
+    """(pid, worker name, model name) of each model instance's worker that is up (for the memory
+    breakdown: the members of a group share the group's pid and name)."""
+    out = []
+    for worker in list(_live):
+        if not worker.alive():
+            continue
+        name = worker.host.key.label() if worker.host is not None else worker.spec.label
+        out.append((worker.pid, name, worker.spec.args.get("model_name", "")))
+    return out
+
+
 def spawn(arguments: list[str], fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
     """A worker interpreter with `arguments`, inheriting `fds` (and nothing else)."""
     # glibc hands freed frame-sized arrays back to the kernel by default, so each call of a model
@@ -114,6 +130,7 @@ class Worker:
         self._poller.register(parent.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
         self._lock = threading.Lock()  # kill vs. cleanup
         self._closed = False
+        _live.add(self)
 
     @property
     def pid(self) -> int:
