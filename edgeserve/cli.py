@@ -89,7 +89,8 @@ def _run(args: argparse.Namespace) -> int:
     """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.settings_tools import repository_problem, resolve_state_dir
+    from edgeserve.repository.layout import repository_problem
+    from edgeserve.settings_tools import resolve_state_dir
     from edgeserve.supervisor.supervisor import Supervisor
 
     loader = _settings_loader(args)
@@ -120,10 +121,10 @@ GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    from edgeserve.app import Server, StartupError
     from edgeserve.backends.memory import tune_server_process
     from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server, StartupError
 
     loader = _settings_loader(args)
     try:
@@ -200,7 +201,12 @@ def _die_with_supervisor() -> None:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """`edgeserve config check`: validate, then print the effective settings and where each came from."""
+    """`edgeserve config check`: validate, then print the effective settings and where each came from.
+    `edgeserve config reference`: every setting as Markdown (the docs' settings reference)."""
+    if args.action == "reference":
+        from edgeserve.settings_reference import main
+
+        return main(args.out)
     from edgeserve.config import ConfigError
     from edgeserve.settings_tools import load_layered, render_effective, resolve_state_dir
 
@@ -311,7 +317,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _restricted_flag(parser: argparse.ArgumentParser, option: str, feature: str, carries: str) -> None:
     """Triton's `--<option>=<category>[,<category>...]:<key>=<value>` (repeatable)."""
-    from edgeserve.frontends.restricted import CATEGORIES, parse_group
+    from edgeserve.protocol.restricted import CATEGORIES, parse_group
 
     def group(value: str) -> str:
         try:
@@ -343,9 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--control-socket", type=Path, help=argparse.SUPPRESS)  # set by the supervisor
     serve.set_defaults(func=_serve)
 
-    config = sub.add_parser("config", help="validate a settings file and print the effective settings")
-    config.add_argument("action", choices=["check"])
+    config = sub.add_parser("config", help="check: validate settings, print them; reference: document them")
+    config.add_argument("action", choices=["check", "reference"])
     config.add_argument("--config", type=Path, help="settings TOML file")
+    config.add_argument("--out", type=Path, help="reference: write this Markdown file instead of stdout")
     config.set_defaults(func=_config)
 
     from edgeserve.fleet.fleet_cli import add_commands as add_fleet_commands
@@ -382,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeserve.bench.cli import add_commands as add_bench_commands  # stdlib only at import time
 
     add_bench_commands(sub)
+
+    from edgeserve.video.cli import add_commands as add_watch_commands  # PyAV only when it runs
+
+    add_watch_commands(sub)
     return parser
 
 

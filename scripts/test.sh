@@ -13,6 +13,17 @@ else
   apt_install mosquitto || echo "warning: could not install mosquitto (needs root or sudo); broker tests will skip" >&2
 fi
 
+if command -v mender >/dev/null 2>&1 && command -v mender-artifact >/dev/null 2>&1; then
+  step "mender and mender-artifact present (the Mender Update Module tests)"
+else
+  step "installing mender-client and mender-artifact (the Mender Update Module tests)"
+  # The client's own service is not wanted here: the tests run it in standalone mode, in a private
+  # mount namespace; no daemon is started (there is no systemd PID 1 in CI containers).
+  apt_install mender-client mender-artifact ||
+    echo "warning: could not install mender-client and mender-artifact (needs root or sudo, Debian 12 or" \
+         "newer); the Mender tests will skip" >&2
+fi
+
 if command -v systemd-analyze >/dev/null 2>&1; then
   step "systemd-analyze present (checks systemd/edgeserve.service)"
 else
@@ -20,6 +31,33 @@ else
   step "installing systemd (systemd-analyze checks systemd/edgeserve.service)"
   apt_install --no-install-recommends systemd ||
     echo "warning: could not install systemd (needs root or sudo); the unit tests will skip" >&2
+fi
+
+# tests/video: an RTSP server on loopback (gst-rtsp-server, run by Debian's python3 with its gi
+# bindings) and the H.264/H.265 payloaders and parsers it needs.
+GST_PACKAGES="gstreamer1.0-rtsp gir1.2-gst-rtsp-server-1.0 gir1.2-gstreamer-1.0 python3-gi
+  gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad"
+if /usr/bin/python3 -c 'import gi; gi.require_version("GstRtspServer", "1.0"); from gi.repository import GstRtspServer' >/dev/null 2>&1; then
+  step "gst-rtsp-server present (RTSP server for the video tests)"
+else
+  step "installing gst-rtsp-server (RTSP server for the video tests)"
+  # shellcheck disable=SC2086
+  apt_install --no-install-recommends $GST_PACKAGES ||
+    echo "warning: could not install gst-rtsp-server (needs root or sudo); the RTSP tests will skip" >&2
+fi
+
+# `edgeserve watch gst:...` needs GStreamer's Python bindings in the venv: PyGObject has no wheels, so it
+# is built here against Debian's GObject introspection (a compiler and the headers, a minute once).
+if .venv/bin/python -c 'import gi; gi.require_version("GstApp", "1.0"); from gi.repository import GstApp' >/dev/null 2>&1; then
+  step "PyGObject present (the GStreamer source of edgeserve watch)"
+else
+  step "building PyGObject into .venv (the GStreamer source of edgeserve watch)"
+  { apt_install --no-install-recommends gcc pkg-config libgirepository1.0-dev libcairo2-dev \
+      gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0 gstreamer1.0-plugins-base &&
+    { .venv/bin/python -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
+      apt_install --no-install-recommends python3-dev; } &&
+    .venv/bin/python -m pip install -q --progress-bar off "PyGObject<3.51"; } ||
+    echo "warning: could not build PyGObject (needs root or sudo for its build packages); the GStreamer test will skip" >&2
 fi
 
 step "python -m pytest $*"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,14 @@ class Endpoints:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def shm_regions(self) -> set[str]:
+        """The shm region names registered now, as the server logs them (a client's status lists only
+        the regions it may name itself: edgeserve/frontends/shm/binding.py)."""
+        names: set[str] = set()
+        for event, name in re.findall(r"shm region (registered|unregistered) name=(\S+)", self.log()):
+            (names.add if event == "registered" else names.discard)(name)
+        return names
 
 
 @dataclass

@@ -44,6 +44,7 @@ def test_file_env_and_cli_layering(tmp_path: Path) -> None:
         ("[zmq]\nspin_us = 20000\n", "zmq.spin_us: must be 0 (never spin) up to 10000"),
         ('[server]\nevent_loop = "trio"\n', "server.event_loop: 'trio' is not one of auto, uvloop, asyncio"),
         ("[http\n", "not valid TOML"),
+        ('[fleet]\ndevice_id = "manager"\n', "fleet.device_id: 'manager' is reserved for the fleet tools"),
     ],
 )
 def test_errors_name_file_field_and_fix(tmp_path: Path, text: str, fragment: str) -> None:

@@ -29,6 +29,7 @@ THREAD_KEYS = {"onnxruntime": "intra_op_thread_count", "openvino": "INFERENCE_NU
 RUNTIME_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino"}
 QUEUE_DELAYS_US = (0, 500, 2000)
 INT8_FILENAME = "model_int8.onnx"  # an --int8-model candidate's artifact, sent with the load request
+INT8_IR_FILENAME = "model_int8.xml"  # an NNCF-quantized OpenVINO IR (`tune --int8`), its .bin beside it
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Candidate:
     max_batch_size: int = -1  # -1 = as configured
     dynamic_batching: bool = True
     queue_delay_us: int = -1  # -1 = as configured
-    model: str = ""  # "" = the model's own artifact; "int8:<sha256 prefix>" = the --int8-model file
+    model: str = ""  # "" = the model's own artifact; "int8:<sha256 prefix>" = an INT8 ONNX (--int8-model or
+    # calibrated by --int8), "int8-ir:<sha256 prefix>" = an OpenVINO IR quantized with NNCF (--int8)
 
     @property
     def baseline(self) -> bool:
@@ -50,7 +52,9 @@ class Candidate:
     def label(self) -> str:
         if self.baseline:
             return "as configured"
-        kind = "int8-model" if self.model else self.precision
+        kind = self.precision
+        if self.model:
+            kind = "int8-ir" if self.model.startswith("int8-ir:") else "int8-model"
         text = f"{self.backend} {kind} {self.instances}x{self.threads}t"
         if self.max_batch_size > 0:
             text += f" mbs{self.max_batch_size}"
@@ -88,7 +92,9 @@ def cpu_precisions(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     found = ["fp32"]
     if flags & {"avx512_bf16", "amx_bf16"}:
         found.append("bf16")
-    if "amx_fp16" in flags or "avx512_fp16" in flags:
+    # OpenVINO's CPU plugin runs f16 only on AMX-FP16 on x86: with AVX512-FP16 alone it refuses the hint,
+    # and the candidate would only fail to load (wasting a --max-candidates slot).
+    if "amx_fp16" in flags:
         found.append("fp16")
     return found
 
@@ -170,7 +176,9 @@ def apply(base: Any, candidate: Candidate) -> Any:
     config.platform = ""
     config.parameters["precision"].string_value = candidate.precision
     if candidate.model:
-        config.default_model_filename = INT8_FILENAME
+        config.default_model_filename = (
+            INT8_IR_FILENAME if candidate.model.startswith("int8-ir:") else INT8_FILENAME
+        )
     for key in THREAD_KEYS.values():
         if key in config.parameters:
             del config.parameters[key]

@@ -156,7 +156,7 @@ def add_commands(sub: Any) -> None:
         "print the throughput / p99 frontier and write the best config.pbtxt within the budget. Resumable.",
     )
     tune.add_argument("model", help="model name in --model-repository, or a model folder")
-    tune.add_argument("--latency-budget-ms", type=float, required=True, help="p99 latency budget")
+    tune.add_argument("--latency-budget-ms", type=float, help="p99 latency budget (required, but for --int8)")
     tune.add_argument("--model-repository", type=Path, default=Path("models"))
     tune.add_argument("--out-dir", type=Path, help="results.jsonl and config.pbtxt (default tune-<model>)")
     tune.add_argument("--output", type=Path, help="the winning config.pbtxt (default <out-dir>/config.pbtxt)")
@@ -184,8 +184,39 @@ def add_commands(sub: Any) -> None:
         help="a quantized ONNX made elsewhere (e.g. onnxruntime.quantization): one more candidate per "
         "backend, accepted only past the accuracy check",
     )
+    _int8_flags(tune)
     _common(tune)
     tune.set_defaults(func=tune_command)
+
+
+def _int8_flags(tune: argparse.ArgumentParser) -> None:
+    group = tune.add_argument_group(
+        "INT8 by calibration (--int8)",
+        "Quantize model.onnx here (ONNX Runtime static QDQ; OpenVINO NNCF where installed), keep what passes "
+        "the accuracy guard on held-out samples, race it against fp32.",
+    )
+    group.add_argument("--int8", action="store_true", help="calibrate INT8 candidates and race them")
+    group.add_argument("--calibration", type=Path, metavar="DIR", help=".npy / .npz / image samples")
+    group.add_argument("--calibration-source", choices=("auto", "folder", "bundle", "warmup"), default="auto",
+                       help="auto (default): --calibration DIR, else the model's calibration/ folder (as a "
+                       "bundle ships it), else its model_warmup inputs")  # fmt: skip
+    group.add_argument("--calibration-samples", type=int, default=256, help="rows at most (default 256)")
+    group.add_argument(
+        "--calibration-batch", type=int, default=8, help="rows per calibration run (default 8)"
+    )
+    group.add_argument("--calibration-method", choices=("minmax", "entropy", "percentile"), default="minmax",
+                       help="activation ranges (ONNX Runtime; default minmax)")  # fmt: skip
+    group.add_argument("--holdout", type=float, default=0.25,
+                       help="share of the samples held out for the guard (default 0.25)")  # fmt: skip
+    group.add_argument("--int8-min-top1", type=float, default=0.99,
+                       help="classifiers: least top-1 agreement with fp32 (default 0.99)")  # fmt: skip
+    group.add_argument("--int8-max-error", type=float, default=0.05,
+                       help="most RMS error vs fp32, share of an output's range (default 0.05)")  # fmt: skip
+    group.add_argument("--int8-engines", default="onnxruntime,nncf",
+                       help="quantizers (default onnxruntime,nncf: nncf where installed)")  # fmt: skip
+    group.add_argument("--work-dir", type=Path, help="in-progress files (default <cache dir>/int8/)")
+    group.add_argument("--apply", action="store_true",
+                       help="write the winner (model file + config.pbtxt) into the model folder")  # fmt: skip
 
 
 def _progress(quiet: bool) -> Any:

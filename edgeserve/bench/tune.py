@@ -4,7 +4,8 @@ Starts `edgeserve serve` on loopback (tune_server.py), walks the candidates (can
 through the repository API, checks its outputs against an fp32 reference (tune_check.py), measures a
 short concurrency sweep with the bench engine and appends the result to `<out-dir>/results.jsonl` at
 once. `--int8-model` adds a quantized ONNX made elsewhere as one more candidate per backend, sent with
-the load request (its `file:` parameters) and held to the same accuracy check. A rerun skips
+the load request (its `file:` parameters) and held to the same accuracy check. `--int8` calibrates INT8
+candidates here first and races those that pass the accuracy guard (tune_int8.py). A rerun skips
 candidates already there (same model bytes, device, protocol and sweep); `--fresh` starts over.
 Bounded by `--max-seconds` and `--max-candidates`. Prints the candidates, the throughput / p99
 frontier and the best config within the budget, written as config.pbtxt.
@@ -16,7 +17,7 @@ import argparse
 import asyncio
 import hashlib
 import json
-import shutil
+import math
 import signal
 import threading
 import time
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from edgeserve.bench.candidates import (
-    INT8_FILENAME,
     Candidate,
     apply,
     available_backends,
@@ -38,6 +38,14 @@ from edgeserve.bench.inputs import ModelInfo, parse_shape_flags
 from edgeserve.bench.load import BenchConfig, Settings, run_bench
 from edgeserve.bench.stats import Point
 from edgeserve.bench.tune_check import Reference, compare, outputs
+from edgeserve.bench.tune_int8 import (
+    ExtraModel,
+    Int8Options,
+    Int8Rejected,
+    calibrate,
+    finish,
+    given_model,
+)
 from edgeserve.bench.tune_report import (
     append_record,
     device_fingerprint,
@@ -70,6 +78,7 @@ class TuneOptions:
     tolerance: float = 0.02
     fresh: bool = False
     int8_model: Path | None = None  # a quantized ONNX made elsewhere: one more candidate per backend
+    int8: Int8Options | None = None  # calibrate INT8 candidates here (--int8)
     batch_size: int = 1
     shapes: Sequence[str] = ()
     input_data: Sequence[str] = ("random",)
@@ -80,11 +89,17 @@ class TuneOptions:
         def names(text: str | None) -> list[str] | None:
             return [p.strip() for p in text.split(",") if p.strip()] if text else None
 
-        if not args.latency_budget_ms > 0:
+        from edgeserve.bench.tune_int8 import int8_options
+
+        int8 = int8_options(args)
+        budget = args.latency_budget_ms
+        if budget is None and int8 is None:
+            raise BenchError("--latency-budget-ms is required (with --int8 it defaults to no limit)")
+        if budget is not None and not budget > 0:
             raise BenchError("--latency-budget-ms must be above 0")
         return cls(
             model=args.model,
-            budget_ms=args.latency_budget_ms,
+            budget_ms=math.inf if budget is None else budget,
             repository=args.model_repository,
             out_dir=args.out_dir,
             output=args.output,
@@ -97,6 +112,7 @@ class TuneOptions:
             tolerance=args.accuracy_tolerance,
             fresh=args.fresh,
             int8_model=args.int8_model,
+            int8=int8,
             batch_size=args.batch_size,
             shapes=args.shape,
             input_data=args.input_data or ["random"],
@@ -127,9 +143,11 @@ def _measure(
     deadline: float,
     say: Progress,
     files: dict[str, bytes] | None = None,
+    note: str | None = None,
 ) -> dict[str, Any]:
     """Load, check and measure one candidate: its record (status ok | failed | rejected); `files`:
-    the artifact to serve it from instead of the model's own (an --int8-model candidate)."""
+    the artifact to serve it from instead of the model's own (an INT8 candidate); `note`: the INT8
+    guard's verdict on held-out rows, which stands instead of the check on random inputs."""
     from google.protobuf import json_format
 
     config = apply(base, candidate)
@@ -155,6 +173,8 @@ def _measure(
         if reference.outputs is None and candidate.precision == "fp32" and not candidate.model:
             reference.save(got)
             accuracy: dict[str, Any] = {"note": "the fp32 reference"}
+        elif note is not None:
+            accuracy = {"note": note}
         elif reference.outputs is None:
             accuracy = {"note": "no fp32 reference: not checked"}
         else:
@@ -225,24 +245,29 @@ def tune(options: TuneOptions, say: Progress) -> int:
         (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
     )
     backends = list(options.backends or available_backends(version_dir))
-    precisions = list(options.precisions or cpu_precisions())
-    extra: list[str] = []
-    int8_bytes = b""
+    # int8 is not a runtime setting: the INT8 candidates are models (--precisions int8: only those race)
+    precisions = [p for p in options.precisions or cpu_precisions() if p != "int8"]
+    extras: dict[str, ExtraModel] = {}
     if options.int8_model is not None:
-        if not options.int8_model.is_file() or options.int8_model.suffix != ".onnx":
-            raise BenchError(f"--int8-model {options.int8_model}: not an .onnx file")
-        int8_bytes = options.int8_model.read_bytes()
-        extra.append("int8:" + hashlib.sha256(int8_bytes).hexdigest()[:16])
+        given = given_model(options.int8_model, version_dir.name)
+        extras[given.tag] = given
+    if options.int8 is not None:
+        try:
+            extras.update((e.tag, e) for e in calibrate(options.int8, model_dir, version_dir, out_dir,
+                                                        options.fresh, say))  # fmt: skip
+        except Int8Rejected as exc:
+            print(f"edgeserve tune: {exc}")
+            return 1
 
     def files(candidate: Candidate) -> dict[str, bytes] | None:
-        return {f"{version_dir.name}/{INT8_FILENAME}": int8_bytes} if candidate.model else None
+        return extras[candidate.model].payload(model_dir) if candidate.model else None
 
     if not backends:
         raise BenchError(
             f"no backend to try for {model_dir}: install onnxruntime or openvino, or pass --backends"
         )
     say(
-        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions)}; "
+        f"tune {name}: backends {', '.join(backends)}; precisions {', '.join(precisions) or 'INT8 only'}; "
         f"p99 budget {options.budget_ms:g} ms; results in {results}"
     )
     server = TuneServer(model_dir, name)
@@ -264,7 +289,10 @@ def tune(options: TuneOptions, say: Progress) -> int:
             model_dir, json_format.ParseDict(server.config(), mc.ModelConfig(), ignore_unknown_fields=True)
         )
         rank = lambda c: score(records.get(c.key(context)), options.budget_ms)  # noqa: E731
-        for candidate in search(backends, precisions, base.max_batch_size, rank, extra_models=extra):
+        for candidate in search(backends, precisions, base.max_batch_size, rank, extra_models=list(extras)):
+            extra = extras.get(candidate.model)
+            if extra is not None and extra.backends and candidate.backend not in extra.backends:
+                continue  # an OpenVINO IR: not an ONNX Runtime candidate
             key = candidate.key(context)
             if key in records:
                 skipped += 1
@@ -283,7 +311,17 @@ def tune(options: TuneOptions, say: Progress) -> int:
             say(f"candidate {measured + skipped + 1}: {candidate.label}")
             record = {
                 "key": key,
-                **_measure(server, base, candidate, options, reference, deadline, say, files(candidate)),
+                **_measure(
+                    server,
+                    base,
+                    candidate,
+                    options,
+                    reference,
+                    deadline,
+                    say,
+                    files(candidate),
+                    extra.note if extra is not None else None,
+                ),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             if time.monotonic() >= deadline - options.settings.window_s:  # its sweep was cut short
@@ -314,10 +352,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
     config = apply(base, winner)
     output = options.output or out_dir / "config.pbtxt"
     write_config(output, config, best, options.budget_ms, options.protocol)
-    if winner.model and options.int8_model is not None:
-        shutil.copyfile(options.int8_model, output.parent / INT8_FILENAME)
-        print(f"the winner serves the INT8 model: copy {output.parent / INT8_FILENAME} next to model.onnx "
-              f"in {version_dir} with this config.pbtxt")  # fmt: skip
+    finish(extras.get(winner.model), list(extras), options.int8, output, model_dir, version_dir, out_dir, say,
+           best.label, {r["candidate"].get("model", "") for r in records.values()})  # fmt: skip
     print(
         f"best within {options.budget_ms:g} ms: {best.label} at concurrency {best.concurrency}: "
         f"{best.throughput:.1f} infer/s, p99 {best.p99_ms:.2f} ms -> {output}"

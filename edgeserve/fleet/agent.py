@@ -42,8 +42,8 @@ from edgeserve.fleet.protocol import (
     parse_command,
     utc,
 )
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
+from edgeserve.logs import safe
 from edgeserve.ota.trust import TrustStore, default_trust_dir
 
 log = logging.getLogger("edgeserve.fleet")

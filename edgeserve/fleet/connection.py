@@ -93,7 +93,13 @@ def connect(client: mqtt.Client, settings: FleetSection) -> None:
 
 
 def device_id(settings: FleetSection) -> str:
-    return settings.device_id or socket.gethostname().split(".")[0]
+    """`[fleet] device_id`, else the host name ("manager" is the fleet tools' namespace: never a device)."""
+    name = settings.device_id or socket.gethostname().split(".")[0]
+    if name == "manager":
+        raise ValueError(
+            "a device may not be named 'manager' (the fleet tools' inbox namespace): set [fleet] device_id"
+        )
+    return name
 
 
 Handler = Callable[[mqtt.MQTTMessage], None]

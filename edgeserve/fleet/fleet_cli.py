@@ -3,7 +3,7 @@
     edgeserve fleet devices
     export EDGESERVE_FLEET_KEY=/secure/keys/fleet-commands.key   # or --key on each command
     edgeserve fleet send cam-01 get_status
-    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'   # allowlist: fleet/allowlist.py
+    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'  # allowlist: config_allowlist.py
     edgeserve fleet send cam-01 revoke_key '{"key_id": "<16 hex>", "role": "bundle"}'
     edgeserve fleet deploy https://repo/bundle-v8.tar --devices 'cam-*' --canary 10% --wave-size 20 \
         --pause 30 --max-failure-ratio 0.05 --sha256 <hex>
@@ -140,6 +140,9 @@ def add_commands(sub: Any) -> argparse.ArgumentParser:
     watch.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
     _common_flags(watch)
     watch.set_defaults(func=_guarded(_watch))
+    from edgeserve.fleet.aws_jobs_document import add_command as add_job_document
+
+    add_job_document(actions)  # AWS IoT Jobs: the signed document, for `aws iot create-job`
     parser: argparse.ArgumentParser = fleet
     return parser
 

@@ -25,13 +25,14 @@ from edgeserve.fleet.protocol import (
     PREFIX,
     REJECTED,
     SEGMENT_RE,
+    Command,
     CommandError,
     Topics,
     parse_command,
     utc,
 )
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_envelope, peek_cmd_id
+from edgeserve.logs import safe
 from edgeserve.ota.errors import BundleRefused
 from edgeserve.ota.trust import TrustStore
 
@@ -70,13 +71,30 @@ def _revoked_commands(trust: TrustStore) -> frozenset[str] | None:
         return None
 
 
+def command_keys(settings: FleetSection, trust: TrustStore) -> CommandKeys:
+    """The keys that may sign commands: `[fleet] command_keys` (else `<trust_dir>/commands`) less the
+    key ids the fleet revoked."""
+    folder = settings.command_keys or default_command_keys(trust.trust_dir)
+    return CommandKeys(folder, lambda: _revoked_commands(trust))
+
+
+def check_self_revocation(command: Command, signer: str | None) -> None:
+    """A command key is revoked by a command only with itself: the fleet still holds a leaked key and
+    revokes it with it, while the thief cannot revoke the fleet's other command keys to lock it out."""
+    args = command.args
+    if command.verb == "revoke_key" and args.get("role") == "command" and args.get("key_id") != signer:
+        raise CommandError(
+            "revoke_key of a command key must be signed by that key itself (a key cannot revoke "
+            "another command key; replace keys in the command_keys folder)"
+        )
+
+
 class CommandGate:
     def __init__(self, settings: FleetSection, topics: Topics, trust: TrustStore) -> None:
         self.topics = topics
         self.require = settings.require_signed_commands
         self.max_lifetime_s = settings.max_command_lifetime_s
-        folder = settings.command_keys or default_command_keys(trust.trust_dir)
-        self.keys = CommandKeys(folder, lambda: _revoked_commands(trust))
+        self.keys = command_keys(settings, trust)
         self.desired_rejected: dict[str, str] | None = None  # the last desired state, when it was refused
         name = SEGMENT_RE.pattern.strip("^$")  # one topic level, as the fleet tool's client id is
         self._inbox = re.compile(rf"^{re.escape(PREFIX)}/{re.escape(topics.fleet)}/manager/{name}/resp$")
@@ -104,10 +122,11 @@ class CommandGate:
         raw_id = None if desired else peek_cmd_id(payload)
         cmd_id = raw_id if isinstance(raw_id, str) and ID_RE.match(raw_id) else None
         try:
-            text = self._verified(topic, payload, "desired state" if desired else "command")
+            text, signer = self._verified(topic, payload, "desired state" if desired else "command")
             if not desired:
                 command = parse_command(topic[len(self.topics.cmd("")) :], text, now)
                 check_lifetime(command, now, self.max_lifetime_s)
+                check_self_revocation(command, signer)
         except CommandError as exc:
             what = "desired state" if desired else f"command {safe(raw_id)}"
             log.warning("fleet: %s on %s REJECTED: %s", what, safe(topic), safe(exc, 300))
@@ -129,7 +148,8 @@ class CommandGate:
             "at": utc(now or datetime.now(timezone.utc)),
         }
 
-    def _verified(self, topic: str, payload: bytes, what: str) -> bytes:
+    def _verified(self, topic: str, payload: bytes, what: str) -> tuple[bytes, str | None]:
+        """The command text and the key id that signed it (None: unsigned, allowed in a lab)."""
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise CommandError(f"payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
         try:
@@ -139,10 +159,10 @@ class CommandGate:
         if is_envelope(body):
             opened = open_envelope(topic, payload, self.keys.current())
             log.info("fleet: %s on %s signed by command key %s", what, safe(topic), opened.key_id)
-            return opened.text.encode("utf-8")
+            return opened.text.encode("utf-8"), opened.key_id
         if self.require:
             raise CommandError(UNSIGNED.format(what=what))
-        return payload
+        return payload, None
 
     # -- answers ----------------------------------------------------------------------------------------
     def is_inbox(self, topic: str) -> bool:

@@ -13,6 +13,7 @@ register only memory it could open itself). Sources, each one the kernel's word,
   cannot lend its owner to the client; TIME_WAIT rows (uid 0, no inode) never count.
 - Anything else (a LAN peer, ZeroMQ over tcp, gRPC on a Unix socket, a lookup that failed) has no
   known user.
+The answer, a PeerIdentity, is defined beside the shared-memory binding that it decides (shm/binding.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ import contextlib
 import ipaddress
 import logging
 import os
-import pwd
 import re
 import socket
 import struct
 import tempfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from edgeserve.frontends.shm.binding import PeerIdentity
 
 log = logging.getLogger("edgeserve.peer")
 
@@ -37,57 +40,6 @@ IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _TCP_ESTABLISHED = 0x01
 _ZMQ_IPC_PEER = re.compile(r"localhost:([0-9]{1,10}):([0-9]{1,10}):([0-9]{1,10})")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-@dataclass(frozen=True, slots=True)
-class PeerIdentity:
-    """A client connection: how it arrived, its address and, for a local client, its user."""
-
-    transport: str  # "zmq-ipc", "zmq-tcp", "unix", "tcp"
-    address: str
-    uid: int | None = None
-    gid: int | None = None
-    pid: int | None = None
-    proc_root: Path = Path("/proc")
-
-    @property
-    def known(self) -> bool:
-        return self.uid is not None
-
-    def describe(self) -> str:
-        if self.uid is None:
-            return f"a client at {self.address or 'an unknown address'} ({self.transport}; user unknown)"
-        return f"uid {self.uid} ({self.transport})"
-
-    def groups(self) -> frozenset[int]:
-        """The groups the client acts with: its process's when it is still there and still runs as
-        that user, else the user's groups in the account database (plus the gid SO_PEERCRED gave)."""
-        if self.uid is None:
-            return frozenset()
-        found = _process_groups(self.proc_root, self.pid, self.uid) if self.pid else None
-        if found is not None:
-            return found
-        groups = {self.gid} if self.gid is not None else set()
-        try:
-            entry = pwd.getpwuid(self.uid)
-            groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
-        except (KeyError, OSError):  # a uid without an account (a container's) has only its gid
-            pass
-        return frozenset(groups)
-
-
-def _process_groups(proc_root: Path, pid: int, uid: int) -> frozenset[int] | None:
-    try:
-        text = (proc_root / str(pid) / "status").read_text()
-    except OSError:  # gone, or hidden (ProtectProc=invisible)
-        return None
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    try:
-        if int(fields["Uid"].split()[1]) != uid:  # the pid now belongs to someone else
-            return None
-        return frozenset([int(fields["Gid"].split()[1]), *(int(g) for g in fields["Groups"].split())])
-    except (KeyError, IndexError, ValueError):
-        return None
 
 
 # -- ZeroMQ ---------------------------------------------------------------------------------------
@@ -151,6 +103,20 @@ def socket_peer(sock: Any, server_port: int | None = None, proc_root: Path = Pat
     return tcp_peer(str(peer[0]), int(peer[1]), server_port or int(local[1]), proc_root)
 
 
+_TRANSPORT_PEERS: weakref.WeakKeyDictionary[Any, PeerIdentity] = weakref.WeakKeyDictionary()
+
+
+def transport_peer(transport: Any) -> PeerIdentity:
+    """The peer of an asyncio transport (an aiohttp connection), looked up once per connection: the
+    owner of a socket, like SO_PEERCRED, is fixed when it connects."""
+    if transport is None:
+        return PeerIdentity("unknown", "")
+    known = _TRANSPORT_PEERS.get(transport)
+    if known is None:
+        known = _TRANSPORT_PEERS[transport] = socket_peer(transport.get_extra_info("socket"))
+    return known
+
+
 def grpc_peer(peer: str, server_port: int | None, proc_root: Path = Path("/proc")) -> PeerIdentity:
     """From grpc's `context.peer()`: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:..."."""
     from edgeserve.frontends.grpc.auth import peer_host
@@ -184,7 +150,7 @@ def tcp_socket_owner(ip: IpAddress, port: int, server_port: int | None, proc_roo
             text = (proc_root / "net" / name).read_text()
         except OSError:
             continue
-        for row in parse_proc_net_tcp(text):
+        for row in parse_proc_net_tcp(text, port):
             if row.state != _TCP_ESTABLISHED or not row.inode or row.local != (ip, port):
                 continue
             if server_port is not None and row.remote[1] != server_port:
@@ -206,12 +172,14 @@ class TcpRow:
     inode: int
 
 
-def parse_proc_net_tcp(text: str) -> Iterator[TcpRow]:
+def parse_proc_net_tcp(text: str, local_port: int | None = None) -> Iterator[TcpRow]:
     """The rows of /proc/net/tcp or /proc/net/tcp6 (addresses as the kernel prints them: 32-bit words
-    in host byte order; IPv4-mapped IPv6 addresses come back as IPv4)."""
+    in host byte order; IPv4-mapped IPv6 addresses come back as IPv4); with `local_port`, only rows of
+    that local port (a box may hold thousands of sockets: the others are not decoded)."""
+    port = None if local_port is None else f":{local_port:04X}"
     for line in text.splitlines()[1:]:
         parts = line.split()
-        if len(parts) < 10:
+        if len(parts) < 10 or (port is not None and not parts[1].endswith(port)):
             continue
         with contextlib.suppress(ValueError, struct.error):
             yield TcpRow(

@@ -72,6 +72,35 @@ def _model_files(repo: Path, model: str) -> tuple[list[Path], list[int]]:
     return files, versions
 
 
+def _calibration_files(
+    folders: dict[str, Path], models: list[str], taken: set[str]
+) -> list[tuple[str, Path]]:
+    """(member, file) for each sample file of `--calibration MODEL=DIR` (sample and image files only)."""
+    if not folders:
+        return []
+    from edgeserve.bench.calibration import CALIBRATION_DIR, SAMPLE_SUFFIXES
+    from edgeserve.bench.inputs import IMAGE_SUFFIXES
+
+    found: list[tuple[str, Path]] = []
+    for model, folder in sorted(folders.items()):
+        if model not in models:
+            raise ValueError(f"--calibration {model}={folder}: {model} is not a model of this bundle")
+        if not folder.is_dir():
+            raise ValueError(f"--calibration {model}={folder}: not a folder")
+        for path in sorted(folder.rglob("*")):
+            if path.is_symlink():
+                raise ValueError(f"{path} is a symlink: bundles carry regular files only")
+            if not path.is_file() or path.suffix.lower() not in SAMPLE_SUFFIXES | IMAGE_SUFFIXES:
+                continue
+            member = f"models/{model}/{CALIBRATION_DIR}/{path.relative_to(folder).as_posix()}"
+            if member in taken:
+                raise ValueError(f"--calibration {model}={folder}: {member} is in the repository too")
+            found.append((member, path))
+        if not any(m.startswith(f"models/{model}/") for m, _ in found):
+            raise ValueError(f"--calibration {model}={folder}: no .npy, .npz or image files in it")
+    return found
+
+
 @dataclass
 class BuildRequest:
     repo: Path
@@ -87,6 +116,9 @@ class BuildRequest:
     checks: Path | None = None
     compress: bool = True
     security_version: int = 0  # raise it when a bundle fixes a vulnerability: older ones stop installing
+    # model -> folder of INT8 calibration samples, carried as models/<model>/calibration/ (signed like
+    # every file) for `edgeserve tune --int8` on the device
+    calibration: dict[str, Path] | None = None
 
 
 def build_bundle(request: BuildRequest) -> dict[str, Any]:
@@ -107,6 +139,9 @@ def build_bundle(request: BuildRequest) -> dict[str, Any]:
             member = f"models/{model}/{path.relative_to(repo / model).as_posix()}"
             files.append({"path": member, "sha256": _sha256(path), "size": path.stat().st_size})
             sources.append((member, path))
+    for member, path in _calibration_files(request.calibration or {}, names, {m for m, _ in sources}):
+        files.append({"path": member, "sha256": _sha256(path), "size": path.stat().st_size})
+        sources.append((member, path))
     now = datetime.now(timezone.utc).replace(microsecond=0)
     manifest: dict[str, Any] = {
         "format": FORMAT,

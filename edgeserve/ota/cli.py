@@ -33,6 +33,9 @@ def add_commands(sub: Any, config_flag: Any) -> None:
     build.add_argument("--accelerator", action="append", help="required accelerator, one of (repeatable)")
     build.add_argument("--expires", help="lifetime (30d, 12h) or an RFC 3339 time; default 90d")
     build.add_argument("--checks", type=Path, help="JSON list of checks run during the trial")
+    build.add_argument("--calibration", action="append", default=[], metavar="MODEL=DIR",
+                       help="INT8 calibration samples (.npy/.npz/images) for MODEL, carried as "
+                       "models/MODEL/calibration/ for `edgeserve tune --int8` (repeatable)")  # fmt: skip
     build.add_argument("--no-gzip", action="store_true")
     build.add_argument("--security-version", type=int, default=0,
                        help="0..2^31-1 (default 0): devices that committed a higher one refuse this bundle, "
@@ -65,6 +68,10 @@ def add_commands(sub: Any, config_flag: Any) -> None:
         config_flag(parser)
         parser.set_defaults(func={"install": _install, "status": _status, "rollback": _rollback}[action])
 
+    from edgeserve.ota.mender_wrap import add_command as add_mender_wrap
+
+    add_mender_wrap(actions)
+
 
 def _fail(message: str) -> int:
     print(f"edgeserve: {message}", file=sys.stderr)
@@ -92,10 +99,16 @@ def _build(args: argparse.Namespace) -> int:
     from edgeserve.ota.build import BuildRequest, build_bundle
     from edgeserve.ota.errors import BundleRefused
 
+    calibration = {}
+    for flag in args.calibration:
+        model, sep, folder = flag.partition("=")
+        if not sep or not model or not folder:
+            return _fail(f"bundle build: --calibration {flag!r}: expected MODEL=DIR")
+        calibration[model] = Path(folder)
     request = BuildRequest(args.repo, args.name, args.version, args.key, args.out, models=args.model,
                            arch=args.arch, accelerators=args.accelerator, expires=args.expires,
                            checks=args.checks, compress=not args.no_gzip,
-                           security_version=args.security_version)  # fmt: skip
+                           security_version=args.security_version, calibration=calibration)  # fmt: skip
     try:
         manifest = build_bundle(request)
     except (OSError, ValueError, BundleRefused) as exc:
@@ -197,11 +210,11 @@ class _Progress:
 
 
 def _offline_installer(args: argparse.Namespace) -> Any:
-    from edgeserve.ota.activate import OfflineActivator, TrialRunner
     from edgeserve.ota.installer import Installer
     from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
     from edgeserve.ota.trust import trust_dir_for
+    from edgeserve.supervisor.activate import OfflineActivator, TrialRunner
     from edgeserve.supervisor.report import device_accelerators
 
     settings, state_dir, config, sources = _settings(args)

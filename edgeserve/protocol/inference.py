@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from edgeserve.frontends.shm.binding import ShmClient
 
 ParamValue = bool | int | float | str
 
@@ -67,6 +70,7 @@ class InferRequest:
     priority: int = 0  # 0 = the model's default level, 1 = highest
     timeout_us: int = 0  # 0 = the model's queue policy default
     arrival_ns: int = field(default_factory=time.monotonic_ns)
+    shm_client: ShmClient | None = None  # who names its shm regions (None: in-process); set by frontends
 
 
 @dataclass(slots=True)

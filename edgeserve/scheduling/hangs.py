@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.scheduler")
 
 _NS_PER_S = 1_000_000_000
-# A batch running longer than this marks its instance hung (answered, replaced). Model config
-# parameter `hang_timeout_s` overrides it per model (see repository/served.py).
-DEFAULT_HANG_TIMEOUT_S = 30.0
 WATCHDOG_INTERVAL_S = 0.05
 HUNG_MESSAGE = "instance {index} did not answer in {seconds:g} s; it is being replaced"
 

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeserve.backends.base import RequestInfo
+from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.hangs import _WATCHDOG, DEFAULT_HANG_TIMEOUT_S, HangWatch, InstanceFactory
+from edgeserve.scheduling.hangs import _WATCHDOG, HangWatch, InstanceFactory
 from edgeserve.scheduling.inline import INLINE_WINDOW_MAX_NS, InlineRuns
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (

@@ -31,6 +31,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec, parse, sequence_flags
@@ -46,7 +47,6 @@ log = logging.getLogger("edgeserve.sequence")
 MAX_STEPS_PER_SEQUENCE = 64
 BACKLOG_FACTOR = 4  # backlog bound: this many sequences per place (at least MIN_BACKLOG)
 MIN_BACKLOG = 64
-DEFAULT_HANG_TIMEOUT_S = 30.0  # as the stateless scheduler's; model parameter `hang_timeout_s`
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:

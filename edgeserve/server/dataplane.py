@@ -358,7 +358,7 @@ class DataPlane:
                 if tensor.shm is not None:
                     if tensor.data is not None:
                         raise invalid_arg(f"input '{tensor.name}' has both shared memory and inline data")
-                    lease = self.shm.acquire(tensor.shm)
+                    lease = self.shm.acquire(tensor.shm, client=request.shm_client)
                     leases.append(lease)
                     # A sealed region is read in place (zero copy); any other is copied out once
                     # with pread, so a client truncating its file gets an error, not a server SIGBUS.
@@ -371,7 +371,7 @@ class DataPlane:
             # runs, and an unregister while the request is in flight cannot pull the region away.
             for wanted in request.outputs or ():
                 if wanted.shm is not None:
-                    lease = self.shm.acquire(wanted.shm, write=True)
+                    lease = self.shm.acquire(wanted.shm, write=True, client=request.shm_client)
                     leases.append(lease)
                     output_leases[wanted.name] = lease
         except InferenceError as exc:

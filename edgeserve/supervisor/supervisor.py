@@ -23,7 +23,7 @@ from edgeserve.config import ConfigError, Settings
 from edgeserve.logs import forward_line, set_level
 
 if TYPE_CHECKING:
-    from edgeserve.fleet.agent import FleetAgent
+    from edgeserve.fleet.engines import Agent
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
 from edgeserve.ota.trust import trust_dir_for
@@ -101,7 +101,7 @@ class Supervisor:
         self.store = Store(self.state_dir, trust_dir_for(self.settings, self.state_dir))
         self.bundles = BundleKeeper(self.store, self.control)
         self.ota: OtaService | None = None
-        self.agent: FleetAgent | None = None
+        self.agent: Agent | None = None
         self._calls = LoopCalls(self._wake)
 
     def _new_backoff(self) -> Backoff:
@@ -352,14 +352,18 @@ class Supervisor:
             return
         from edgeserve.supervisor.fleet_services import SupervisorServices
 
+        services = SupervisorServices(self)
         try:
-            from edgeserve.fleet.agent import FleetAgent
+            from edgeserve.fleet.engines import make_agent
+
+            agent = make_agent(self.settings.fleet, self.state_dir, services, __version__, self.store.trust)
         except ImportError as exc:  # paho-mqtt missing: serve anyway, say why there is no agent
             log.error("fleet agent off: %s (pip install 'edgeserve[fleet]')", exc)
             return
-        self.agent = FleetAgent(
-            self.settings.fleet, self.state_dir, SupervisorServices(self), __version__, self.store.trust
-        )
+        except ValueError as exc:  # e.g. a host name the fleet's topics cannot carry: serve anyway
+            log.error("fleet agent off: %s", exc)
+            return
+        self.agent = agent
         self.agent.start()
 
     def _stop_agent(self) -> None:

@@ -145,7 +145,7 @@ def test_poisson_rate(
             protocol,
             *_url(server, protocol),
             "--request-rate",
-            "300",
+            "100",  # well under a busy 2-core box's capacity: an open loop past it is refused (503)
             "--warmup-s",
             "0.2",
             "--window-s",
@@ -158,12 +158,12 @@ def test_poisson_rate(
     )
     assert code == 0, text
     (point,) = document["points"]
-    assert point["concurrency"] == 0 and point["request_rate"] == 300
+    assert point["concurrency"] == 0 and point["request_rate"] == 100
     _sane(point)
-    # loose: Poisson arrivals over ~1 s at 300/s, on a shared machine
-    assert 100 < point["sent_per_s"] < 700, point
+    # loose: Poisson arrivals over ~1 s at 100/s, on a shared machine
+    assert 30 < point["sent_per_s"] < 250, point
     assert isinstance(point["late"], int)
-    assert "rate=300/s" in text
+    assert "rate=100/s" in text
 
 
 def test_images_into_a_dynamic_nchw_input(

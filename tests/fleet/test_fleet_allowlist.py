@@ -14,10 +14,10 @@ from typing import Any, get_type_hints
 import pytest
 
 from edgeserve.config import Settings
-from edgeserve.fleet.allowlist import ALLOWED, REFUSED, refused_keys, why_refused
+from edgeserve.config_allowlist import ALLOWED, REFUSED, refused_keys, why_refused
 from edgeserve.fleet.desired import MAX_GENERATION, DesiredRefused, parse_desired
 from edgeserve.fleet.protocol import CommandError, check_args
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.settings_tools import OVERLAY, load_layered
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_every_setting_is_allowed_or_refused_with_a_reason() -> None:
     unclassified = [
         n for n in settings if n not in ALLOWED and n not in REFUSED and f"{n.split('.')[0]}.*" not in REFUSED
     ]
-    assert not unclassified, f"classify these in edgeserve/fleet/allowlist.py: {unclassified}"
+    assert not unclassified, f"classify these in edgeserve/config_allowlist.py: {unclassified}"
     assert not set(ALLOWED) & set(REFUSED)
 
 
@@ -75,11 +75,18 @@ def test_refused_keys_are_all_named_and_escaped() -> None:
 
 
 def test_the_docs_list_the_allowlist() -> None:
-    readme = (ROOT / "README.md").read_text()
-    if MARK not in readme:
-        pytest.skip(f"README.md has no {MARK} table yet (the text is in the trust-cmdlimits notes)")
-    table = readme.split(MARK, 1)[1].split("<!-- /set_config allowlist -->", 1)[0]
+    """The settings reference (generated, docs/reference/settings.md) lists exactly what a command may
+    set, in its allowlist table and in the fleet column of every section's table."""
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    assert MARK in page, "docs/reference/settings.md lost its allowlist table: regenerate it"
+    table = page.split(MARK, 1)[1].split("<!-- /set_config allowlist -->", 1)[0]
     assert set(re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \|", table, re.M)) == set(ALLOWED)
+    row = re.compile(r"^\| `(\w+)` \| [^|]+ \| [^|]+ \| `EDGESERVE_\w+` \| (?:live|restart) \| yes \|", re.M)
+    marked = set()
+    for block in page.split("\n## `[")[1:]:
+        section = block.split("]", 1)[0]
+        marked |= {f"{section}.{key}" for key in row.findall(block)}
+    assert marked == set(ALLOWED)
 
 
 def test_a_persisted_overlay_keeps_only_what_a_command_may_set(
@@ -145,3 +152,18 @@ def test_safe_escapes_control_characters_and_caps_the_length() -> None:
     capped = safe("\n" * 100, limit=10)
     assert capped == "\\n" * 5 + "…(100 chars)"
     assert safe(None) == "None" and safe(ValueError("bad\nline")) == "bad\\nline"
+
+
+def test_a_host_named_manager_is_never_a_device() -> None:
+    """es/v1/{fleet}/manager/... holds the fleet tools' inboxes: a device there could read their answers."""
+    from unittest import mock
+
+    from edgeserve.config import FleetSection
+    from edgeserve.fleet.connection import device_id
+
+    assert device_id(FleetSection(device_id="cam-1")) == "cam-1"
+    with (
+        mock.patch("socket.gethostname", return_value="manager.lan"),
+        pytest.raises(ValueError, match="manager"),
+    ):
+        device_id(FleetSection())

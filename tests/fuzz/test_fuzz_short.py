@@ -1,6 +1,6 @@
 """The short seeded fuzz run (CI) and property tests of the codecs: any input decodes or raises our
 InferenceError with a client-error status, never another exception. The long run is
-`python tests/fuzz/run_fuzz.py --seconds 1800 --seed N` (README.md, "Fuzzing")."""
+`python tests/fuzz/run_fuzz.py --seconds 1800 --seed N` (docs/robustness.md, "Garbage gets a 4xx")."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def test_a_revoked_bundle_key_stays_revoked_after_a_restart(tmp_path: Path) -> N
         health = manager.wait_on("health", lambda b: any("revoked key" in c for c in b.get("checks", [])))
         assert health["status"] == "degraded"
         command = manager.wait(manager.send("revoke_key", {"key_id": leaked, "role": "command"}))
-        assert command["status"] == "SUCCEEDED" and command["result"]["known_here"] is False, command
+        assert command["status"] == "REJECTED" and "signed by that key itself" in command["error"], command
     finally:
         manager.close()
         device.stop()
@@ -199,9 +199,10 @@ def test_a_key_in_the_command_folder_does_not_verify_bundles(tmp_path: Path) -> 
 
 
 def test_a_revoked_command_key_signs_nothing_more_even_after_a_restart(tmp_path: Path) -> None:
-    """A leaked command key revoked by a signed command: its next command is REJECTED although its .pub is
-    still in the (read-only) command folder, a second key keeps commanding the device, and the
-    revocation holds after a restart."""
+    """A leaked command key is revoked by a command signed with itself (the fleet still holds it): its
+    next command is REJECTED although its .pub is still in the (read-only) command folder, the fleet's
+    second key keeps commanding the device, and the revocation holds after a restart. The thief cannot
+    use the leaked key to revoke the fleet's other command key (the lock-out attack)."""
     from fleet_keys import COMMAND_KEY, OTHER_KEY
     from fleet_keys import trust as trust_command_key
 
@@ -215,7 +216,10 @@ def test_a_revoked_command_key_signs_nothing_more_even_after_a_restart(tmp_path:
     device = start_device(broker, state, tmp_path)
     manager = manager_for(broker)
     try:
-        done = manager.wait(manager.send("revoke_key", {"key_id": leaked, "role": "command"}, key=OTHER_KEY))
+        other = key_id_of_private(OTHER_KEY)
+        lockout = manager.wait(manager.send("revoke_key", {"key_id": other, "role": "command"}))
+        assert lockout["status"] == "REJECTED" and "signed by that key itself" in lockout["error"], lockout
+        done = manager.wait(manager.send("revoke_key", {"key_id": leaked, "role": "command"}))
         assert done["status"] == "SUCCEEDED" and done["result"]["known_here"] is True, done
         refused = manager.wait(manager.send("get_status"))  # signed with the leaked key
         assert refused["status"] == "REJECTED" and "not a trusted command key" in refused["error"], refused

@@ -145,7 +145,7 @@ def security(tmp: Path, drop_in: Path | None) -> tuple[float, str]:
 
 @pytest.mark.parametrize("drop_in", [None, *DROP_INS], ids=lambda p: p.name if p else "unit")
 def test_security_exposure_stays_low(tmp_path: Path, drop_in: Path | None) -> None:
-    # 1.6 when written (systemd 252); what stays exposed and why: systemd/README.md.
+    # 1.6 when written (systemd 252); what stays exposed and why: docs/systemd.md.
     score, text = security(tmp_path, drop_in)
     assert score <= 2.0, text
 
@@ -268,6 +268,16 @@ def test_trusted_keys_are_read_only_to_the_service() -> None:
     assert not any(trust.is_relative_to(p) or p.is_relative_to(trust) for p in writable), writable
     assert last(items, "ProtectSystem") == "strict"
     assert settings.logging.file is None or not settings.logging.file.is_relative_to(trust)
+
+
+def test_secrets_come_from_a_root_only_file_not_the_group_readable_settings() -> None:
+    """Camera clients are in group edgeserve and can read edgeserve.toml: tokens and passwords go in
+    the optional EnvironmentFile (root-only, read by systemd), and the shipped settings carry none."""
+    items = entries(UNIT)
+    assert "-/etc/edgeserve/secrets.env" in values(items, "EnvironmentFile")
+    settings = load_settings(SYSTEMD / "edgeserve.toml", environ={})
+    assert not settings.http.token and not settings.grpc.token and not settings.fleet.password
+    assert "secrets.env" in (ROOT / "docs" / "systemd.md").read_text()  # the install steps say so
 
 
 def test_sysusers_creates_the_service_user(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ class GrpcFrontend:
         await server.start()
         await self.health.refresh()
         self.server = server
-        self.port = self.servicer.local_port = port
+        self.port = self.servicer.local_port = self.stream.local_port = port
         self.address = address
         log.info("grpc listening on %s (port %d, tls=%s)", address, port, credentials is not None)
 

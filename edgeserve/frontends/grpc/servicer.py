@@ -19,7 +19,7 @@ from edgeserve.frontends import access
 from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy, GrpcPeer, check
 from edgeserve.frontends.peer import grpc_peer
-from edgeserve.frontends.shm.registry import TRITON_OWNER
+from edgeserve.frontends.shm.registry import TRITON_OWNER, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unsupported
 from edgeserve.scheduling.job import CURRENT_CLIENT
 
@@ -44,6 +44,12 @@ def peer_client(context: Context) -> str:
         return ""
     head, sep, tail = peer.rpartition(":")
     return head if sep and tail.isdigit() else peer
+
+
+def shm_client(context: Context, local_port: int) -> ShmClient:
+    """Who names shm regions: its user is looked up only when it does (shm/binding.py), per call (no
+    per-connection object to keep it on: a peer address may be another process's once it is free)."""
+    return ShmClient(lambda: grpc_peer(str(context.peer() or ""), local_port or None))
 
 
 def guarded(
@@ -171,6 +177,7 @@ class InferenceServicer:
         except BaseException:
             self.dataplane.release()
             raise
+        infer_request.shm_client = shm_client(context, self.local_port)
         response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
         return codec.encode_response(response, self.max_message_bytes)
 
@@ -214,7 +221,8 @@ class InferenceServicer:
     # -- shared memory --------------------------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
         response = service_pb2.SystemSharedMemoryStatusResponse()
-        for info in self.dataplane.shm.status(request.name, owner=TRITON_OWNER):
+        client = shm_client(context, self.local_port)
+        for info in self.dataplane.shm.status(request.name, owner=TRITON_OWNER, client=client):
             entry = response.regions[info.name]
             entry.name, entry.key, entry.offset, entry.byte_size = (
                 info.name,
@@ -226,12 +234,12 @@ class InferenceServicer:
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
         shm = self.dataplane.shm
-        peer = grpc_peer(str(context.peer() or ""), self.local_port or None)
+        peer = shm_client(context, self.local_port).peer
         shm.register(request.name, request.key, request.offset, request.byte_size, TRITON_OWNER, peer)
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        self.dataplane.shm.unregister_triton(request.name)
+        self.dataplane.shm.unregister_triton(request.name, shm_client(context, self.local_port))
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:

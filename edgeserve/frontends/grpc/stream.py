@@ -27,7 +27,7 @@ import grpc
 from edgeserve.frontends.access import INFERENCE
 from edgeserve.frontends.grpc import codec, wire
 from edgeserve.frontends.grpc.auth import AccessPolicy, check
-from edgeserve.frontends.grpc.servicer import grpc_code, peer_client
+from edgeserve.frontends.grpc.servicer import grpc_code, peer_client, shm_client
 from edgeserve.protocol.errors import InferenceError, internal
 from edgeserve.protocol.inference import InferResponse
 from edgeserve.scheduling.job import client_scope
@@ -73,6 +73,7 @@ class StreamHandler:
         self.max_inflight = max_inflight
         self.open_streams = 0  # for tests and stats
         self.inline_max_ns = 0  # set by the frontend ([grpc] inline_max_us)
+        self.local_port = 0  # the bound port, set by the frontend (as the servicer's)
 
     async def handle(self, request_iterator: Any, context: Context) -> None:
         try:
@@ -91,6 +92,7 @@ class StreamHandler:
         answers: asyncio.Queue[Any] = asyncio.Queue()
         slots = asyncio.Semaphore(self.max_inflight)
         state = {"inflight": 0}
+        client = shm_client(context, self.local_port)  # one connection: one lookup per stream
 
         def deliver(meta: _Meta, result: InferResponse | InferenceError) -> None:
             answers.put_nowait((meta, result))
@@ -136,6 +138,7 @@ class StreamHandler:
                         log.exception("decoding stream request %s failed", msg.id)
                         deliver(meta, internal(f"internal error decoding the request: {exc}"))
                         continue
+                    request.shm_client = client
                     try:
                         self.dataplane.submit(
                             request, make_callback(meta), admitted=True, inline_max_ns=self.inline_max_ns

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from edgeserve.frontends.http import codec
 from edgeserve.frontends.http.admin import config_to_json
-from edgeserve.frontends.peer import socket_peer
-from edgeserve.frontends.shm.registry import TRITON_OWNER
+from edgeserve.frontends.peer import transport_peer
+from edgeserve.frontends.shm.registry import TRITON_OWNER, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, unavailable, unsupported
 
 if TYPE_CHECKING:
@@ -149,6 +149,13 @@ def _model(request: web.Request) -> tuple[str, str]:
     return request.match_info["model"], request.match_info.get("version", "")
 
 
+def _shm_client(request: web.Request) -> ShmClient:
+    """Who names shm regions: its user is looked up only when it does, once per connection
+    (shm/binding.py)."""
+    transport = request.transport
+    return ShmClient(lambda: transport_peer(transport))
+
+
 def _empty(status: int) -> web.Response:
     return web.Response(status=status)
 
@@ -239,6 +246,7 @@ class Routes:
         except BaseException:
             self.dataplane.release()
             raise
+        infer_request.shm_client = _shm_client(request)
         response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
         chunks, json_length = codec.encode_response(response, infer_request, binary_default)
         headers: dict[str, str] = {}
@@ -331,7 +339,7 @@ class Routes:
                     Status.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'"
                 )
             return web.json_response([])
-        regions = self.dataplane.shm.status(region, owner=TRITON_OWNER)
+        regions = self.dataplane.shm.status(region, owner=TRITON_OWNER, client=_shm_client(request))
         return web.json_response([info.as_dict() for info in regions])
 
     async def shm_register(self, request: web.Request) -> web.Response:
@@ -348,13 +356,13 @@ class Routes:
             raise invalid_arg("shared memory register request needs 'byte_size'")
         offset = codec.json_int(body.get("offset", 0), "'offset'")
         byte_size = codec.json_int(body["byte_size"], "'byte_size'")
-        peer = socket_peer(request.transport.get_extra_info("socket") if request.transport else None)
+        peer = _shm_client(request).peer
         self.dataplane.shm.register(region, key, offset, byte_size, TRITON_OWNER, peer)
         return _empty(200)
 
     async def shm_unregister(self, request: web.Request) -> web.Response:
         if not self._is_cuda(request):
-            self.dataplane.shm.unregister_triton(request.match_info.get("region", ""))
+            self.dataplane.shm.unregister_triton(request.match_info.get("region", ""), _shm_client(request))
         return _empty(200)
 
     # logging, trace, metrics

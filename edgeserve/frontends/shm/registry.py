@@ -12,6 +12,7 @@ maps (zero copy) only memory that provably cannot shrink: a memfd sealed with F_
 with one `pread` into server memory (a truncated file gives a short read -> INVALID_ARG naming the
 region) and outputs are written with `pwrite` after checking the file's size (a write cannot fault).
 Which keys a client may register at all, and whether outputs may be written there: access.py.
+Which client may name a region once registered (in requests, status, unregister): binding.py.
 """
 
 from __future__ import annotations
@@ -20,21 +21,24 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 
-from edgeserve.frontends.peer import PeerIdentity
-from edgeserve.frontends.shm.access import PEER_CREDENTIALS, authorize
+from edgeserve.frontends.shm.access import PEER_CREDENTIALS, TRITON, authorize
+from edgeserve.frontends.shm.binding import (
+    IN_PROCESS_CLIENT,
+    TRITON_OWNER,
+    PeerIdentity,
+    ShmClient,
+    principal_of,
+)
 from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
 from edgeserve.frontends.shm.region import Region, RegionInfo, ShmLease
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
 from edgeserve.protocol.inference import ShmRef
 
-__all__ = ["TRITON_OWNER", "RegionInfo", "SharedMemoryRegistry", "ShmLease"]
+__all__ = ["TRITON_OWNER", "RegionInfo", "SharedMemoryRegistry", "ShmClient", "ShmLease"]
 
 log = logging.getLogger("edgeserve.shm")
-
-# Owner of regions registered over the Triton protocol (HTTP/gRPC); ZMQ rings are owned by their client,
-# so a Triton "unregister all" leaves the camera rings of ZMQ producers alone.
-TRITON_OWNER = ""
 
 
 class SharedMemoryRegistry:
@@ -49,7 +53,9 @@ class SharedMemoryRegistry:
         self.registration = registration  # [shm] registration: whose memory a client may register
         self.key_prefixes = [p.lstrip("/") for p in (key_prefixes or [])]
         self.max_regions = max_regions
-        self._regions: dict[str, Region] = {}
+        # name -> principal -> region: under "peer-credentials" each principal has its own names
+        self._regions: dict[str, dict[str, Region]] = {}
+        self._count = 0
         self._lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------------------
@@ -62,7 +68,8 @@ class SharedMemoryRegistry:
         owner: str = "",
         peer: PeerIdentity | None = None,
     ) -> None:
-        """`peer`: the client asking (None: an in-process caller, held to the rule for unknown clients)."""
+        """`peer`: the client asking (None: an in-process caller, held to the rule for unknown clients);
+        the region is bound to it (binding.py). `owner`: the ZeroMQ socket registering it."""
         if not self.allow_client_shm:
             raise InferenceError(
                 Status.UNSUPPORTED,
@@ -78,12 +85,10 @@ class SharedMemoryRegistry:
             key_path(key)  # a malformed key is INVALID_ARG before a prefix check says PERMISSION_DENIED
             if self.key_prefixes:
                 self._check_prefix(key, key.lstrip("/"))
+        principal = principal_of(peer)
         with self._lock:
-            if name in self._regions:
-                raise InferenceError(
-                    Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager"
-                )
-            if len(self._regions) >= self.max_regions:
+            self._check_free(name, principal)
+            if self._count >= self.max_regions:
                 raise InferenceError(
                     Status.RESOURCE_EXHAUSTED, f"too many shared memory regions (max {self.max_regions})"
                 )
@@ -109,16 +114,17 @@ class SharedMemoryRegistry:
             if fd >= 0:
                 os.close(fd)
             raise
-        region = Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner, writable)
+        region = Region(RegionInfo(name, key, offset, byte_size), fd, mapping, owner, writable, principal)
         with self._lock:
-            if name in self._regions:  # lost a race with another register of the same name
+            try:
+                self._check_free(name, principal)  # lost a race with another register of the same name?
+            except InferenceError:
                 region.unmap()
-                raise InferenceError(
-                    Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager"
-                )
-            self._regions[name] = region
+                raise
+            self._regions.setdefault(name, {})[principal] = region
+            self._count += 1
         log.info(
-            "shm region registered name=%s key=%s offset=%d size=%d %s%s client=%s",
+            "shm region registered name=%s key=%s offset=%d size=%d %s%s client=%s bound_to=%s",
             name,
             key,
             offset,
@@ -126,7 +132,14 @@ class SharedMemoryRegistry:
             "mapped (sealed)" if region.sealed else "read/written by copy",
             "" if writable else ", inputs only",
             peer.describe() if peer is not None else "in-process",
+            principal,
         )
+
+    def _check_free(self, name: str, principal: str) -> None:
+        """(Under the lock.) Names are per principal; under "triton", global (as Triton's)."""
+        holders = self._regions.get(name, {})
+        if principal in holders or (holders and self.registration == TRITON):
+            raise InferenceError(Status.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
 
     def _check_prefix(self, key: str, name: str) -> None:
         if not any(name.startswith(p) for p in self.key_prefixes):
@@ -135,60 +148,121 @@ class SharedMemoryRegistry:
                 f"shared memory key '{key}' is not allowed here; allowed prefixes: {self.key_prefixes}",
             )
 
-    def unregister(self, name: str = "", owner: str | None = None) -> None:
-        """Unknown names are silently fine (Triton); "" removes every region (of `owner`, if given).
+    # -- what a client may name -------------------------------------------------------------------
+    def _find(self, name: str, principal: str, owner: str) -> Region | None:
+        """(Under the lock.) The region `name` as a client (`principal`, ZeroMQ socket `owner`) may
+        name it; None where it may not, exactly as where no such region exists."""
+        holders = self._regions.get(name)
+        if not holders:
+            return None
+        if self.registration == TRITON:  # name-global: any client, any region
+            return holders.get(principal) or next(iter(holders.values()))
+        region = holders.get(principal)
+        if region is None or region.owner not in (TRITON_OWNER, owner):
+            return None  # a ZeroMQ region belongs to its socket
+        return region
 
-        With both a name and an `owner`, only that owner's region may go: PERMISSION_DENIED otherwise.
-        """
+    def _visible(self, principal: str, owner: str) -> Iterator[Region]:
+        """(Under the lock.) Every region the client may name."""
+        for holders in self._regions.values():
+            for region in holders.values():
+                if self.registration == TRITON or (
+                    region.principal == principal and region.owner in (TRITON_OWNER, owner)
+                ):
+                    yield region
+
+    def unregister(self, name: str = "", owner: str | None = None, client: ShmClient | None = None) -> None:
+        """Unknown names (and names the client may not use) are silently fine (Triton); "" removes
+        every region the client may name (of `owner`, if given). `client`: None for in-process.
+
+        With both a name and an `owner`, only that owner's region may go: PERMISSION_DENIED otherwise."""
+        client = client or ShmClient(owner=owner or TRITON_OWNER)  # in-process: as that owner
+        principal = client.principal
         with self._lock:
             if name:
-                found = self._regions.get(name)
+                found = self._find(name, principal, client.owner)
                 if found is not None and owner is not None and found.owner != owner:
                     raise InferenceError(
                         Status.PERMISSION_DENIED,
                         f"shared memory region '{name}' was registered by another client; only its owner "
                         "(or the gRPC/HTTP system shared memory API) can unregister it",
                     )
-                names = [name] if found is not None else []
+                found_regions = [found] if found is not None else []
             else:
-                names = [n for n, r in self._regions.items() if owner is None or r.owner == owner]
-            retired = [self._regions.pop(n) for n in names]
-            for region in retired:
-                region.retired = True
-            to_unmap = [r for r in retired if r.refs == 0]
+                visible = self._visible(principal, client.owner)
+                found_regions = [r for r in visible if owner is None or r.owner == owner]
+            to_unmap = self._take(found_regions)
+        self._retired(found_regions, to_unmap)
+
+    def drop_owner(self, owner: str) -> list[str]:
+        """Unregister every region of a ZeroMQ socket that is gone, whoever it claimed to be."""
+        with self._lock:
+            found = [r for holders in self._regions.values() for r in holders.values() if r.owner == owner]
+            to_unmap = self._take(found)
+        self._retired(found, to_unmap)
+        return [region.info.name for region in found]
+
+    def _take(self, regions: list[Region]) -> list[Region]:
+        """(Under the lock.) Take `regions` out; those no request holds are to be unmapped."""
+        for region in regions:
+            holders = self._regions[region.info.name]
+            del holders[region.principal]
+            if not holders:
+                del self._regions[region.info.name]
+            self._count -= 1
+            region.retired = True
+        return [r for r in regions if r.refs == 0]
+
+    @staticmethod
+    def _retired(regions: list[Region], to_unmap: list[Region]) -> None:
         for region in to_unmap:
             region.unmap()
-        for region in retired:
+        for region in regions:
             log.info("shm region unregistered name=%s in_flight=%d", region.info.name, region.refs)
 
-    def status(self, name: str = "", owner: str | None = None) -> list[RegionInfo]:
-        """Regions (of `owner`, if given: the Triton-protocol APIs list only their own)."""
+    def status(
+        self, name: str = "", owner: str | None = None, client: ShmClient | None = None
+    ) -> list[RegionInfo]:
+        """Regions the client may name (of `owner`, if given: the Triton-protocol APIs list only their
+        own kind). `client`: None for in-process."""
+        client = client or ShmClient(owner=owner or TRITON_OWNER)  # in-process: as that owner
+        principal = client.principal
         with self._lock:
             if name:
-                region = self._regions.get(name)
+                region = self._find(name, principal, client.owner)
                 if region is None or (owner is not None and region.owner != owner):
                     raise not_found(f"Unable to find system shared memory region: '{name}'")
                 return [region.info]
-            return [r.info for r in self._regions.values() if owner is None or r.owner == owner]
+            visible = self._visible(principal, client.owner)
+            return [r.info for r in visible if owner is None or r.owner == owner]
 
-    def unregister_triton(self, name: str = "") -> None:
-        """Triton-protocol unregister: its own regions only; another client's ZMQ ring is left alone
-        (silently, as Triton treats unknown names)."""
-        if name and name not in self.names(owner=TRITON_OWNER):
+    def unregister_triton(self, name: str = "", client: ShmClient | None = None) -> None:
+        """Triton-protocol unregister: its own kind of regions only; another client's ZMQ ring is left
+        alone (silently, as Triton treats unknown names)."""
+        if name and name not in {info.name for info in self.status(owner=TRITON_OWNER, client=client)}:
             return
-        self.unregister(name, owner=TRITON_OWNER)
+        self.unregister(name, owner=TRITON_OWNER, client=client)
 
     def names(self, owner: str | None = None) -> list[str]:
+        """Every registered name (of `owner`, if given), whoever registered it: for the server's own use."""
         with self._lock:
-            return [n for n, r in self._regions.items() if owner is None or r.owner == owner]
+            return [
+                r.info.name
+                for holders in self._regions.values()
+                for r in holders.values()
+                if owner is None or r.owner == owner
+            ]
 
     # -- use ------------------------------------------------------------------------------------
-    def acquire(self, ref: ShmRef, write: bool = False) -> ShmLease:
+    def acquire(self, ref: ShmRef, write: bool = False, client: ShmClient | None = None) -> ShmLease:
         """Open `ref` for one request, with every bound checked (against the registered size; a region
         that is not mapped is also checked against its file's size when read or written).
-        `write`: for an output (PERMISSION_DENIED where the registering client may only read)."""
+        `write`: for an output (PERMISSION_DENIED where the registering client may only read).
+        `client`: who names the region (None: in-process); another client's region is NOT_FOUND."""
+        client = client or IN_PROCESS_CLIENT
+        principal = client.principal  # may read /proc: before the lock
         with self._lock:
-            region = self._regions.get(ref.region)
+            region = self._find(ref.region, principal, client.owner)
             if region is None:
                 raise not_found(f"Unable to find shared memory region: '{ref.region}'")
             if write:
@@ -208,7 +282,7 @@ class SharedMemoryRegistry:
             region.refs += 1
         start = region.info.offset + ref.offset
         view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
-        return ShmLease(self, region, start, ref.byte_size, view)
+        return ShmLease(self._release, region, start, ref.byte_size, view)
 
     def _release(self, region: Region) -> None:
         with self._lock:
@@ -218,4 +292,7 @@ class SharedMemoryRegistry:
             region.unmap()
 
     def close(self) -> None:
-        self.unregister("")
+        with self._lock:
+            found = [r for holders in self._regions.values() for r in holders.values()]
+            to_unmap = self._take(found)
+        self._retired(found, to_unmap)

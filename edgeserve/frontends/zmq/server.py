@@ -28,8 +28,9 @@ import zmq
 
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
-from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
-from edgeserve.frontends.zmq import codec, wire
+from edgeserve.frontends.peer import PeerIdentity, zmq_peer, zmq_peer_credentials_work
+from edgeserve.frontends.shm.binding import ShmClient
+from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
@@ -44,6 +45,7 @@ log = logging.getLogger("edgeserve.zmq")
 
 PROBE_DELAYS_S = (0.0, 0.2)  # check region owners right after a disconnect, and once more
 SWEEP_S = 5.0  # forget idle clients that own nothing
+IDENTITIES_MAX = 1024  # peer identities remembered by address (the client cap is far above a box's users)
 BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait (as [http] inline_max_us)
 
 
@@ -80,6 +82,7 @@ class ZmqFrontend:
         self._last_drop_log = 0.0
         self._collector = ZmqCollector(self)
         self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
+        self._identities: dict[str, PeerIdentity] = {}  # by Peer-Address
 
     def apply_limits(self, settings: Settings) -> None:
         """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
@@ -144,13 +147,13 @@ class ZmqFrontend:
                     Status.RESOURCE_EXHAUSTED,
                     f"too many zmq clients (max {self.max_clients}, [zmq] max_clients); try again later",
                 )
-                self._reply(peer, codec.error_reply(None, error))
+                self._reply(peer, replies.error_reply(None, error))
                 return
             self._peers[ident] = peer
         try:
             header = wire.loads(msg[index].buffer)
         except ValueError:
-            self._reply(peer, codec.error_reply(None, invalid_arg("header frame is not valid JSON")))
+            self._reply(peer, replies.error_reply(None, invalid_arg("header frame is not valid JSON")))
             self._maybe_forget(peer)
             return
         req_id = header.get("id") if isinstance(header, dict) else None
@@ -166,18 +169,36 @@ class ZmqFrontend:
                 )
             op = header.get("op", wire.OP_INFER)
             if op == wire.OP_INFER:
-                self._infer(peer, header, msg[index + 1 :])
+                self._infer(peer, header, msg[index], msg[index + 1 :])
                 return
             self._control(peer, op, header, msg[index])
         except InferenceError as exc:
-            self._reply(peer, codec.error_reply(req_id, exc))
+            self._reply(peer, replies.error_reply(req_id, exc))
         except Exception as exc:
             log.exception("zmq request %r failed", req_id)
-            self._reply(peer, codec.error_reply(req_id, internal(f"internal error: {exc}")))
+            self._reply(peer, replies.error_reply(req_id, internal(f"internal error: {exc}")))
         self._maybe_forget(peer)
 
-    def _infer(self, peer: _Peer, header: dict[str, Any], frames: list[Any]) -> None:
-        size = sum(len(frame) for frame in frames)
+    def _shm_client(self, peer: _Peer, frame: Any) -> ShmClient:
+        """Who names shm regions: this socket, as the user libzmq says sent `frame` (read per message:
+        a routing id reused by another connection lends it nothing), looked up only when it does."""
+        return ShmClient(lambda: self._peer_of(frame), owner=peer.owner)
+
+    def _peer_of(self, frame: Any) -> PeerIdentity:
+        """`zmq_peer(frame)`, memoised by the Peer-Address libzmq reports for this very message: the
+        identity follows from that string alone, and a ring request names a region every time."""
+        try:
+            address = frame.get("Peer-Address")
+        except Exception:  # no metadata on this message: zmq_peer says what that means
+            return zmq_peer(frame, self._peer_credentials)
+        identity = self._identities.get(address) or zmq_peer(frame, self._peer_credentials)
+        if len(self._identities) >= IDENTITIES_MAX:  # any thread: single dict operations, bounded
+            self._identities.clear()
+        self._identities[address] = identity
+        return identity
+
+    def _infer(self, peer: _Peer, header: dict[str, Any], head: Any, frames: list[Any]) -> None:
+        size = sum(len(frame) for frame in frames) if frames else 0
         if size > self.max_message_bytes:
             raise InferenceError(
                 Status.RESOURCE_EXHAUSTED,
@@ -197,7 +218,7 @@ class ZmqFrontend:
             peer.owner,
         )
         try:
-            decoded = codec.decode_infer(header, frames, self.dataplane.shm)
+            decoded = codec.decode_infer(header, frames, self.dataplane.shm, self._shm_client(peer, head))
         except BaseException:
             self.dataplane.release()
             raise
@@ -207,20 +228,21 @@ class ZmqFrontend:
 
         def on_done(result: InferResponse | InferenceError) -> None:
             try:
-                if isinstance(result, InferenceError):
-                    reply = codec.error_reply(decoded.req_id, result)
-                else:
-                    reply = codec.infer_reply(decoded, result)
-            except InferenceError as exc:
-                reply = codec.error_reply(decoded.req_id, exc)
-            except Exception as exc:
-                log.exception("building the zmq reply for request %r failed", decoded.req_id)
-                reply = codec.error_reply(
-                    decoded.req_id, internal(f"internal error building the reply: {exc}")
-                )
+                try:
+                    if isinstance(result, InferenceError):
+                        reply = replies.error_reply(decoded.req_id, result)
+                    else:
+                        reply = replies.infer_reply(decoded, result)
+                except InferenceError as exc:
+                    reply = replies.error_reply(decoded.req_id, exc)
+                except Exception as exc:
+                    log.exception("building the zmq reply for request %r failed", decoded.req_id)
+                    reply = replies.error_reply(
+                        decoded.req_id, internal(f"internal error building the reply: {exc}")
+                    )
+                self._post(peer, reply)
             finally:
-                decoded.release()
-            self._post(peer, reply)
+                decoded.release()  # after the send: the slot guards are checked, the reply goes first
 
         # While other requests wait, only a tiny model runs here: for a longer one the workers (and the
         # batcher) do better, and those requests would wait for it; a tiny one costs less than the
@@ -271,16 +293,17 @@ class ZmqFrontend:
                 codec._field(header, "offset", int, "register", 0),
                 codec._field(header, "byte_size", int, "register"),
                 owner=peer.owner,
-                # Read per message: a routing id reused by another connection lends it nothing.
-                peer=zmq_peer(frame, self._peer_credentials),
+                peer=self._shm_client(peer, frame).peer,
             )
             peer.owns_regions = True
         elif op == wire.OP_UNREGISTER:
-            shm.unregister(codec._field(header, "name", str, "unregister", ""), owner=peer.owner)
+            name = codec._field(header, "name", str, "unregister", "")
+            shm.unregister(name, owner=peer.owner, client=self._shm_client(peer, frame))
         elif op == wire.OP_STATUS:
             name = codec._field(header, "name", str, "status", "")
             mine = set(shm.names(owner=peer.owner))
-            body = {"regions": [{**info.as_dict(), "mine": info.name in mine} for info in shm.status(name)]}
+            listed = shm.status(name, client=self._shm_client(peer, frame))
+            body = {"regions": [{**info.as_dict(), "mine": info.name in mine} for info in listed]}
         elif op == wire.OP_METADATA:
             model = codec._field(header, "model", str, "metadata")
             body = {"metadata": self.dataplane.model_metadata(model, str(header.get("version", "")))}
@@ -293,15 +316,17 @@ class ZmqFrontend:
             )
             body = {"live": self.dataplane.live(), "ready": ready}
         elif op == wire.OP_BYE:
-            self._reply(peer, codec.ok_reply(req_id, {}))
+            # Release first, then reply (as the wire spec says): a client that got its answer may
+            # rely on its regions being gone (the test that lists them right after close() raced).
             self._forget(peer, "said bye")
+            self._reply(peer, replies.ok_reply(req_id, {}))
             return
         else:
             raise invalid_arg(
                 f"unknown op {op!r}; expected one of infer, ping, register, unregister, "
                 "status, metadata, ready, bye"
             )
-        self._reply(peer, codec.ok_reply(req_id, body))
+        self._reply(peer, replies.ok_reply(req_id, body))
 
     # -- send -----------------------------------------------------------------------------------
     def _post(self, peer: _Peer, frames: list[Any]) -> None:
@@ -345,10 +370,9 @@ class ZmqFrontend:
             self._release_regions(peer, why)
 
     def _release_regions(self, peer: _Peer, why: str) -> None:
-        names = self.dataplane.shm.names(owner=peer.owner)
+        names = self.dataplane.shm.drop_owner(peer.owner)
         peer.owns_regions = False
         if names:
-            self.dataplane.shm.unregister("", owner=peer.owner)
             log.info("zmq client %s %s: released its shm regions %s", peer.ident.hex(), why, names)
 
     def _on_disconnect(self) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.frontends.peer import PeerIdentity
-from edgeserve.frontends.shm.registry import SharedMemoryRegistry
+from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.protocol.inference import ShmRef
 
@@ -64,17 +64,19 @@ def refused(registry: SharedMemoryRegistry, key: str, peer: PeerIdentity | None)
 def writable(registry: SharedMemoryRegistry, key: str, peer: PeerIdentity | None) -> bool:
     """Registers `key` for `peer`: True when outputs may go there too (it is unregistered again)."""
     registry.register("r", key, 0, 4096, peer=peer)
+    client = ShmClient(peer)  # the region is bound to `peer`: its requests name it
     try:
-        with registry.acquire(ShmRef("r", 8)) as lease:
+        with registry.acquire(ShmRef("r", 8), client=client) as lease:
             assert bytes(lease.read()) == b"payload!"
         try:
-            registry.acquire(ShmRef("r", 8, 16), write=True).release()
+            registry.acquire(ShmRef("r", 8, 16), write=True, client=client).release()
         except InferenceError as exc:
             assert exc.status is Status.PERMISSION_DENIED and "may only read it" in exc.message
             return False
         return True
     finally:
-        registry.unregister("r")
+        registry.unregister("r", client=client)
+        assert registry.names() == []
 
 
 def test_a_local_client_gets_what_the_kernel_would_give_it(tmp_path: Path) -> None:

@@ -1,0 +1,401 @@
+"""Camera pipelines (issue 24): N live 720p H.264 streams at 30 fps into the CenterFace detector and
+into the OCR pipeline, `edgeserve watch`'s pipeline against the same pipeline written by hand as a
+user would today (PyAV decode + tritonclient gRPC to edgeserve), side by side in one run.
+
+    python benchmarks/bench_video.py                        # 1, 4, 8 streams x {centerface, ocr}, 10 s each
+    python benchmarks/bench_video.py --seconds 5 --streams 1,8 --models centerface
+
+The streams: one 10 s clip encoded here (1280x720, 30 fps, libx264 `veryfast` + `zerolatency`: no
+B-frames, as IP cameras send) with a face and a line of text, played in real time and in a loop
+per stream (a file standing in for a camera: frames become available at 30 fps, whatever the
+pipeline's pace). Both pipelines decode every frame of every stream (a live stream must be read),
+run in this process, and talk to the same `edgeserve serve` on loopback:
+
+    watch-1 the same with 1 request in flight (for the latency it adds above the model's time)
+    watch   edgeserve.video.Watch: decoder threads, latest-frame policy, each frame converted into
+            a shared-memory ring slot (CenterFace: 640x384 FP32; OCR: 1280x720 UINT8), ZeroMQ,
+            its default requests in flight (2 for one stream, 1 per stream for several), results
+            decoded to boxes/text
+    hand    per stream, a decoder thread keeping the newest frame (the usual "grabber" for live
+            streams) and an inference thread: PyAV's `to_ndarray(format="rgb24", width, height)`
+            and numpy for the model's layout, tritonclient gRPC `infer` (one request at a time),
+            the same result decoding
+Both decode with one FFmpeg thread per stream (so the decoder thread's CPU time is the decode cost).
+
+Columns: frames inferred and dropped per second (all streams), decode-to-result latency p50/p99,
+CPU per frame: decode (per decoded frame, FFmpeg in the decoder threads), convert (per inferred
+frame), other client work (transport, results: this process's CPU less decode and convert, per
+inferred frame), and the server's CPU per inferred frame (model + serving) with the model's own
+backend time beside it (wall time of the executed batches, all steps of the OCR ensemble, per
+frame). The pipelines take turns per cell (watch, [watch-1,] hand).
+JSON in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine_facts, percentile, progress
+
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "video"))
+MODELS = ROOT / "models"
+FPS = 30
+
+
+def make_clip(path: Path, seconds: int, size: tuple[int, int]) -> Path:
+    import av
+    from PIL import Image, ImageDraw, ImageFont
+    from video_clips import OCR_TEXT, portrait
+
+    width, height = size
+    face = portrait(height // 2)
+    font = ImageFont.load_default(size=height // 12)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=FPS)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(FPS * 2)}
+        for index in range(seconds * FPS):
+            image = Image.new("RGB", size, (70, 90, 110))
+            image.paste(Image.fromarray(face), ((index * 6) % (width - face.shape[1]), height // 8))
+            ImageDraw.Draw(image).text((width // 10, height * 3 // 4), OCR_TEXT, fill="white", font=font)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+class Meter:
+    """This process's and the server's CPU, and the server's backend time, between two reads."""
+
+    def __init__(self, server_pid: int, http: str) -> None:
+        import psutil
+
+        self.server = psutil.Process(server_pid)
+        self.http = http
+
+    def read(self) -> dict[str, float]:
+        server = 0.0
+        for process in (self.server, *self.server.children(recursive=True)):
+            try:
+                times = process.cpu_times()
+                server += times.user + times.system
+            except Exception:
+                continue
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        # per executed batch (Triton's nv_inference_compute_infer_duration_us counts a batch once per request)
+        pattern = r"^edgeserve_compute_infer_duration_seconds_sum\{[^}]*\} (\S+)$"
+        compute = sum(float(v) for v in re.findall(pattern, text, re.M)) * 1e6
+        return {
+            "wall": time.perf_counter(),
+            "client": time.process_time(),
+            "server": server,
+            "compute_us": compute,
+        }
+
+
+class Stats:
+    """What one pipeline reports over the measured window (shared shape for both)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.inferred = 0
+        self.decoded = 0
+        self.decode_cpu = 0.0
+        self.convert_cpu = 0.0
+        self.counting = False
+
+    def result(self, latency: float) -> None:
+        with self.lock:
+            if self.counting:
+                self.inferred += 1
+                self.latencies.append(latency)
+
+
+def run_watch(
+    clip: Path,
+    streams: int,
+    model: str,
+    endpoint: str,
+    seconds: float,
+    warm: float,
+    meter: Meter,
+    inflight: int = 0,
+) -> dict[str, Any]:
+    from edgeserve.video import SourceOptions, Watch, WatchOptions, parse_sources
+
+    stats = Stats()
+    options = WatchOptions(
+        model=model,
+        endpoint=endpoint,
+        policy="latest",
+        timeout=60,
+        inflight=inflight,
+        source=SourceOptions(realtime=True, loop=True, decoder_threads=1),
+    )
+    sources = parse_sources([f"s{i}={clip}" for i in range(streams)])
+    watch = Watch(sources, options, on_result=lambda r: stats.result(r.latency_ms / 1e3))
+    thread = threading.Thread(target=watch.run, daemon=True)
+    thread.start()
+    time.sleep(warm)
+
+    def totals() -> tuple[int, float, float]:
+        return (
+            sum(s.thread.counters.decoded for s in watch.streams),
+            sum(s.thread.counters.decode_cpu_s for s in watch.streams),
+            sum(s.convert_cpu_s for s in watch.streams),
+        )
+
+    return _measure(stats, meter, seconds, totals, lambda: (watch.stop(), thread.join(120)))
+
+
+def run_hand(
+    clip: Path, streams: int, model: str, grpc_url: str, seconds: float, warm: float, meter: Meter
+) -> dict[str, Any]:
+    """The hand-written pipeline: what a user writes today with PyAV and tritonclient."""
+    import av
+    import tritonclient.grpc as grpcclient
+
+    from edgeserve.video.convert import InputSpec
+    from edgeserve.video.results import interpret
+
+    stats = Stats()
+    stop = threading.Event()
+    spec = InputSpec.from_metadata(
+        grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
+    )
+    counters = [{"decoded": 0, "cpu": 0.0, "convert": 0.0} for _ in range(streams)]
+
+    def grabber(index: int, latest: list[Any], ready: threading.Condition) -> None:
+        while not stop.is_set():
+            with av.open(str(clip)) as container:
+                video = container.streams.video[0]
+                video.codec_context.thread_count = 1  # as in the watch run: its CPU is this thread's
+                start, base = time.perf_counter(), float(video.time_base)
+                cpu = time.thread_time()
+                for frame in container.decode(video):
+                    counters[index]["cpu"] += time.thread_time() - cpu
+                    counters[index]["decoded"] += 1
+                    wait = start + frame.pts * base - time.perf_counter()
+                    if wait > 0 and stop.wait(wait):
+                        return
+                    with ready:
+                        latest[0] = (frame, time.perf_counter())
+                        ready.notify()
+                    cpu = time.thread_time()
+                    if stop.is_set():
+                        return
+
+    def infer_loop(index: int, latest: list[Any], ready: threading.Condition) -> None:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        while not stop.is_set():
+            with ready:
+                while latest[0] is None and not stop.is_set():
+                    ready.wait(0.5)
+                item, latest[0] = latest[0], None
+            if item is None:
+                continue
+            frame, t0 = item
+            cpu = time.thread_time()
+            width, height = spec.size_for(frame.width, frame.height)
+            rgb = frame.to_ndarray(format="rgb24", width=width, height=height)  # what PyAV's docs show
+            if spec.datatype == "UINT8":
+                tensor = rgb
+            else:
+                tensor = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], dtype=np.float32)
+            counters[index]["convert"] += time.thread_time() - cpu
+            request = grpcclient.InferInput(spec.name, list(tensor.shape), spec.datatype)
+            request.set_data_from_numpy(tensor)
+            reply = client.infer(model, [request])
+            names = [o.name for o in reply.get_response().outputs]
+            interpret({n: reply.as_numpy(n) for n in names}, (width, height), (frame.width, frame.height))
+            stats.result(time.perf_counter() - t0)
+        client.close()
+
+    threads = []
+    for index in range(streams):
+        latest: list[Any] = [None]
+        ready = threading.Condition()
+        threads += [
+            threading.Thread(target=grabber, args=(index, latest, ready), daemon=True),
+            threading.Thread(target=infer_loop, args=(index, latest, ready), daemon=True),
+        ]
+    for thread in threads:
+        thread.start()
+    time.sleep(warm)
+
+    def totals() -> tuple[int, float, float]:
+        return (
+            sum(int(c["decoded"]) for c in counters),
+            sum(c["cpu"] for c in counters),
+            sum(c["convert"] for c in counters),
+        )
+
+    def finish() -> None:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+
+    return _measure(stats, meter, seconds, totals, finish)
+
+
+def _measure(
+    stats: Stats,
+    meter: Meter,
+    seconds: float,
+    totals: Callable[[], tuple[int, float, float]],
+    finish: Callable[[], object],
+) -> dict[str, Any]:
+    before, (decoded0, decode0, convert0) = meter.read(), totals()
+    with stats.lock:
+        stats.counting = True
+    time.sleep(seconds)
+    with stats.lock:
+        stats.counting = False
+    after, (decoded1, decode1, convert1) = meter.read(), totals()
+    finish()
+    wall = after["wall"] - before["wall"]
+    inferred = max(stats.inferred, 1)
+    decoded = decoded1 - decoded0
+    decode_cpu, convert_cpu = decode1 - decode0, convert1 - convert0
+    client = after["client"] - before["client"]
+    return {
+        "inferred_per_s": stats.inferred / wall,
+        "dropped_per_s": max(0, decoded - stats.inferred) / wall,
+        "p50_ms": percentile(stats.latencies, 50) * 1e3,
+        "mean_ms": float(np.mean(stats.latencies)) * 1e3 if stats.latencies else float("nan"),
+        "p99_ms": percentile(stats.latencies, 99) * 1e3,
+        "decode_ms": decode_cpu / max(decoded, 1) * 1e3,
+        "convert_ms": convert_cpu / inferred * 1e3,
+        "other_ms": (client - decode_cpu - convert_cpu) / inferred * 1e3,
+        "server_ms": (after["server"] - before["server"]) / inferred * 1e3,
+        "model_ms": (after["compute_us"] - before["compute_us"]) / inferred / 1e3,
+        "client_cpu_share": client / wall,
+        "inferred": stats.inferred,
+        "decoded": decoded,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell and pipeline")
+    parser.add_argument("--warm", type=float, default=3.0, help="unmeasured seconds first")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--models", default="centerface,ocr")
+    parser.add_argument("--size", default="1280x720")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_video.json")
+    args = parser.parse_args()
+    width, height = (int(v) for v in args.size.split("x"))
+    counts = [int(n) for n in args.streams.split(",")]
+    models = args.models.split(",")
+    print(machine_facts())
+    from es_server import start_server
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        progress(f"encoding a 10 s {width}x{height} {FPS} fps H.264 clip")
+        clip = make_clip(Path(tmp) / "camera.mkv", 10, (width, height))
+        progress("starting edgeserve serve (centerface, ocr)")
+        load = [a for m in models for a in ("--load-model", m)]
+        server = start_server(MODELS, Path(tmp), args=[*load, "--log-level", "WARNING"], timeout=300)
+        try:
+            meter = Meter(server.process.pid, server.base)
+            total = len(models) * (len(counts) * 2 + (1 in counts))
+            for model in models:
+                for streams in counts:
+                    names = ("watch", "watch-1", "hand") if streams == 1 else ("watch", "hand")
+                    for name in names:
+                        progress(f"[{len(rows) + 1}/{total}] {model}, {streams} stream(s), {name} ...")
+                        if name.startswith("watch"):
+                            inflight = 1 if name == "watch-1" else 0
+                            row = run_watch(
+                                clip,
+                                streams,
+                                model,
+                                server.zmq_endpoint,
+                                args.seconds,
+                                args.warm,
+                                meter,
+                                inflight,
+                            )
+                        else:
+                            row = run_hand(
+                                clip, streams, model, server.grpc_url, args.seconds, args.warm, meter
+                            )
+                        row.update(model=model, streams=streams, pipeline=name)
+                        rows.append(row)
+                        progress(f"    {row['inferred_per_s']:.1f} inferred/s, p50 {row['p50_ms']:.0f} ms")
+        finally:
+            server.stop()
+    print()
+    print(
+        "| model | streams | pipeline | inferred/s | dropped/s | latency p50 / p99 ms | decode ms/frame | "
+        "convert ms/frame | other client ms/frame | server CPU ms/frame | model ms/frame | client CPU |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [
+            r["model"],
+            r["streams"],
+            r["pipeline"],
+            f"{r['inferred_per_s']:.1f}",
+            f"{r['dropped_per_s']:.1f}",
+            f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f}",
+            f"{r['decode_ms']:.2f}",
+            f"{r['convert_ms']:.2f}",
+            f"{r['other_ms']:.2f}",
+            f"{r['server_ms']:.1f}",
+            f"{r['model_ms']:.1f}",
+            f"{r['client_cpu_share'] * 100:.0f}%",
+        ]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    print()
+    for model in models:
+        for streams in counts:
+            pair = {r["pipeline"]: r for r in rows if r["model"] == model and r["streams"] == streams}
+            if pair.get("hand", {}).get("inferred_per_s"):
+                ratio = pair["watch"]["inferred_per_s"] / pair["hand"]["inferred_per_s"]
+                print(f"{model}, {streams} stream(s): watch / hand frames/s = {ratio:.2f}x")
+        for r in rows:
+            # (an ensemble's steps overlap and include Python steps: its backend time is no baseline)
+            if (
+                r["model"] == model
+                and r["streams"] == 1
+                and r["pipeline"] in ("watch-1", "hand")
+                and model != "ocr"
+            ):
+                print(
+                    f"{model}, 1 stream, 1 frame in flight, {r['pipeline']}: decode-to-result latency above "
+                    f"the model's backend time = {r['mean_ms'] - r['model_ms']:.1f} ms (mean)"
+                )
+        one = next(
+            (r for r in rows if r["model"] == model and r["streams"] == 1 and r["pipeline"] == "watch"), None
+        )
+        if one is not None:
+            print(
+                f"{model}, 1 stream: watch CPU per frame above decode + model (convert + other client) = "
+                f"{one['convert_ms'] + one['other_ms']:.2f} ms"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine_facts(), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
