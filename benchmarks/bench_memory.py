@@ -75,7 +75,8 @@ def frame(width: int, height: int, rng: random.Random) -> np.ndarray:
         draw.text((rng.randint(0, width // 4), (i + 0.3) * height / (lines + 0.5)), text, fill=(20, 20, 20),
                   font=font)  # fmt: skip
     noise = np.random.default_rng(rng.randint(0, 1 << 30)).integers(-6, 7, (height, width, 3))
-    return np.clip(np.asarray(image).astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    out: np.ndarray = np.clip(np.asarray(image).astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    return out
 
 
 def frames(count: int, seed: int = 26) -> list[np.ndarray]:
@@ -86,7 +87,7 @@ def frames(count: int, seed: int = 26) -> list[np.ndarray]:
 # -- processes ----------------------------------------------------------------------------------------
 def process_table(app: Appliance) -> list[dict[str, Any]]:
     """One row per process of the appliance: role, pid, RSS/PSS/USS in MB."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         supervisor = psutil.Process(app.pid)
         members = [supervisor, *supervisor.children(recursive=True)]
@@ -117,7 +118,7 @@ def total(rows: list[dict[str, Any]], key: str) -> float:
 def quick_total_rss(app: Appliance) -> float:
     with contextlib.suppress(psutil.Error):
         supervisor = psutil.Process(app.pid)
-        values = []
+        values: list[int] = []
         for process in [supervisor, *supervisor.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 values.append(process.memory_info().rss)
@@ -164,9 +165,8 @@ def run_client(client: Client, tally: Tally, deadline: float, stop: threading.Ev
         now = time.monotonic()
         if now >= deadline or stop.is_set():
             break
-        if due > now:
-            if stop.wait(due - now):
-                break
+        if due > now and stop.wait(due - now):
+            break
         due = max(due + interval, time.monotonic())
         try:
             if handle is None:
@@ -232,7 +232,9 @@ def make_clients(app: Appliance, pool: list[np.ndarray], scale: float) -> list[C
         texts(c.infer("ocr", [h_in("IMAGE", rng.choice(pool), "UINT8")]))
 
     def mlp_x(rng: random.Random) -> np.ndarray:
-        return np.random.default_rng(rng.randint(0, 1 << 30)).random((rng.randint(1, 4), 16), dtype=np.float32)
+        return np.random.default_rng(rng.randint(0, 1 << 30)).random(
+            (rng.randint(1, 4), 16), dtype=np.float32
+        )
 
     def mlp_http(c: Any, rng: random.Random) -> None:
         c.infer("mlp", [h_in("INPUT0", mlp_x(rng), "FP32")]).as_numpy("OUTPUT0")
@@ -261,7 +263,8 @@ def make_clients(app: Appliance, pool: list[np.ndarray], scale: float) -> list[C
         for step in range(4):
             value = float(rng.randint(1, 9))
             expected += value
-            s.client.async_stream_infer("accumulate", [g_in("INPUT", np.array([[value]], np.float32), "FP32")],
+            inputs = [g_in("INPUT", np.array([[value]], np.float32), "FP32")]
+            s.client.async_stream_infer("accumulate", inputs,
                                         sequence_id=s.next_id, sequence_start=step == 0,
                                         sequence_end=step == 3)  # fmt: skip
             result, error = s.replies.get(timeout=30)
@@ -322,8 +325,12 @@ def traffic(app: Appliance, clients: list[Client], seconds: float, tallies: dict
     deadline = time.monotonic() + seconds
     stop = threading.Event()
     threads = [
-        threading.Thread(target=run_client, args=(c, tallies[c.name], deadline, stop, i), daemon=True,
-                         name=f"bench-{c.name}")  # fmt: skip
+        threading.Thread(
+            target=run_client,
+            args=(c, tallies[c.name], deadline, stop, i),
+            daemon=True,
+            name=f"bench-{c.name}",
+        )
         for i, c in enumerate(clients)
     ]
     for thread in threads:
@@ -350,16 +357,28 @@ def traffic(app: Appliance, clients: list[Client], seconds: float, tallies: dict
 def table(title: str, rows: list[dict[str, Any]]) -> str:
     lines = [f"**{title}**", "", "| process | pid | RSS MB | PSS MB | USS MB |", "|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['role']} | {r['pid']} | {r['rss_mb']:.1f} | {r['pss_mb']:.1f} | {r['uss_mb']:.1f} |")
+        lines.append(
+            f"| {r['role']} | {r['pid']} | {r['rss_mb']:.1f} | {r['pss_mb']:.1f} | {r['uss_mb']:.1f} |"
+        )
     rss, pss, uss = total(rows, "rss_mb"), total(rows, "pss_mb"), total(rows, "uss_mb")
     verdict = "under" if rss < TARGET_MB else "OVER"
-    lines.append(f"| **total** ({verdict} the {TARGET_MB:.0f} MB target) | | **{rss:.1f}** | {pss:.1f} | {uss:.1f} |")
+    lines.append(
+        f"| **total** ({verdict} the {TARGET_MB:.0f} MB target) | | **{rss:.1f}** | {pss:.1f} | {uss:.1f} |"
+    )
     return "\n".join(lines)
 
 
 def breakdown(app: Appliance) -> str:
     """`edgeserve models list` against the running appliance (its per-process and per-model memory)."""
-    command = [sys.executable, "-m", "edgeserve", "models", "list", "--url", f"http://127.0.0.1:{app.http_port}"]
+    command = [
+        sys.executable,
+        "-m",
+        "edgeserve",
+        "models",
+        "list",
+        "--url",
+        f"http://127.0.0.1:{app.http_port}",
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -368,7 +387,9 @@ def breakdown(app: Appliance) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=10.0, help="traffic after warm-up (default 10)")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of warm-up traffic (default 60)")
     parser.add_argument("--sample", type=float, default=30.0, help="seconds between RSS samples (default 30)")
@@ -376,7 +397,9 @@ def main() -> int:
     parser.add_argument("--repository", type=Path, default=ROOT / "models")
     parser.add_argument("--state-dir", type=Path, help="kept between runs (default: a temporary folder)")
     parser.add_argument("--no-prime", action="store_true", help="measure a first start (runtime races)")
-    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the appliance (repeatable)")
+    parser.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE for the appliance (repeatable)"
+    )
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="es-mem-state-"))
@@ -415,8 +438,9 @@ def main() -> int:
         time.sleep(5)
         result["after"] = process_table(app)
         result["samples"] = samples
-        result["load_cpu_share"] = 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (
-            wall * (os.cpu_count() or 1))
+        result["load_cpu_share"] = (
+            100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (wall * (os.cpu_count() or 1))
+        )
         result["tallies"] = {n: {"ok": t.ok, "errors": t.errors, "first_error": t.first_error}
                              for n, t in tallies.items()}  # fmt: skip
         result["breakdown"] = breakdown(app)
@@ -438,8 +462,10 @@ def main() -> int:
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     peak = max((rss for _, rss in result.get("samples", [])), default=float("nan"))
-    calls = ", ".join(f"{n} {t['ok']}" + (f" ({t['errors']} errors: {t['first_error']})" if t["errors"] else "")
-                      for n, t in result.get("tallies", {}).items())  # fmt: skip
+    calls = ", ".join(
+        f"{n} {t['ok']}" + (f" ({t['errors']} errors: {t['first_error']})" if t["errors"] else "")
+        for n, t in result.get("tallies", {}).items()
+    )
     parts = [
         f"Machine: {result['facts']}",
         f"edgeserve at {result['code']}; appliance environment: {' '.join(args.env) or '(defaults)'}",
