@@ -114,12 +114,16 @@ def resolve(setting: str, memory_bytes: int | None, memory_reason: str = "device
     return _with_why(STANDARD, f"auto: {known}")
 
 
+REFUSAL = "memory profile "  # how plan_refusal's reasons start (the plan tells them from hard ones)
+
+
 def plan_refusal(profile: MemoryProfile, backend: str, device: str, dynamic_dims: bool) -> str | None:
-    """Why the runtime plan should not use `backend` on `device` for a model under this profile."""
+    """Why the runtime plan should prefer another option to `backend` on `device` for a model under this
+    profile (a preference: the plan still takes it when no other option can run the model)."""
     cpu = device.split(":")[0] == "CPU"
     if profile.lean_dynamic_shapes and backend == "openvino" and cpu and dynamic_dims:
         return (
-            f"memory profile {profile.name}: OpenVINO's CPU plugin keeps kernels and buffers per input shape "
+            f"{REFUSAL}{profile.name}: OpenVINO's CPU plugin keeps kernels and buffers per input shape "
             "of a model with dynamic dims, ONNX Runtime frees them after each call (set backend: "
             '"openvino" in config.pbtxt to use it anyway)'
         )

@@ -10,6 +10,7 @@ does not vouch for, the accuracy guard. The first that passes is chosen.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -220,9 +221,9 @@ class Planner:
         return None
 
     def _static(
-        self, option: PlanOption, cand: Candidate, pins: Pins, version_dir: Path, config: Any
+        self, option: PlanOption, cand: Candidate, pins: Pins, version_dir: Path, config: Any, lean: bool
     ) -> tuple[str | None, Path | None, str]:
-        """(reason it cannot run, artifact, note) without running anything."""
+        """(reason it cannot run, artifact, note) without running anything (`lean`: memory preference too)."""
         if pins.backend and option.backend != pins.backend:
             return f"not the pinned backend ({pins.backend_why})", None, ""
         if pins.device and option.device != pins.device:
@@ -241,7 +242,7 @@ class Planner:
             return reason, artifact, ""
         if option.device.split(":")[0] == "NPU" and _dynamic_dims(config):
             return "the NPU needs static shapes; the config declares dynamic dims", artifact, ""
-        if pins.backend != option.backend:
+        if lean and pins.backend != option.backend:
             dynamic = _dynamic_dims(config)
             reason = memory.plan_refusal(self.memory_profile(), option.backend, option.device, dynamic)
             if reason:
@@ -253,13 +254,27 @@ class Planner:
 
     # -- per model -------------------------------------------------------------------------------
     def plan_model(self, name: str, version_dir: Path, config: Any, where: str | None = None) -> ModelPlan:
+        plan = self._plan_model(name, version_dir, config, where, lean=True)
+        if plan.chosen is None and any(v.reason.startswith(memory.REFUSAL) for v in plan.verdicts):
+            # The memory profile orders runtimes; it never keeps out a model no other runtime can run.
+            plan = self._plan_model(name, version_dir, config, where, lean=False)
+            if plan.chosen is not None:
+                note = f"{memory.REFUSAL}{self.memory_profile().name}: no other runtime runs it"
+                chosen = dataclasses.replace(plan.chosen, reason=f"{plan.chosen.reason}; {note}")
+                verdicts = tuple(chosen if v is plan.chosen else v for v in plan.verdicts)
+                plan = dataclasses.replace(plan, chosen=chosen, verdicts=verdicts)
+        return plan
+
+    def _plan_model(
+        self, name: str, version_dir: Path, config: Any, where: str | None, lean: bool
+    ) -> ModelPlan:
         pins = read_pins(config, where or f"{name}/config.pbtxt")
         tolerance = pins.tolerance if pins.tolerance is not None else self.settings.runtime.accuracy_tolerance
         verdicts: list[Verdict] = []
         chosen: Verdict | None = None
         seen: set[PlanOption] = set()
         for option, cand in self._options(pins):
-            reason, artifact, note = self._static(option, cand, pins, version_dir, config)
+            reason, artifact, note = self._static(option, cand, pins, version_dir, config, lean)
             if reason is None and artifact is not None and artifact.suffix in (".plan", ".engine"):
                 # a shipped engine runs as built: its precision was fixed when it was built
                 option = PlanOption(option.backend, option.device, "auto", option.providers)
