@@ -108,7 +108,11 @@ def test_models_list_prints_the_breakdown(server: RunningServer) -> None:
     worker = [line for line in lines if line.startswith("python_worker") and f" {shared} " in line]
     assert len(worker) == 1 and "ga,gb" in worker[0], result.stdout
     assert any(line.startswith("server ") and f" {server.process.pid} " in line for line in lines)
-    assert any(line.startswith(ONNX + " ") for line in lines), result.stdout
+    weights = next(i for i, line in enumerate(lines) if "WEIGHTS MiB" in line)  # the per-model table
+    assert any(line.split()[:2] == [ONNX, "1"] and float(line.split()[2]) >= 0 for line in lines[weights:])
+    assert any(
+        line.split()[:1] == ["ga"] and line.split()[3] == worker[0].split()[2] for line in lines[weights:]
+    )
 
 
 def test_a_member_crash_restarts_the_group_together(server: RunningServer) -> None:
