@@ -128,8 +128,8 @@ def main() -> int:
                         assert variant.server is not None
                         point = bench(variant.server, model, protocol, n, args)
                         results.setdefault((model, n, variant.name, protocol), []).append(point)
-                        progress(f"{model} x{n} round {rnd + 1}: {variant.name} {protocol} "
-                                 f"{point['throughput']:.1f} infer/s, p50 {point['p50_ms']:.2f} ms")  # fmt: skip
+                        rate = f"{point['throughput']:.1f} infer/s, p50 {point['p50_ms']:.2f} ms"
+                        progress(f"{model} x{n} round {rnd + 1}: {variant.name} {protocol} {rate}")
         report(args, variants, models, clients, protocols, results, facts)
     finally:
         for variant in variants:

@@ -54,21 +54,10 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     },
 )  # fmt: skip
 
-# What still runs against the rules, in files that issue 26 is changing now: the lead empties these
-# after that merge, as planned beside each. An entry that no longer applies fails too: they only shrink.
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
-    # DEFAULT_HANG_TIMEOUT_S: import it from edgeserve.backends.options
-    ("edgeserve.backends.python.backend", "edgeserve.scheduling.scheduler"),
-    # parse_pbtxt: import it from edgeserve.protocol.model_config
-    ("edgeserve.backends.python.backend", "edgeserve.repository.config"),
-    # InferRequest.shm_client's type: a Protocol here (owner, principal); shm/registry.acquire and
-    # frontends/zmq/codec.py's _resolve_ref take that Protocol instead of ShmClient
-    ("edgeserve.protocol.inference", "edgeserve.frontends.shm.binding"),
-})  # fmt: skip
-KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset({
-    # ZmqFuture keeps the client only to call its _wait_for: hand it that function instead
-    frozenset({"edgeserve.client.future", "edgeserve.client.zmq_client"}),
-})  # fmt: skip
+# What still runs against the rules, each with the plan beside it. An entry that no longer applies
+# fails too: they only shrink.
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
+KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -274,7 +263,7 @@ def test_the_graph_is_read() -> None:
     importlib.import_module with a constant are all found; a name imported from a module counts as it."""
     found = {(e.source, e.target) for e in imports()}
     assert ("edgeserve.cli", "edgeserve.supervisor.supervisor") in found  # inside a function
-    assert ("edgeserve.repository.served", "edgeserve.server.dataplane") in found  # TYPE_CHECKING
+    assert ("edgeserve.repository.served", "edgeserve.server.contracts") in found  # TYPE_CHECKING
     assert ("edgeserve.server.ensemble_steps", "edgeserve.server.validation") in found  # a module
     assert ("edgeserve.config", "edgeserve.config_sections") in found  # names from a module
     assert ("edgeserve.frontends.http.routes", "edgeserve.metrics") in found  # importlib

@@ -21,6 +21,7 @@ import numpy as np
 
 from edgeserve.backends import trt_engine
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.fsutil import sha256_file
 from edgeserve.protocol.datatypes import BF16_DTYPE, from_numpy
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -216,7 +217,7 @@ class TensorRTBackend:
 
         spec = trt_engine.spec_from_config(config, options.precision, options.device)
         identity = device_identity()
-        digest = trt_engine.file_sha256(onnx)
+        digest = sha256_file(onnx)
         key = trt_engine.cache_key(digest, identity, trt.__version__, spec)
         expected = trt_engine.manifest_for(digest, identity, trt.__version__, spec)
         cache = trt_engine.EngineCache(options.cache_dir or onnx.parent / ".engines")

@@ -144,14 +144,6 @@ class DeviceIdentity:
     l4t: str | None = None  # Jetson L4T release (JetPack upgrades change TensorRT)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def manifest_for(
     onnx_sha256: str, device: DeviceIdentity, trt_version: str, spec: EngineSpec
 ) -> dict[str, Any]:

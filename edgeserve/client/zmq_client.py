@@ -288,7 +288,7 @@ class ZmqClient:
         if pending is not None:
             pending.sent_at = time.perf_counter()
             pending.deadline = deadline
-        future = ZmqFuture(self, req_id)
+        future = ZmqFuture(self._wait_for, req_id)
         self._pending[req_id] = (future, pending)
         heapq.heappush(self._deadlines, (deadline, req_id))
         return future

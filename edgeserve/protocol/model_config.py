@@ -28,20 +28,20 @@ def parse_pbtxt(path: Path) -> Any:
 
 def parse_text(text: str, where: str) -> Any:
     """Parse protobuf text format (the config.pbtxt syntax)."""
-    config = mc.ModelConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        raise RepositoryError(where, "", f"not a valid model config: {exc}") from None
-    return config
+    return _parse(text_format, text, where)
 
 
 def parse_json(text: str, where: str) -> Any:
     """Parse Triton model-config JSON (the load API's `config` parameter)."""
+    return _parse(json_format, text, where)
+
+
+def _parse(syntax: Any, text: str, where: str) -> Any:
+    """`syntax`: protobuf's text_format or json_format module (both have Parse and ParseError)."""
     config = mc.ModelConfig()
     try:
-        json_format.Parse(text, config)
-    except json_format.ParseError as exc:
+        syntax.Parse(text, config)
+    except syntax.ParseError as exc:
         raise RepositoryError(where, "", f"not a valid model config: {exc}") from None
     return config
 

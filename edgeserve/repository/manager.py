@@ -36,7 +36,7 @@ from edgeserve.repository.versions import describe, select_versions
 from edgeserve.server.ensemble_graph import is_ensemble
 
 if TYPE_CHECKING:
-    from edgeserve.server.dataplane import RepositoryLike, ServedModelLike
+    from edgeserve.server.contracts import RepositoryLike, ServedModelLike
 
 log = logging.getLogger("edgeserve.repository")
 

@@ -23,7 +23,7 @@ from edgeserve.repository.selection import BackendChoice, BackendSelector
 if TYPE_CHECKING:
     from edgeserve.scheduling.scheduler import Scheduler
     from edgeserve.scheduling.stats import ModelStats
-    from edgeserve.server.dataplane import SchedulerLike
+    from edgeserve.server.contracts import SchedulerLike
 
 log = logging.getLogger("edgeserve.repository")
 

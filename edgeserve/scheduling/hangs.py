@@ -37,6 +37,17 @@ HUNG_MESSAGE = "instance {index} did not answer in {seconds:g} s; it is being re
 InstanceFactory = Callable[[], "Instance"]
 
 
+def load_replacement(
+    factory: InstanceFactory, model: str, version: int, index: int, logger: logging.Logger
+) -> Instance | None:
+    """A fresh instance for the hung one at `index`; None (and the traceback logged) when loading fails."""
+    try:
+        return factory()
+    except Exception:
+        logger.exception("%s version %d: loading a replacement for instance %d failed", model, version, index)
+        return None
+
+
 class _Watchdog:
     """One daemon thread for every scheduler in the process: cheap checks of the running batches."""
 
@@ -146,13 +157,9 @@ class HangWatch:
 
     def _replace(self, index: int) -> None:
         """Load a fresh instance for the hung one at `index` and start its worker."""
-        instance: Instance | None = None
+        instance = None
         if self._factory is not None:
-            try:
-                instance = self._factory()
-            except Exception:
-                log.exception("%s version %d: loading a replacement for instance %d failed",
-                              self.model_name, self.version, index)  # fmt: skip
+            instance = load_replacement(self._factory, self.model_name, self.version, index, log)
         with self._lock:
             self._replacing.discard(index)
             if instance is None or self._closed or self._stopping:

@@ -25,6 +25,7 @@ from appliance import start_appliance as start_appliance  # noqa: E402
 from appliance import wait_until as wait_until  # noqa: E402
 from broker import Mosquitto as Mosquitto  # noqa: E402
 from broker import find_mosquitto as find_mosquitto  # noqa: E402
+from broker import needs_mosquitto as needs_mosquitto  # noqa: E402
 from hostile import Bundle, Signer, directory, manifest_for, regular  # noqa: E402
 from ota_fixtures import Fleet  # noqa: E402
 

@@ -34,7 +34,7 @@ from edgeserve.frontends.shm.binding import (
 from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
 from edgeserve.frontends.shm.region import Region, RegionInfo, ShmLease
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
-from edgeserve.protocol.inference import ShmRef
+from edgeserve.protocol.inference import RegionNamer, ShmRef
 
 __all__ = ["TRITON_OWNER", "RegionInfo", "SharedMemoryRegistry", "ShmClient", "ShmLease"]
 
@@ -254,7 +254,7 @@ class SharedMemoryRegistry:
             ]
 
     # -- use ------------------------------------------------------------------------------------
-    def acquire(self, ref: ShmRef, write: bool = False, client: ShmClient | None = None) -> ShmLease:
+    def acquire(self, ref: ShmRef, write: bool = False, client: RegionNamer | None = None) -> ShmLease:
         """Open `ref` for one request, with every bound checked (against the registered size; a region
         that is not mapped is also checked against its file's size when read or written).
         `write`: for an output (PERMISSION_DENIED where the registering client may only read).

@@ -13,19 +13,19 @@ from typing import Any
 
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmClient, ShmLease
 from edgeserve.frontends.shm.ring import GEN, HEADER_SIZE, PAGE, RingLayout
-from edgeserve.frontends.zmq.replies import error_reply, infer_reply, ok_reply
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg
 from edgeserve.protocol.inference import (
     InferRequest,
     InputTensor,
     ParamValue,
+    RegionNamer,
     RequestedOutput,
     ShmRef,
     clamp_timeout_us,
 )
 
-__all__ = ["Decoded", "OutputSlot", "SlotGuard", "decode_infer", "error_reply", "infer_reply", "ok_reply"]
+__all__ = ["Decoded", "OutputSlot", "SlotGuard", "decode_infer"]
 
 
 class SlotGuard:
@@ -146,7 +146,7 @@ def _layout(view: Any, region: str) -> RingLayout:
 
 
 def _resolve_ref(
-    registry: SharedMemoryRegistry, ref: Any, what: str, client: ShmClient | None
+    registry: SharedMemoryRegistry, ref: Any, what: str, client: RegionNamer | None
 ) -> tuple[ShmRef, SlotGuard | None]:
     """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
     if not isinstance(ref, dict):

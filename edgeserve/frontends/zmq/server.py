@@ -28,8 +28,8 @@ import zmq
 
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
-from edgeserve.frontends.peer import PeerIdentity, zmq_peer, zmq_peer_credentials_work
-from edgeserve.frontends.shm.binding import ShmClient
+from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
+from edgeserve.frontends.shm.binding import PeerIdentity, ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
