@@ -10,9 +10,10 @@ What it does:
 1. Priming start (unless --no-prime): the appliance starts once on a state folder and stops, so the
    load-time runtime race is cached there, as on a device after its first boot. The measured start
    uses the same state folder (--state-dir keeps it between runs).
-2. Measured start, READY=1, then `--warmup` seconds of the traffic below, 5 s idle: the first table.
+2. Measured start, READY=1, then `--warmup` seconds of the traffic below, `--idle` seconds idle (default 5;
+   the standard profile releases OpenVINO's buffers after 10 s idle): the first table.
 3. `--minutes` of the traffic, a sample of every process's RSS each `--sample` seconds (progress
-   lines; the peak of the total is kept), 5 s idle: the second table.
+   lines; the peak of the total is kept), `--idle` seconds idle: the second table.
 4. The server's own breakdown (`edgeserve models list`: per process and per model) at the end.
 
 Traffic (threads in this process, each paced to its rate, bounded by count and time, loopback only):
@@ -407,6 +408,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="traffic after warm-up (default 10)")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of warm-up traffic (default 60)")
     parser.add_argument("--sample", type=float, default=30.0, help="seconds between RSS samples (default 30)")
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds idle before a table (default 5)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every client's rate")
     parser.add_argument("--repository", type=Path, default=ROOT / "models")
     parser.add_argument("--state-dir", type=Path, help="kept between runs (default: a temporary folder)")
@@ -443,13 +445,13 @@ def main() -> int:
         time.sleep(5)
         result["ready"] = process_table(app)
         traffic(app, clients, args.warmup, tallies, args.sample, "warm-up")
-        time.sleep(5)
+        time.sleep(args.idle)
         result["warm"] = process_table(app)
         progress(f"after warm-up: total RSS {total(result['warm'], 'rss_mb'):.1f} MB")
         cpu0, t0 = me.cpu_times(), time.monotonic()
         samples = traffic(app, clients, args.minutes * 60, tallies, args.sample, "traffic")
         cpu1, wall = me.cpu_times(), time.monotonic() - t0
-        time.sleep(5)
+        time.sleep(args.idle)
         result["after"] = process_table(app)
         result["samples"] = samples
         result["load_cpu_share"] = (
@@ -486,9 +488,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         table("After READY=1 (5 s idle)", result["ready"]),
         "",
-        table(f"After warm-up ({args.warmup:.0f} s of traffic, 5 s idle)", result["warm"]),
+        table(f"After warm-up ({args.warmup:.0f} s of traffic, {args.idle:g} s idle)", result["warm"]),
         "",
-        table(f"After {args.minutes:g} minutes of mixed traffic (5 s idle)", result["after"]),
+        table(f"After {args.minutes:g} minutes of mixed traffic ({args.idle:g} s idle)", result["after"]),
         "",
         f"Peak total RSS sampled during the traffic (every {args.sample:g} s): {peak:.1f} MB",
         f"Calls: {calls}",
