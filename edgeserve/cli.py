@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     from edgeserve.app import Server, StartupError
+    from edgeserve.backends.memory import tune_server_process
     from edgeserve.logs import setup_logging
 
     loader = _settings_loader(args)
@@ -131,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         _recover_bundles(settings.server.state_dir)
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
+    tune_server_process(settings)  # memory settings: before any runtime is imported or a thread started
     import logging
 
     from edgeserve.server import eventloop
@@ -251,9 +253,11 @@ def _models(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(index, indent=2))
         else:
+            from edgeserve.procmem import print_breakdown
             from edgeserve.repository.residency_cli import print_index
 
             print_index(index, base)
+            print_breakdown(base)  # memory per process and per model
         return 0
     if not args.name:
         raise SystemExit(f"edgeserve: models {args.action} needs a model name")

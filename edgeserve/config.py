@@ -107,6 +107,9 @@ class Settings:
             fail("runtime.cpu_threads", "must be 0 (auto) or a positive thread count")
         if self.runtime.openvino_performance_hint not in ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"):
             fail("runtime.openvino_performance_hint", "use LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT")
+        if self.runtime.memory_profile not in ("auto", "small", "standard"):
+            profile = self.runtime.memory_profile
+            fail("runtime.memory_profile", f"'{profile}' is not one of auto, small, standard")
         if not 0 <= self.runtime.race_budget_s <= 600:
             fail("runtime.race_budget_s", "must be 0 (no race: the profile order decides) up to 600 seconds")
         unknown = set(self.runtime.allowed_precisions) - {"fp32", "fp16", "bf16", "int8"}

@@ -55,6 +55,7 @@ ALLOWED: dict[str, str] = {
     "runtime.ort_memory_arena": "ONNX Runtime memory arena",
     "runtime.ort_allow_spinning": "ONNX Runtime spinning threads",
     "runtime.openvino_performance_hint": "OpenVINO LATENCY / THROUGHPUT hint",
+    "runtime.memory_profile": "runtime memory settings (small board / standard)",
     "runtime.race_budget_s": "time to race runtimes per model at load",
 }
 

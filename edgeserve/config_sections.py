@@ -125,6 +125,9 @@ class RuntimeSection:
     default_max_batch_size: int = 4  # Triton's auto-complete default
     ort_memory_arena: bool = False  # the arena trades RSS for a little speed; off on small boxes
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
+    # auto, small or standard: the runtimes' memory settings (docs/appliance.md). small trades some
+    # speed for memory (no OpenVINO for dynamic-shape CPU models); auto = small on a device with <= 4 GiB.
+    memory_profile: str = "auto"
     openvino_performance_hint: str = "LATENCY"  # LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT
     # Precisions the plan may choose (fp32, fp16, bf16, int8); lower ones still pass the accuracy guard.
     allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])

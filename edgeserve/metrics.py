@@ -76,8 +76,10 @@ def render(served: Iterable[object]) -> tuple[bytes, str]:
     """(Prometheus text, content type) for the given served model versions; each has `.name`,
     `.version`, `.stats` (ModelStats) and `.scheduler.pending_count`."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ModelCollector(list(served)))
+    models = list(served)
+    registry.register(ModelCollector(models))
     registry.register(SystemCollector())
+    registry.register(MemoryCollector(models))
     with _extra_lock:
         extra = list(_extra)
     for collector in extra:
@@ -190,3 +192,53 @@ class SystemCollector(Collector):
                                 value=memory.total - memory.available)  # fmt: skip
         yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", value=rss)
         yield GaugeMetricFamily("process_num_threads", "Number of OS threads in the process.", value=threads)
+
+
+class MemoryCollector(Collector):
+    """The memory breakdown (edgeserve/procmem.py says what each figure means):
+    edgeserve_process_memory_bytes{process, pid, name, models, kind} for the server, its supervisor and
+    each Python worker; edgeserve_appliance_memory_bytes{kind} their sum (the issue's target is on the
+    rss sum; pss counts shared pages once); edgeserve_model_memory_estimate_bytes{model, version, kind}
+    per served model version."""
+
+    def __init__(self, served: list[object]) -> None:
+        self._served = served
+
+    def collect(self) -> Iterator[Metric]:
+        from edgeserve import procmem
+
+        try:
+            processes = procmem.processes()
+        except Exception as exc:  # psutil missing or /proc unreadable: skip these, keep the scrape
+            log.debug("memory breakdown unavailable: %s", exc)
+            return
+        labels = ["process", "pid", "name", "models", "kind"]
+        family = GaugeMetricFamily(
+            "edgeserve_process_memory_bytes",
+            "Memory of each appliance process (kind: rss, pss, uss)",
+            labels=labels,
+        )
+        totals = GaugeMetricFamily(
+            "edgeserve_appliance_memory_bytes",
+            "Memory of the appliance processes together (rss counts shared pages once per process, pss once)",
+            labels=["kind"],
+        )
+        for process in processes:
+            names = [process.role, str(process.pid), process.name, ",".join(process.models)]
+            for kind in procmem.KINDS:
+                family.add_metric([*names, kind], float(getattr(process, kind)))
+        for kind in procmem.KINDS:
+            totals.add_metric([kind], float(sum(getattr(p, kind) for p in processes)))
+        yield family
+        yield totals
+        workers = {p.pid: p for p in processes if p.role == procmem.PYTHON_WORKER}
+        per_model = GaugeMetricFamily("edgeserve_model_memory_estimate_bytes", "What a model version's "
+                                      "backend holds (kind: weights; worker_rss/pss/uss for Python models: "
+                                      "their worker process, shared by a worker group's models)",
+                                      labels=["model", "version", "kind"])  # fmt: skip
+        for item in self._served:
+            estimates = procmem.model_estimates(getattr(item, "instances", ()) or (), workers)
+            labels = [str(getattr(item, "name", "")), str(getattr(item, "version", ""))]
+            for kind, value in sorted(estimates.items()):
+                per_model.add_metric([*labels, kind], float(value))
+        yield per_model

@@ -37,7 +37,7 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
                    "edgeserve.settings_tools", "edgeserve.settings_reference"),
     },
     {"backends": ("edgeserve.backends",), "shm": ("edgeserve.frontends.shm",)},  # 3
-    {"scheduling": ("edgeserve.scheduling",)},  # 4
+    {"scheduling": ("edgeserve.scheduling",), "procmem": ("edgeserve.procmem",)},  # 4
     {"server": ("edgeserve.server",), "metrics": ("edgeserve.metrics",)},  # 5: the data plane
     {"repository": ("edgeserve.repository",), "frontends": ("edgeserve.frontends",)},  # 6
     {"hardware": ("edgeserve.hardware",), "client": ("edgeserve.client",),  # 7

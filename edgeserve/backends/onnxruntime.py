@@ -103,7 +103,10 @@ def _model_file(path: Path) -> Path:
     return path / "model.onnx" if path.is_dir() else path
 
 
-def session_options(options: BackendOptions) -> Any:
+def session_options(options: BackendOptions, dynamic_shapes: bool = False) -> Any:
+    """`dynamic_shapes`: the model's inputs have dynamic dims, so the memory pattern is off by default
+    (ORT plans one block per input shape and keeps each plan: memory for nothing when shapes vary; it
+    ran slower here too)."""
     import onnxruntime as ort
 
     params = options.parameters
@@ -116,7 +119,7 @@ def session_options(options: BackendOptions) -> Any:
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.enable_cpu_mem_arena = _truthy(params.get("ort_memory_arena", params.get("enable_mem_arena", "false")))
-    so.enable_mem_pattern = True
+    so.enable_mem_pattern = _truthy(params.get("ort_memory_pattern", "false" if dynamic_shapes else "true"))
     spinning = "1" if _truthy(params.get("ort_allow_spinning", "false")) else "0"
     so.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     so.add_session_config_entry("session.inter_op.allow_spinning", spinning)
@@ -184,6 +187,7 @@ class OnnxRuntimeInstance:
         self._string_inputs = {t.name for t in io.inputs if t.datatype == "BYTES"}
         self._string_outputs = {t.name for t in io.outputs if t.datatype == "BYTES"}
         self._output_names = [t.name for t in io.outputs]
+        self.weights_bytes = _files_bytes(path)
         self.threads = 0  # intra-op threads it runs with; 0 = ORT's default
         self.threads_note: str | None = None  # what the load-time thread probe measured and chose
         self.tuned_parameters: dict[str, str] = {}  # config parameters that reproduce the probe's choice
@@ -210,8 +214,34 @@ class OnnxRuntimeInstance:
             out[name] = _from_ort_strings(array) if name in self._string_outputs else array
         return out
 
+    def memory_estimate(self) -> dict[str, int]:
+        """The model's file(s) as the weights it holds (ORT may hold a prepacked copy besides; with the
+        CPU arena off, activations are freed after each call)."""
+        return {"weights": self.weights_bytes} if self._session is not None else {}
+
     def close(self) -> None:
         self._session = None  # a run in flight keeps its own reference and finishes
+
+
+def _files_bytes(path: Path) -> int:
+    """The model file and its external data files (all files beside it in its folder of model.onnx/)."""
+    folder = path.parent if path.parent.name == "model.onnx" else None
+    files = [p for p in folder.iterdir() if p.is_file()] if folder is not None else [path]
+    total = 0
+    for file in files:
+        try:
+            total += file.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def has_dynamic_inputs(config: Any) -> bool:
+    """True when the config declares a dynamic (-1) input dim (beyond the batch axis it adds)."""
+    try:
+        return any(-1 in list(t.dims) for t in config.input)
+    except (AttributeError, TypeError):
+        return False
 
 
 def _to_ort_strings(name: str, array: Array) -> Array:
@@ -289,7 +319,8 @@ class OnnxRuntimeBackend:
                 f"(available: {', '.join(available)})"
             )
         providers: list[Any] = [(p, _provider_options(p, options)) if p != CPU else p for p in chosen]
-        so = session_options(options)
+        dynamic = has_dynamic_inputs(config)
+        so = session_options(options, dynamic)
         session = self._session(model_path, so, providers)
         active = list(session.get_providers())
         dropped = [p for p in chosen if p != CPU and p not in active]
@@ -303,7 +334,7 @@ class OnnxRuntimeBackend:
         io = _model_io(session, file)
         threads, note = int(so.intra_op_num_threads), None
         if active == [CPU] and THREADS_PARAMETER not in options.parameters and threads != 1:
-            session, threads, note = self._tune_threads(model_path, session, threads, options, io)
+            session, threads, note = self._tune_threads(model_path, session, threads, options, io, dynamic)
         instance = OnnxRuntimeInstance(session, io, file, fallback)
         instance.threads, instance.threads_note = threads, note
         if note is not None and threads == 1:
@@ -311,8 +342,9 @@ class OnnxRuntimeBackend:
         return instance
 
     def _tune_threads(
-        self, model_path: Path, session: Any, threads: int, options: BackendOptions, io: ModelIO
-    ) -> tuple[Any, int, str | None]:
+        self, model_path: Path, session: Any, threads: int, options: BackendOptions, io: ModelIO,
+        dynamic: bool = False,
+    ) -> tuple[Any, int, str | None]:  # fmt: skip
         """Time the session, and for a small model a one-thread session too; one thread unless the pool
         is clearly faster."""
         feed = probe_feed(io)
@@ -321,7 +353,7 @@ class OnnxRuntimeBackend:
         try:
             if time_runs([session], feed, SIZE_RUNS)[0] >= SMALL_MODEL_NS:
                 return session, threads, None
-            so = session_options(options)
+            so = session_options(options, dynamic)
             so.intra_op_num_threads = 1
             single = self._session(model_path, so, [CPU])
             pool_ns, single_ns = time_runs([session, single], feed, PROBE_RUNS)

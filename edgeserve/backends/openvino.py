@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends import memory
 from edgeserve.backends.base import (
     PINNED_PARAMETER,
     Array,
@@ -24,6 +25,7 @@ from edgeserve.backends.base import (
     TensorSpec,
     ensure_contiguous,
 )
+from edgeserve.backends.openvino_memory import IdleRelease, weights_bytes
 from edgeserve.protocol.datatypes import BF16_DTYPE
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -41,6 +43,7 @@ OV_TYPES: dict[str, str] = {
 }  # fmt: skip
 
 PRECISION_HINTS: dict[str, str] = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}  # "auto": runtime default
+RUNTIME_CACHE = "CPU_RUNTIME_CACHE_CAPACITY"
 
 _core: Any = None
 _core_lock = threading.Lock()
@@ -127,7 +130,9 @@ def _read(path: Path) -> Any:
         ) from exc
 
 
-def compile_properties(options: BackendOptions, supported: set[str] | None) -> dict[str, Any]:
+def compile_properties(
+    options: BackendOptions, supported: set[str] | None, device: str = "CPU"
+) -> dict[str, Any]:
     """The compile_model config for `options`; `supported` = the device's property names (None = all)."""
     props: dict[str, Any] = {"PERFORMANCE_HINT": options.performance_hint}
     hint = PRECISION_HINTS.get(options.precision)
@@ -142,6 +147,11 @@ def compile_properties(options: BackendOptions, supported: set[str] | None) -> d
             props[key] = value
     if supported is not None:
         props = {k: v for k, v in props.items() if k in supported}
+    if device.split(".")[0] == "CPU":
+        # Not listed in SUPPORTED_PROPERTIES, but honoured: the per-shape cache of a dynamic-shape
+        # model otherwise grows to 5000 entries (memory.py).
+        cache = options.parameters.get(RUNTIME_CACHE, str(memory.current().ov_runtime_cache))
+        props[RUNTIME_CACHE] = int(cache) if cache.strip().isdigit() else cache
     if options.cache_dir is not None:
         props["CACHE_DIR"] = str(options.cache_dir)
     return props
@@ -155,6 +165,7 @@ class OpenVinoInstance:
     ) -> None:
         self._compiled: Any = compiled
         self._request: Any = compiled.create_infer_request()
+        self._memory = IdleRelease(compiled, memory.current().ov_release_idle_s, self._renew)
         self.io = io
         self.path = path
         self.device = device
@@ -162,6 +173,12 @@ class OpenVinoInstance:
         self._input_types = {t.name: t.datatype for t in io.inputs}
         self._output_names = [t.name for t in io.outputs]
         self._bf16_outputs = {t.name for t in io.outputs if t.datatype == "BF16"}
+        self._weights: int | None = None
+
+    def _renew(self) -> None:
+        """A fresh infer request (`_memory.busy` held): the old one's tensors go with it."""
+        if self._request is not None and self._compiled is not None:
+            self._request = self._compiled.create_infer_request()
 
     def compiled_property(self, name: str) -> Any:
         """A property of the compiled model, e.g. INFERENCE_PRECISION_HINT (for checks and logs)."""
@@ -179,17 +196,20 @@ class OpenVinoInstance:
         return ensure_contiguous(array)
 
     def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
-        request = self._request
-        if request is None:
-            raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
         feed = {name: self._feed(name, array) for name, array in inputs.items()}
-        try:
-            # share_inputs: no copy in; outputs are copied out, since the request reuses its buffers.
-            result = request.infer(feed, share_inputs=True, share_outputs=False)
-        except Exception as exc:
-            status = Status.INVALID_ARG if "shape" in str(exc).lower() else Status.INTERNAL
-            message = f"openvino failed to run {self.path.name}: {runtime_message(exc)}"
-            raise InferenceError(status, message) from exc
+        with self._memory.busy:
+            request = self._request  # renewed while idle (openvino_memory.py)
+            if request is None:
+                raise InferenceError(Status.UNAVAILABLE, f"{self.path}: the openvino model is closed")
+            try:
+                # share_inputs: no copy in; outputs are copied out, since the request reuses its buffers.
+                result = request.infer(feed, share_inputs=True, share_outputs=False)
+            except Exception as exc:
+                status = Status.INVALID_ARG if "shape" in str(exc).lower() else Status.INTERNAL
+                message = f"openvino failed to run {self.path.name}: {runtime_message(exc)}"
+                raise InferenceError(status, message) from exc
+            finally:
+                self._memory.after_call()
         values = list(result.values())
         wanted = set(outputs) if outputs else None
         out: dict[str, Array] = {}
@@ -202,9 +222,19 @@ class OpenVinoInstance:
             out[name] = array
         return out
 
+    def memory_estimate(self) -> dict[str, int]:
+        """What this instance holds, as far as OpenVINO tells: the compiled constants (`weights`)."""
+        compiled = self._compiled
+        if compiled is None:
+            return {}
+        if self._weights is None:
+            self._weights = weights_bytes(compiled)
+        return {"weights": self._weights}
+
     def close(self) -> None:
         self._request = None
         self._compiled = None
+        self._memory.close()
 
 
 class OpenVinoBackend:
@@ -226,7 +256,9 @@ class OpenVinoBackend:
         """The OpenVINO device to compile for, and why it is not the requested one (None if it is)."""
         device = ov_device(requested or "CPU")
         base = device.split(".")[0]
-        if base in ("AUTO", "MULTI", "HETERO", "BATCH"):
+        if base in ("AUTO", "MULTI", "HETERO", "BATCH") or device == "CPU":
+            # `available_devices` loads and initialises every plugin (GPU, NPU: ~35 MB on a box
+            # without them); the CPU plugin is part of every openvino build.
             return device, None
         available = list(core().available_devices)
         if device in available or (device == base and any(d.split(".")[0] == base for d in available)):
@@ -263,7 +295,7 @@ class OpenVinoBackend:
                 supported = set(core().get_property(device, "SUPPORTED_PROPERTIES"))
             except Exception:  # older plugins: pass everything and let compile_model judge
                 supported = None
-        props = compile_properties(options, supported)
+        props = compile_properties(options, supported, device)
         try:
             compiled = core().compile_model(model, device, props)
         except Exception as exc:

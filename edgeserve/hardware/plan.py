@@ -10,9 +10,11 @@ does not vouch for, the accuracy guard. The first that passes is chosen.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+from edgeserve.backends import memory
 from edgeserve.backends.options import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
 from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
@@ -72,6 +74,11 @@ class Planner:
         if instances > 1:
             return max(1, total // instances), f"{why}, shared by {instances} instances"
         return max(1, total), why
+
+    def memory_profile(self) -> memory.MemoryProfile:
+        """The runtime memory profile for this box (backends/memory.py): as the server resolves it."""
+        budget = self.hw.budget
+        return memory.resolve(self.settings.runtime.memory_profile, budget.memory_bytes, budget.memory_reason)
 
     def memory_budget(self) -> int | None:
         total = self.hw.budget.memory_bytes
@@ -214,9 +221,9 @@ class Planner:
         return None
 
     def _static(
-        self, option: PlanOption, cand: Candidate, pins: Pins, version_dir: Path, config: Any
+        self, option: PlanOption, cand: Candidate, pins: Pins, version_dir: Path, config: Any, lean: bool
     ) -> tuple[str | None, Path | None, str]:
-        """(reason it cannot run, artifact, note) without running anything."""
+        """(reason it cannot run, artifact, note) without running anything (`lean`: memory preference too)."""
         if pins.backend and option.backend != pins.backend:
             return f"not the pinned backend ({pins.backend_why})", None, ""
         if pins.device and option.device != pins.device:
@@ -235,6 +242,11 @@ class Planner:
             return reason, artifact, ""
         if option.device.split(":")[0] == "NPU" and _dynamic_dims(config):
             return "the NPU needs static shapes; the config declares dynamic dims", artifact, ""
+        if lean and pins.backend != option.backend:
+            dynamic = _dynamic_dims(config)
+            reason = memory.plan_refusal(self.memory_profile(), option.backend, option.device, dynamic)
+            if reason:
+                return reason, artifact, ""
         note = cand.note
         if option.backend == "tensorrt" and artifact.suffix == ".onnx":
             note = "no model.plan: the engine is built from model.onnx on first load and cached"
@@ -242,13 +254,27 @@ class Planner:
 
     # -- per model -------------------------------------------------------------------------------
     def plan_model(self, name: str, version_dir: Path, config: Any, where: str | None = None) -> ModelPlan:
+        plan = self._plan_model(name, version_dir, config, where, lean=True)
+        if plan.chosen is None and any(v.reason.startswith(memory.REFUSAL) for v in plan.verdicts):
+            # The memory profile orders runtimes; it never keeps out a model no other runtime can run.
+            plan = self._plan_model(name, version_dir, config, where, lean=False)
+            if plan.chosen is not None:
+                note = f"{memory.REFUSAL}{self.memory_profile().name}: no other runtime runs it"
+                chosen = dataclasses.replace(plan.chosen, reason=f"{plan.chosen.reason}; {note}")
+                verdicts = tuple(chosen if v is plan.chosen else v for v in plan.verdicts)
+                plan = dataclasses.replace(plan, chosen=chosen, verdicts=verdicts)
+        return plan
+
+    def _plan_model(
+        self, name: str, version_dir: Path, config: Any, where: str | None, lean: bool
+    ) -> ModelPlan:
         pins = read_pins(config, where or f"{name}/config.pbtxt")
         tolerance = pins.tolerance if pins.tolerance is not None else self.settings.runtime.accuracy_tolerance
         verdicts: list[Verdict] = []
         chosen: Verdict | None = None
         seen: set[PlanOption] = set()
         for option, cand in self._options(pins):
-            reason, artifact, note = self._static(option, cand, pins, version_dir, config)
+            reason, artifact, note = self._static(option, cand, pins, version_dir, config, lean)
             if reason is None and artifact is not None and artifact.suffix in (".plan", ".engine"):
                 # a shipped engine runs as built: its precision was fixed when it was built
                 option = PlanOption(option.backend, option.device, "auto", option.providers)

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.backends.base import PLATFORM_BACKEND
+from edgeserve.backends.python.group import GROUP_PARAMETER
 from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository.layout import DEFAULT_FILENAMES, WARMUP_DIR, override_path
 from edgeserve.repository.onnx_refs import NotOnnx, external_locations
@@ -151,6 +152,12 @@ def check_parameters(config: Any, where: str, own: Any | None = None) -> None:
     same value the model's own config (`own`) has there: that changes nothing."""
     kept = set(_named_values(own)) if own is not None else set()
     for field, key, value in _named_values(config):
+        # Before `kept`: a model loaded with a sent config is of another trust level than the device's
+        # own models, so it never joins their worker process, even under the group they use.
+        if key == GROUP_PARAMETER:
+            problem = "a config sent with a load request may not put a Python model in a shared worker "
+            raise _denied(where, field, problem + "process (its models run with the device's own config); "
+                          "remove it: the model then runs in a worker of its own")  # fmt: skip
         if (field, key, value) in kept:
             continue
         words = set(re.split(r"[^a-z0-9]+", key.lower())) | {key.lower().replace("_", "")}

@@ -267,6 +267,11 @@ class _Run:
         try:
             self.job.done(result)
         finally:
+            with self.lock:  # finished: no step touches these any more
+                # The step jobs' callbacks lead back here (a reference cycle): the intermediate tensors
+                # went only with the cyclic GC, hundreds of MB of frames on an OCR server.
+                self.submitted = []
+                self.tensors = {}
             self.owner._finished(self)
 
     # -- one step ---------------------------------------------------------------------------------

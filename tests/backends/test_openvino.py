@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from onnx_models import build_add_sub, build_bf16_identity, build_conv_dynamic_hw, build_identity, build_mlp
 
+from edgeserve.backends import memory
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends import openvino as ovb
 from edgeserve.backends.base import PINNED_PARAMETER, BackendOptions, ModelIO, TensorSpec
@@ -121,10 +122,12 @@ def test_compile_properties() -> None:
     props = ovb.compile_properties(
         BackendOptions(precision="fp32", threads=4, performance_hint="THROUGHPUT"), None
     )
+    cache = memory.current().ov_runtime_cache  # the memory profile's per-shape cache bound (CPU only)
     assert props == {
         "PERFORMANCE_HINT": "THROUGHPUT",
         "INFERENCE_PRECISION_HINT": "f32",
         "INFERENCE_NUM_THREADS": 4,
+        "CPU_RUNTIME_CACHE_CAPACITY": cache,
     }
     assert (
         ovb.compile_properties(BackendOptions(precision="bf16"), None)["INFERENCE_PRECISION_HINT"] == "bf16"
@@ -135,7 +138,9 @@ def test_compile_properties() -> None:
     cached = ovb.compile_properties(
         BackendOptions(cache_dir=Path("/c"), parameters={"NUM_STREAMS": "1"}), {"X"}
     )
-    assert cached == {"CACHE_DIR": "/c"}  # unsupported properties are dropped, the cache dir is kept
+    # unsupported properties are dropped, the cache dir and the runtime cache bound are kept
+    assert cached == {"CACHE_DIR": "/c", "CPU_RUNTIME_CACHE_CAPACITY": cache}
+    assert "CPU_RUNTIME_CACHE_CAPACITY" not in ovb.compile_properties(BackendOptions(), None, "GPU.0")
     assert (
         ovb.compile_properties(BackendOptions(parameters={"NUM_STREAMS": "1", "ort_x": "y"}), None)[
             "NUM_STREAMS"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.backends.base import BackendOptions, ModelIO, TensorSpec
+from edgeserve.backends.python.group import GROUP_PARAMETER, GroupKey, check_group_name, group_key
 from edgeserve.backends.python.instance import KILL_GRACE_S, PythonInstance, start_worker
 from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerTimeout
 from edgeserve.protocol.datatypes import config_to_protocol
@@ -86,6 +87,19 @@ def _check_origin(model_path: Path, options: BackendOptions | None) -> None:
             f"{model_path}: Python models run only from the local model repository or a signed bundle, "
             f"not from {source}",
         )
+
+
+def _group(model_path: Path, config: Any, name: str) -> GroupKey | None:
+    """The worker group a model's own config puts it in (None: a worker of its own), keyed by where
+    its code comes from as well, so code of two origins never shares a process."""
+    entry = config.parameters.get(GROUP_PARAMETER) if GROUP_PARAMETER in config.parameters else None
+    value = entry.string_value.strip() if entry is not None else ""
+    if not value:
+        return None
+    try:
+        return group_key(check_group_name(value, f"model '{name}' config"), model_path)
+    except (ValueError, OSError) as exc:
+        raise InferenceError(Status.INVALID_ARG, str(exc)) from None
 
 
 class PythonBackend:
@@ -189,7 +203,8 @@ class PythonBackend:
         }
         hang = _hang_timeout_s(options)
         label = f"model '{name}' version {version} instance {index}"
-        spec = WorkerSpec(model_path, label, args, call_timeout_s=hang + HANG_GRACE_S if hang > 0 else 0.0)
+        spec = WorkerSpec(model_path, label, args, call_timeout_s=hang + HANG_GRACE_S if hang > 0 else 0.0,
+                          group=_group(model_path, config, name))  # fmt: skip
         worker = start_worker(spec)
         return PythonInstance(spec, declared_io(config), worker)
 

@@ -14,6 +14,9 @@
   first) kills the worker (SIGTERM, SIGKILL after 1 s) and fails with UNAVAILABLE; the next call
   starts a new one. close() kills a worker with a call in flight at once and gives an idle worker
   `finalize()` and a few seconds to exit; either way the process is reaped.
+- In a `python_worker_group` (group.py) the worker process is the group's: a crash or a kill (a hang)
+  takes every member down, and each restarts at once (the first starts a new worker, the others join
+  it); a member's own import or initialize() failure, and close() of an idle member, leave it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from edgeserve.backends import memory
 from edgeserve.backends.base import Array, ModelIO, RequestInfo
 from edgeserve.backends.python import wire
 from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerStopped, WorkerTimeout
@@ -68,8 +72,8 @@ def start_worker(spec: WorkerSpec, stop: threading.Event | None = None) -> Worke
         raise InferenceError(
             Status.UNAVAILABLE, f"{spec.label}: loading the model took longer than {spec.start_timeout_s:g} s"
         ) from None
-    except BaseException:
-        worker.kill(KILL_GRACE_S)
+    except BaseException:  # the model's own import or initialize() failed: its group lives on
+        worker.discard(KILL_GRACE_S)
         raise
     log.info("%s: Python worker pid %d ready", spec.label, worker.pid)
     return worker
@@ -94,6 +98,8 @@ class PythonInstance:
         self._last_error = ""
         self._closed = False
         self._calls = 0  # execute calls sent; each reply must carry its call's number
+        self._region_keep = memory.current().worker_region_keep
+        self._watch(worker)
 
     @property
     def pid(self) -> int | None:
@@ -172,7 +178,10 @@ class PythonInstance:
             responses = reply.get("responses")
             if not isinstance(responses, list) or len(responses) != len(batch):
                 raise InferenceError(Status.INTERNAL, f"{label}: a bad reply from the Python worker")
-            return [self._response(worker, response, outputs) for response in responses]
+            answers = [self._response(worker, response, outputs) for response in responses]
+            if worker.region.size > self._region_keep:  # the outputs were copied out
+                worker.region.discard(self._region_keep)
+            return answers
 
     def _response(
         self, worker: Worker, response: Any, wanted: Sequence[str] | None
@@ -236,6 +245,18 @@ class PythonInstance:
             )
         return worker
 
+    def _watch(self, worker: Worker) -> None:
+        """A grouped worker's process may die under another member: restart with the group at once."""
+        worker.on_exit(lambda: self._group_down(worker))
+
+    def _group_down(self, worker: Worker) -> None:
+        with self._state:
+            mine = not self._closed and self._worker is worker
+        if mine:
+            log.warning("%s: the group's Python worker (pid %d) %s; restarting with its group",
+                        self.spec.label, worker.pid, worker.exit_text())  # fmt: skip
+            self._lost(worker, restart=True)
+
     def _lost(self, worker: Worker, restart: bool) -> None:
         worker.kill(KILL_GRACE_S)
         with self._state:
@@ -275,7 +296,9 @@ class PythonInstance:
                     self._worker = worker
                     self.restarts += 1
             if not keep:
-                worker.kill(KILL_GRACE_S)
+                worker.discard(KILL_GRACE_S)
+            else:
+                self._watch(worker)
             self._last_error = ""
             log.warning("%s: Python worker restarted (pid %d)", self.spec.label, worker.pid)
             break

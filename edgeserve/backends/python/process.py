@@ -2,7 +2,9 @@
 
 The worker is a fresh interpreter (`python -m edgeserve.backends.python.worker`, never a fork of the
 server, whose gRPC/ZeroMQ threads a fork would copy in a broken state) that inherits exactly two fds:
-its end of a socketpair (the control channel) and the shared-memory file (wire.py).
+its end of a socketpair (the control channel) and the shared-memory file (wire.py). A model in a
+`python_worker_group` gets the same two fds, handed to its group's running worker (group.py), and
+shares that process with the group's other members.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgeserve.backends.python import wire
+from edgeserve.backends import memory
+from edgeserve.backends.python import group, wire
+from edgeserve.backends.python.group import GroupKey
 
+KILL_GRACE_S = 1.0
 POLL_SLICE_S = 0.1  # how often a wait looks at the process and the stop flag
 READ_TIMEOUT_S = 30.0  # a reply whose first bytes arrived must arrive whole within this
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding edgeserve/
@@ -46,6 +53,7 @@ class WorkerSpec:
     args: dict[str, str] = field(default_factory=dict)  # initialize(args), as Triton builds it
     call_timeout_s: float = 0.0  # 0 = no limit on one execute
     start_timeout_s: float = 300.0  # import + initialize
+    group: GroupKey | None = None  # share the group's worker process (group.py)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -60,28 +68,55 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+_live: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def live_workers() -> list[tuple[int, str, str]]:
+    """(pid, worker name, model name) of each model instance's worker that is up (for the memory
+    breakdown: the members of a group share the group's pid and name)."""
+    out = []
+    for worker in list(_live):
+        if not worker.alive():
+            continue
+        name = worker.host.key.label() if worker.host is not None else worker.spec.label
+        out.append((worker.pid, name, worker.spec.args.get("model_name", "")))
+    return out
+
+
+def spawn(arguments: list[str], fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """A worker interpreter with `arguments`, inheriting `fds` (and nothing else)."""
+    # glibc hands freed frame-sized arrays back to the kernel by default, so each call of a model
+    # that allocates them page-faults them in again (5-8x slower on a 640x480 frame here); a
+    # worker keeps some freed memory, as much as the memory profile allows (overridable).
+    env = memory.worker_environment(os.environ)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+    command = [sys.executable, "-m", "edgeserve.backends.python.worker", "--parent", str(os.getpid()),
+               *arguments]  # fmt: skip
+    return subprocess.Popen(command, pass_fds=fds, close_fds=True, env=env, stdin=subprocess.DEVNULL)
+
+
 class Worker:
-    """A started worker process. `request` is called by one thread at a time; `kill` from any."""
+    """A started worker process (or a member of a group's). `request` is called by one thread at a
+    time; `kill` from any."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
+        self.host: group.GroupHost | None = None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fd = wire.create_region_fd(spec.label.replace(" ", "_").replace("'", ""))
-        env = dict(os.environ)
-        # glibc hands freed frame-sized arrays back to the kernel by default, so each call of a model
-        # that allocates them page-faults them in again (5-8x slower on a 640x480 frame here); a
-        # worker is one model's process, so it keeps up to this much freed memory (overridable).
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(64 << 20))
-        path = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
-        command = [sys.executable, "-m", "edgeserve.backends.python.worker", "--control-fd",
-                   str(child.fileno()), "--shm-fd", str(fd), "--parent", str(os.getpid()),
-                   "--label", spec.label]  # fmt: skip
         try:
-            self.process = subprocess.Popen(
-                command, pass_fds=(child.fileno(), fd), close_fds=True, env=env, stdin=subprocess.DEVNULL
-            )
+            if spec.group is not None:
+                self.host = group.join(spec.group, spawn)
+                try:
+                    self.host.attach(spec.label, child, fd)
+                except (OSError, ValueError):
+                    group.leave(self.host, 1.0)
+                    raise
+                self.process = self.host.process
+            else:
+                arguments = ["--control-fd", str(child.fileno()), "--shm-fd", str(fd), "--label", spec.label]
+                self.process = spawn(arguments, (child.fileno(), fd))
         except BaseException:
             parent.close()
             os.close(fd)
@@ -95,6 +130,7 @@ class Worker:
         self._poller.register(parent.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
         self._lock = threading.Lock()  # kill vs. cleanup
         self._closed = False
+        _live.add(self)
 
     @property
     def pid(self) -> int:
@@ -144,10 +180,19 @@ class Worker:
         self.region.follow(size)
         return reply
 
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """A grouped worker: `callback()` once the group's process has exited (another member's crash
+        takes this one down too). A worker of its own reports its death to the next call."""
+        if self.host is not None:
+            self.host.on_exit(callback)
+
     def kill(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`; reaps the process and frees the channel."""
+        """SIGTERM, then SIGKILL after `grace_s`; reaps the process and frees the channel. A grouped
+        worker's process is the group's: every member goes with it."""
         with self._lock:
-            if self.process.poll() is None:
+            if self.host is not None:
+                self.host.kill(grace_s)
+            elif self.process.poll() is None:
                 with contextlib.suppress(OSError):
                     self.process.terminate()
                 try:
@@ -159,14 +204,25 @@ class Worker:
                         self.process.wait(10.0)
             self._cleanup()
 
+    def discard(self, grace_s: float) -> None:
+        """Done with this worker, which is healthy: a grouped one just leaves its group (closing its
+        channel ends its member thread), one of its own is killed."""
+        if self.host is None:
+            self.kill(grace_s)
+            return
+        with self._lock:
+            self._cleanup()
+
     def stop(self, grace_s: float) -> None:
-        """finalize() and a clean exit within `grace_s`, else kill."""
+        """finalize() and a clean exit within `grace_s`, else kill. A grouped worker leaves its group
+        (the worker process ends with its last member)."""
         try:
             self.request({"op": "finalize"}, grace_s)
-            self.process.wait(grace_s)
+            if self.host is None:
+                self.process.wait(grace_s)
         except (WorkerDied, WorkerTimeout, WorkerStopped, subprocess.TimeoutExpired):
             pass
-        self.kill(1.0)
+        self.discard(1.0)
 
     def _cleanup(self) -> None:  # lock held
         if self._closed:
@@ -176,3 +232,5 @@ class Worker:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self.region.close()
+        if self.host is not None:
+            group.leave(self.host, KILL_GRACE_S)

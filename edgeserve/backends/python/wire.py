@@ -21,7 +21,6 @@ import mmap
 import os
 import socket
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +110,8 @@ def create_region_fd(label: str, size: int = MIN_REGION) -> int:
     try:
         fd = os.memfd_create(f"edgeserve-py-{label}"[:200], os.MFD_CLOEXEC)
     except (AttributeError, OSError):  # pragma: no cover - kernels without memfd
+        import tempfile  # here only: the worker imports this module, and tempfile costs it ~1 MB
+
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="edgeserve-py-", dir=folder)
         os.unlink(path)
@@ -147,6 +148,15 @@ class Region:
         size = max(MIN_REGION, 1 << (end - 1).bit_length())
         os.ftruncate(self.fd, size)
         self.follow(size)
+
+    def discard(self, start: int) -> None:
+        """Hand the file's pages from `start` on back to the system (on both sides: a shared file's
+        pages); its size stays, and the next call that writes there faults fresh pages in."""
+        start = -(-max(0, start) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if start >= self.size:
+            return
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no MADV_REMOVE: keep the pages
+            self._map.madvise(mmap.MADV_REMOVE, start, self.size - start)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # views still exported: unmapped when they go

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from edgeserve.backends.python import pb_utils, wire
+from edgeserve.backends.python import group_worker, pb_utils, wire
 
 PARENT_CHECK_S = 0.5
 OOM_SCORE_ADJ = 500  # a leaking model is the OOM killer's first choice, before the server
@@ -53,9 +53,10 @@ def _error(exc: BaseException, model_file: str) -> dict[str, Any]:
 
 
 class Stub:
-    def __init__(self, sock: socket.socket, region: wire.Region) -> None:
+    def __init__(self, sock: socket.socket, region: wire.Region, module_name: str = "model") -> None:
         self.sock = sock
         self.region = region
+        self.module_name = module_name  # a group worker imports each member's model.py under its own name
         self.model_file = ""
         self.model_class: Any = None
         self.model: Any = None
@@ -90,14 +91,17 @@ class Stub:
         self.model_file = path
         sys.argv = [path]  # a model that looks at argv sees itself, not the worker's options
         folder = os.path.dirname(path)
+        clash = group_worker.helper_clash(folder) if self.module_name != "model" else None
+        if clash is not None:
+            return {"error": clash}
         if folder not in sys.path:
             sys.path.insert(0, folder)  # model.py may import its neighbours, as in Triton
         try:
-            spec = importlib.util.spec_from_file_location("model", path)
+            spec = importlib.util.spec_from_file_location(self.module_name, path)
             if spec is None or spec.loader is None:
                 return {"error": f"cannot import {path}"}
             module: ModuleType = importlib.util.module_from_spec(spec)
-            sys.modules["model"] = module
+            sys.modules[self.module_name] = module
             spec.loader.exec_module(module)
         except Exception as exc:
             return _error(exc, path)
@@ -217,11 +221,14 @@ def _watch_parent(parent: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="edgeserve.backends.python.worker")
-    parser.add_argument("--control-fd", type=int, required=True)
-    parser.add_argument("--shm-fd", type=int, required=True)
+    parser.add_argument("--control-fd", type=int, help="one model instance's channel")
+    parser.add_argument("--shm-fd", type=int, help="and its shared memory")
+    parser.add_argument("--group-fd", type=int, help="a python_worker_group's channel (group_worker.py)")
     parser.add_argument("--parent", type=int, required=True)
-    parser.add_argument("--label", default="", help="which model instance (for ps; not used)")
+    parser.add_argument("--label", default="", help="which model instance or group (for ps; not used)")
     args = parser.parse_args(argv)
+    if args.group_fd is None and (args.control_fd is None or args.shm_fd is None):
+        parser.error("--control-fd and --shm-fd, or --group-fd")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != args.parent:
         return 70
@@ -231,9 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.modules[MODULE_NAME] = pb_utils
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    sock = socket.socket(fileno=args.control_fd)
-    stub = Stub(sock, wire.Region(args.shm_fd))
-    code = stub.serve()
+    if args.group_fd is not None:
+        code = group_worker.serve_group(socket.socket(fileno=args.group_fd), Stub)
+    else:
+        code = Stub(socket.socket(fileno=args.control_fd), wire.Region(args.shm_fd)).serve()
     # Threads the model started must not hold the exit up (the server would wait, then kill).
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
