@@ -13,9 +13,11 @@ stream's free ring slots to its mailbox (`give`), and the decoder thread convert
 straight into one, right after decoding it, while its pixels are still in this core's cache (a
 third cheaper than converting the same frame later on another thread) and off the event loop; the
 dispatcher then only sends it (`take_ready`). A frame that had to wait because every slot was in
-flight stays unconverted (`take`); when a slot frees, the dispatcher hands it to the decoder if the
-stream's next frame is due within `HOT_WAIT` (that frame is newer anyway) and otherwise converts
-the waiting frame itself. `notify` tells the dispatcher (on its event loop) that something is waiting.
+flight stays unconverted (`take`); when a slot frees while another frame of the stream is still at
+the server, the dispatcher hands it to the decoder if the stream's next frame is due within
+`HOT_WAIT` (that frame is newer anyway, and the model is busy meanwhile); otherwise it converts the
+waiting frame itself and sends it at once. `notify` tells the dispatcher (on its event loop) that
+something is waiting.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from edgeserve.video.metrics import VideoCollector
 from edgeserve.video.publish import CallbackSink, Sink
 from edgeserve.video.results import CENTERFACE_OUTPUTS, Result, interpret
 from edgeserve.video.sources import Decoded, SourceOptions, SourceSpec, SourceThread
-from edgeserve.video.stream import Stream
+from edgeserve.video.stream import Place, Stream
 
 log = logging.getLogger("edgeserve.video")
 
@@ -263,10 +263,12 @@ class Watch:
         return bool(limit) and stream.stats.inferred + stream.stats.failed + stream.inflight >= limit
 
     def _hot(self, stream: Stream) -> bool:
-        """Leave the frame that waited for the next one, converted by the decoder (flow.py)?"""
+        """Leave the frame that waited for the next one, converted by the decoder (flow.py)? Only
+        while another frame of the stream is at the server: the model is not kept waiting for it."""
         mailbox = stream.mailbox
         return (
             stream.policy == "latest"
+            and stream.inflight > 0
             and mailbox.feeding
             and not stream.ended
             and mailbox.due_in() <= HOT_WAIT
@@ -310,6 +312,7 @@ class Watch:
             return
         stream.inflight += 1
         wanted: Any = {name: out_ring for name in outputs or ()} if out_ring is not None else outputs
+        place = stream.sent()
         try:
             future = await client.submit(
                 self.options.model, {spec.name: ready.tensor}, wanted, version=self.options.version
@@ -317,8 +320,9 @@ class Watch:
         except ClientError as exc:
             stream.inflight -= 1
             self._failed(stream, exc)
+            self._publish(stream, stream.answered(place, None))
             return
-        future.add_done_callback(functools.partial(self._done, stream, item, ready.size))
+        future.add_done_callback(functools.partial(self._done, stream, item, ready.size, place))
 
     async def _rings(
         self, client: AsyncZmqClient, stream: Stream, size: int, outputs: list[str] | None
@@ -350,38 +354,33 @@ class Watch:
             log.warning("stream %s: request failed: %s", stream.spec.name, exc)
 
     def _done(
-        self, stream: Stream, item: Decoded, sent: tuple[int, int], future: asyncio.Future[Any]
+        self, stream: Stream, item: Decoded, sent: tuple[int, int], place: Place, future: asyncio.Future[Any]
     ) -> None:
         stream.inflight -= 1
         # The freed slot goes straight to the decoder; the stream's task wakes only when it has to act.
         if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
             stream.wake.set()
-        if future.cancelled():
-            return
-        exc = future.exception()
-        if exc is not None:
+        answer = None
+        if not future.cancelled() and (exc := future.exception()) is not None:
             self._failed(stream, exc)
-            return
-        outputs = future.result().outputs
-        data = interpret(outputs, sent, (item.width, item.height), self.options.threshold)
-        latency = time.perf_counter() - item.t0
-        stream.stats.observe(latency)
-        result = Result(
-            stream.spec.name,
-            item.index,
-            item.pts,
-            item.wall,
-            latency * 1e3,
-            self.options.model,
-            item.width,
-            item.height,
-            data,
-        )
-        payload = result.to_json() if any(not isinstance(s, CallbackSink) for s in self.sinks) else b""
-        for sink in self.sinks:
-            sink.publish(result, payload)
-        if stream.overlay is not None:
-            stream.overlay.put(item.frame, result)
+        elif not future.cancelled():
+            data = interpret(future.result().outputs, sent, (item.width, item.height), self.options.threshold)
+            latency = time.perf_counter() - item.t0
+            stream.stats.observe(latency)
+            name, model = stream.spec.name, self.options.model
+            result = Result(
+                name, item.index, item.pts, item.wall, latency * 1e3, model, item.width, item.height, data
+            )
+            answer = (result, item.frame)
+        self._publish(stream, stream.answered(place, answer))
+
+    def _publish(self, stream: Stream, answers: list[tuple[Result, Any]]) -> None:
+        for result, frame in answers:
+            payload = result.to_json() if any(not isinstance(s, CallbackSink) for s in self.sinks) else b""
+            for sink in self.sinks:
+                sink.publish(result, payload)
+            if stream.overlay is not None:
+                stream.overlay.put(frame, result)
 
 
 class _suppress_closed:

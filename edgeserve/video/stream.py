@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 from edgeserve.client.ring import FrameRing
@@ -24,6 +25,7 @@ class Stream:
         self.error: str | None = None
         self.convert_cpu_s = 0.0
         self.overlay: Any = None
+        self._order: collections.deque[Place] = collections.deque()
 
     def snapshot(self) -> tuple[str, int, dict[str, int], int, int, bool, StreamStats]:
         c = self.thread.counters
@@ -39,3 +41,29 @@ class Stream:
             slot.release()
         for ready in self.mailbox.take_ready():
             ready.slot.release()
+
+    def sent(self) -> Place:
+        """A place in the stream's result order for the frame being sent."""
+        place = Place()
+        self._order.append(place)
+        return place
+
+    def answered(self, place: Place, answer: Any) -> list[Any]:
+        """The answers now due, in the order their frames were sent (None: the frame got no answer).
+        A model with several instances can answer a later frame first; it waits for the earlier
+        one, so that subscribers and the overlay see the stream's frames in order."""
+        place.done, place.answer = True, answer
+        due = []
+        while self._order and self._order[0].done:
+            first = self._order.popleft().answer
+            if first is not None:
+                due.append(first)
+        return due
+
+
+class Place:
+    __slots__ = ("answer", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.answer: Any = None
