@@ -75,6 +75,7 @@ class Mailbox:
         self._feeding = False  # slots keep coming (the ring fits the frames): `every` waits for one
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
+        self._quiet = False  # every slot is in flight: a frame that waits needs no wake-up (`hush`)
         self._next_due: float | None = None
         self._last_t0: float | None = None
         self.interval = math.inf  # s between offered frames (moving average)
@@ -134,7 +135,7 @@ class Mailbox:
         if replaced:
             self.dropped["stale"] += 1
         self._item = item
-        return not replaced and not self._ready
+        return not replaced and not self._ready and not self._quiet
 
     def _due(self, item: Decoded) -> bool:
         assert self.fps is not None
@@ -161,6 +162,13 @@ class Mailbox:
         with self._cond:
             self._slots.append(slot)
             self._cond.notify_all()
+
+    def hush(self, quiet: bool = True) -> None:
+        """Every slot of the stream is in flight: the dispatcher looks at the waiting frame when
+        one comes back, so the decoder need not wake it for each frame it keeps meanwhile (a wasted
+        turn of the event loop per frame); `hush(False)` before looking."""
+        with self._cond:
+            self._quiet = quiet
 
     def take_ready(self) -> list[Ready]:
         """The frames converted since the last call, oldest first."""

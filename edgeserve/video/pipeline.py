@@ -225,6 +225,7 @@ class Watch:
             if (stopped or drained) and stream.inflight == 0:
                 stream.release_held()
                 return
+            mailbox.hush(stream.inflight >= self.options.inflight)
             await stream.wake.wait()
 
     async def _fill(self, client: AsyncZmqClient, stream: Stream, outputs: list[str] | None) -> None:
@@ -357,6 +358,7 @@ class Watch:
         self, stream: Stream, item: Decoded, sent: tuple[int, int], place: Place, future: asyncio.Future[Any]
     ) -> None:
         stream.inflight -= 1
+        stream.mailbox.hush(False)
         # The freed slot goes straight to the decoder; the stream's task wakes only when it has to act.
         if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
             stream.wake.set()

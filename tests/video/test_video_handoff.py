@@ -224,3 +224,15 @@ def test_answers_go_out_in_the_order_their_frames_were_sent() -> None:
     fourth = stream.sent()
     assert stream.answered(third, None) == []  # no answer (a failed request) holds nothing up
     assert stream.answered(fourth, "d") == ["d"]
+
+
+def test_a_hushed_mailbox_keeps_frames_without_waking_the_dispatcher() -> None:
+    woken: list[int] = []
+    box = Mailbox("latest", None, lambda: woken.append(1))
+    box.hush()  # every slot in flight: the dispatcher looks when one comes back
+    box.offer(_item(0))
+    assert box.unconverted and woken == []
+    box.hush(False)
+    assert box.take().index == 0  # type: ignore[union-attr]
+    box.offer(_item(1))
+    assert woken == [1]
