@@ -31,8 +31,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +45,8 @@ from typing import Any
 import numpy as np
 import psutil
 from common import ROOT, free_port, machine_facts, progress
-from es_server import server_command
+from es_server import server_command, terminate
+from notify_socket import NotifyListener
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ROOT / "models"
@@ -56,57 +55,6 @@ MB = 1024 * 1024
 
 TARGETS = {"ready_empty_s": 2.0, "supervisor_rss_mb": 40.0, "mlp_rss_mb": 150.0, "install_mb": 400.0}
 BEFORE_FULL_RSS_MB = 417.0  # one `edgeserve serve` with the four sample models, before the supervisor
-
-
-# -- systemd's side of the notify protocol --------------------------------------------------------------
-class NotifyListener:
-    """A bound AF_UNIX datagram socket standing in for systemd: every datagram, with its arrival time
-    (time.monotonic()), parsed into KEY=VALUE fields."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "notify.sock"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(self.path))
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, dict[str, str]]] = []
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="notify", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            now = time.monotonic()
-            fields = dict(line.partition("=")[::2] for line in data.decode(errors="replace").splitlines())
-            with self._cond:
-                self.messages.append((now, fields))
-                self._cond.notify_all()
-
-    def wait_for(self, key: str, value: str, after: float, timeout: float) -> float | None:
-        """Arrival time of the first message after `after` with key=value; None on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for at, fields in self.messages:
-                    if at >= after and fields.get(key) == value:
-                        return at
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join(2)
-        self.sock.close()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
 
 
 # -- the appliance process ------------------------------------------------------------------------------
@@ -139,25 +87,20 @@ class Appliance:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float) -> float:
-        at = self.notify.wait_for("READY", "1", self.spawned_at, timeout)
-        if at is None:
+        try:
+            ready = self.notify.wait_for("READY", "1", timeout, since=self.spawned_at)
+        except AssertionError:
             raise RuntimeError(
                 f"no READY=1 in {timeout:.0f}s (exit code {self.process.poll()}):\n{self.log()[-4000:]}"
-            )
-        return at - self.spawned_at
+            ) from None
+        return ready.at - self.spawned_at
 
     def stop(self, timeout: float = 60.0) -> tuple[int, float]:
         """SIGTERM to the supervisor (this process only); its exit code and how long it took."""
         t0 = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        code = terminate(self.process, timeout)
         self.notify.close()
-        return int(self.process.returncode), time.monotonic() - t0
+        return code, time.monotonic() - t0
 
 
 def start_appliance(
@@ -171,7 +114,7 @@ def start_appliance(
     http_port, grpc_port = free_port(), free_port()
     zmq_endpoint = f"ipc://{tmp}/edgeserve.zmq"
     log_path = tmp / "supervisor.log"
-    notify = NotifyListener(tmp)
+    notify = NotifyListener(tmp / "notify.sock")
     models = [a for m in load_models for a in ("--load-model", m)]
     cmd = server_command(
         "run", repository, http_port, grpc_port, zmq_endpoint, [*models, *(extra_args or [])]
@@ -180,7 +123,7 @@ def start_appliance(
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
-        "NOTIFY_SOCKET": str(notify.path),
+        "NOTIFY_SOCKET": notify.address,
         **(env or {}),
     }
     with open(log_path, "wb") as log_file:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,13 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytriton_peer
 from common import (
     ROOT,
     WORKLOADS,
+    CpuMeter,
     InProcess,
     Result,
     Workload,
@@ -64,6 +63,7 @@ from common import (
     run_threads,
     served_config,
 )
+from es_server import terminate
 from peer_clients import Stream
 
 
@@ -109,13 +109,7 @@ class Service:
         raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s; log: {self.log_path}")
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        terminate(self.process, timeout)
 
 
 def start_edgeserve(repository: Path, works: list[Workload]) -> Service:
@@ -149,48 +143,6 @@ def start_edgeserve(repository: Path, works: list[Workload]) -> Service:
     service = Service("edgeserve", process, http_port, grpc_port, log_path)
     service.wait_ready(240, [w.model for w in works])
     return service
-
-
-# -- CPU accounting over process trees -----------------------------------------------------------------
-class TreeMeter:
-    """CPU of each named process (and its children, for servers) between start() and stop(), as a share
-    of all cores."""
-
-    def __init__(self, pids: dict[str, tuple[int, bool]]) -> None:
-        """name -> (pid, with its children)."""
-        self.roots = {name: (psutil.Process(pid), tree) for name, (pid, tree) in pids.items()}
-        self._start: dict[str, float] = {}
-        self._procs: dict[str, list[psutil.Process]] = {}
-        self._t0 = 0.0
-
-    @staticmethod
-    def _used(processes: list[psutil.Process]) -> float:
-        total = 0.0
-        for p in processes:
-            try:
-                times = p.cpu_times()
-                total += times.user + times.system
-            except psutil.Error:
-                pass
-        return total
-
-    def start(self) -> None:
-        self._procs = {}
-        for name, (root, tree) in self.roots.items():
-            try:
-                self._procs[name] = [root, *root.children(recursive=True)] if tree else [root]
-            except psutil.Error:
-                self._procs[name] = [root]
-        self._start = {name: self._used(procs) for name, procs in self._procs.items()}
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> dict[str, float]:
-        wall = max(time.perf_counter() - self._t0, 1e-9)
-        cores = psutil.cpu_count() or 1
-        return {
-            name: 100.0 * (self._used(procs) - self._start[name]) / (wall * cores)
-            for name, procs in self._procs.items()
-        }
 
 
 # -- callers ------------------------------------------------------------------------------------------
@@ -315,7 +267,7 @@ def remote_phase(
     x: np.ndarray,
     clients: int,
     seconds: float,
-    meter: TreeMeter | None,
+    meter: CpuMeter | None,
 ) -> Result:
     url = service.http_url if transport == "HTTP" else service.grpc_url
     caller = TRANSPORTS[transport](url, work, x, clients)
@@ -325,7 +277,7 @@ def remote_phase(
         clients,
         work.max_requests,
         seconds,
-        meter,  # type: ignore[arg-type]
+        meter,
         setup=caller.open,
         teardown=caller.close,
     )
@@ -447,9 +399,8 @@ def run(args: argparse.Namespace, works: list[Workload], repository: Path) -> di
             if why:
                 report["skipped"] = f"skipped: {why}"
                 progress(f"PyTriton peer {report['skipped']}")
-        meter = TreeMeter(
-            {"bench": (os.getpid(), False), **{s.name: (s.process.pid, True) for s in services}}
-        )
+        pids = {"bench": os.getpid(), **{s.name: s.process.pid for s in services}}
+        meter = CpuMeter(pids, with_children=[s.name for s in services])
         for work in works:
             measure(args, work, inprocs[work.model], services, client_counts, meter, report)
     finally:
@@ -466,7 +417,7 @@ def measure(
     inproc: InProcess,
     services: list[Service],
     client_counts: list[int],
-    meter: TreeMeter,
+    meter: CpuMeter,
     report: dict[str, Any],
 ) -> None:
     x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
@@ -484,8 +435,7 @@ def measure(
             suffix = f" (round {round_no + 1}/{args.rounds})" if args.rounds > 1 else ""
             progress(f"{tag}: in-process{suffix} ...")
             run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-            r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds,
-                            meter)  # type: ignore[arg-type]  # fmt: skip
+            r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)
             runs.setdefault("in-process", []).append(r)
             for service in services:
                 for transport in TRANSPORTS:

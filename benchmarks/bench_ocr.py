@@ -25,7 +25,6 @@ flight. Every mode's text is checked against the in-process result. JSON in benc
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -34,13 +33,13 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, InProcess, machine_facts, percentile, progress
+from python_models import sample_step
 
 MODELS = ROOT / "models"
 STEPS = ("ocr_pre", "ppocr_det", "ocr_boxes", "ppocr_cls", "ocr_rotate", "ppocr_rec", "ocr_decode")
@@ -62,20 +61,12 @@ def frame(width: int, height: int) -> np.ndarray:
     return np.clip(np.asarray(image).astype(np.int16) + noise, 0, 255).astype(np.uint8)
 
 
-def _step(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", MODELS / name / "1" / "model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class ByHand:
     """The pipeline in this process: the same functions and runtimes, nothing in between."""
 
     def __init__(self, http_base: str) -> None:
         names = ("ocr_pre", "ocr_boxes", "ocr_rotate", "ocr_decode")
-        self.pre, self.boxes, self.rotate, self.decode = (_step(n) for n in names)
+        self.pre, self.boxes, self.rotate, self.decode = (sample_step(n) for n in names)
         self.characters = self.decode.load_characters(MODELS / "ocr_decode" / "1" / "ppocr_keys.txt")
         self.det, self.cls, self.rec = (InProcess.matching(MODELS, m, http_base)
                                         for m in ("ppocr_det", "ppocr_cls", "ppocr_rec"))  # fmt: skip

@@ -51,11 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlserver_peer
 import pytriton_peer
 import ray_peer
-from bench_grpc import TreeMeter
 from client_pool import ClientPool
 from common import (
     ROOT,
     WORKLOADS,
+    CpuMeter,
     InProcess,
     Result,
     Workload,
@@ -230,7 +230,7 @@ def remote(
     x: np.ndarray,
     clients: int,
     seconds: float,
-    meter: TreeMeter | None,
+    meter: CpuMeter | None,
     pool: ClientPool | None = None,
 ) -> Result:
     if pool is not None:
@@ -242,7 +242,7 @@ def remote(
         clients,
         work.max_requests,
         seconds,
-        meter,  # type: ignore[arg-type]
+        meter,
         setup=caller.open,
         teardown=caller.close,
     )
@@ -256,10 +256,10 @@ def measure(
     report: dict[str, Any],
     pool: ClientPool | None = None,
 ) -> None:
-    generators = {"bench": (os.getpid(), False)}
+    generators = {"bench": os.getpid()}
     for i, pid in enumerate(pool.pids if pool is not None else []):
-        generators[f"bench:{i}"] = (pid, False)  # the client processes: the load generator too
-    meter = TreeMeter({**generators, **{s.name: (s.pid, True) for s in sides}})
+        generators[f"bench:{i}"] = pid  # the client processes: the load generator too
+    meter = CpuMeter({**generators, **{s.name: s.pid for s in sides}}, with_children=[s.name for s in sides])
     for work in works:
         inproc = inprocs[work.model]
         x = np.random.default_rng(0).random(work.shape, dtype=np.float32)
@@ -286,7 +286,7 @@ def measure(
                 tag = f"{work.model} x{clients}, round {rnd + 1}/{args.rounds}"
                 only_running(sides, None, args.pause_idle)
                 run_threads("warmup", in_process, clients, work.max_requests, args.warmup)
-                r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)  # type: ignore[arg-type]
+                r = run_threads("in-process", in_process, clients, work.max_requests, args.seconds, meter)
                 runs.setdefault(("in-process", ""), []).append(r)
                 progress(f"{tag}: in-process {r.throughput:.0f}/s")
                 for side, transport in plan:

@@ -18,7 +18,6 @@ Each call starts from an array already in memory; p50 and p99 of per-call wall t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -34,6 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from python_models import load_model_file  # noqa: E402
 
 IDENTITY = """
 import triton_python_backend_utils as pb_utils
@@ -69,11 +69,7 @@ def in_process(path: Path) -> Callable[[np.ndarray], np.ndarray]:
     from edgeserve.backends.python import pb_utils
 
     sys.modules["triton_python_backend_utils"] = pb_utils
-    spec = importlib.util.spec_from_file_location("identity_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model = module.TritonPythonModel()
+    model = load_model_file(path, "identity_model").TritonPythonModel()
 
     def call(array: np.ndarray) -> np.ndarray:
         request = pb_utils.InferenceRequest([pb_utils.Tensor("INPUT0", array)])

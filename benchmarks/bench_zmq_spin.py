@@ -18,27 +18,16 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import progress  # puts tests/ on sys.path (es_server, onnx_models)
-from es_server import start_server
+from es_server import scrape, start_server
 from onnx_models import write_model
 
 from edgeserve.client import ZmqClient
-
-
-def _metrics(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for name, _, value in (line.partition(" ") for line in text.splitlines())
-        if name.startswith("edgeserve_zmq_")
-    }
 
 
 def measure(spin_us: int, requests: int, spaced: int, gap_ms: float, tmp: Path) -> dict[str, float]:
@@ -50,14 +39,14 @@ def measure(spin_us: int, requests: int, spaced: int, gap_ms: float, tmp: Path) 
         data = np.ones((1, 16), np.float32)
         with ZmqClient(server.zmq_endpoint, timeout=10, spin_us=0) as client:
             client.infer("ident", {"INPUT0": data})
-            before = _metrics(server.base)["edgeserve_zmq_spin_hits_total"]
+            before = scrape(server.base, "edgeserve_zmq_")["edgeserve_zmq_spin_hits_total"]
             for _ in range(requests):
                 client.infer("ident", {"INPUT0": data})
-            close = _metrics(server.base)["edgeserve_zmq_spin_hits_total"] - before
+            close = scrape(server.base, "edgeserve_zmq_")["edgeserve_zmq_spin_hits_total"] - before
             for _ in range(spaced):
                 time.sleep(gap_ms / 1000)
                 client.infer("ident", {"INPUT0": data})
-            after = _metrics(server.base)["edgeserve_zmq_spin_hits_total"] - before - close
+            after = scrape(server.base, "edgeserve_zmq_")["edgeserve_zmq_spin_hits_total"] - before - close
     finally:
         server.stop()
     return {"spin_us": spin_us, "back_to_back": requests, "caught": close, "caught_share": close / requests,

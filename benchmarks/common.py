@@ -18,7 +18,6 @@ import contextlib
 import functools
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -28,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # es_server; edgeserve when it 
 from es_server import RunningServer, free_port  # noqa: E402
 from es_server import start_server as _start_server  # noqa: E402
 
+from edgeserve.bench.stats import percentile  # noqa: E402  (the same nearest-rank rule as `edgeserve bench`)
+
 __all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
            "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
            "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_config",
@@ -50,39 +51,47 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of unsorted values; nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
 # -- CPU accounting ---------------------------------------------------------------------------------------
 class CpuMeter:
-    """CPU used by processes between start() and stop(), as a share of the whole machine (all cores)."""
+    """CPU used by processes between start() and stop(), as a share of the whole machine (all cores).
+    The processes named in `with_children` count with their children (as they are at start(): a server's
+    workers); a process that is gone counts no more."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, int], with_children: Iterable[str] = ()) -> None:
         self.processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.with_children = set(with_children)
+        self._trees: dict[str, list[psutil.Process]] = {}
         self._start: dict[str, float] = {}
         self._t0 = 0.0
 
     @staticmethod
-    def _used(process: psutil.Process) -> float:
-        times = process.cpu_times()
-        return float(times.user + times.system)
+    def _used(processes: list[psutil.Process]) -> float:
+        total = 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
 
     def start(self) -> None:
+        self._trees = {}
+        for name, process in self.processes.items():
+            try:
+                children = process.children(recursive=True) if name in self.with_children else []
+            except psutil.Error:
+                children = []
+            self._trees[name] = [process, *children]
+        self._start = {name: self._used(tree) for name, tree in self._trees.items()}
         self._t0 = time.perf_counter()
-        self._start = {name: self._used(p) for name, p in self.processes.items()}
 
     def stop(self) -> dict[str, float]:
         wall = max(time.perf_counter() - self._t0, 1e-9)
         cores = psutil.cpu_count() or 1
         return {
-            name: 100.0 * (self._used(p) - self._start[name]) / (wall * cores)
-            for name, p in self.processes.items()
+            name: 100.0 * (self._used(tree) - self._start[name]) / (wall * cores)
+            for name, tree in self._trees.items()
         }
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edgeserve.samples import save_onnx
+
 
 class _Graph:
     def __init__(self, seed: int) -> None:
@@ -46,14 +48,7 @@ class _Graph:
     ) -> Path:
         self.nodes.append(helper.make_node("Identity", [last], [outputs[0].name]))
         graph = helper.make_graph(self.nodes, path.parent.parent.name, inputs, outputs, self.inits)
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve-bench"
-        )
-        model.ir_version = 8
-        onnx.checker.check_model(model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(model, str(path))
-        return path
+        return save_onnx(graph, path, producer="edgeserve-bench")
 
 
 def _conv(g: _Graph, x: str, cin: int, cout: int, k: int, stride: int, relu: bool = True) -> str:

@@ -87,17 +87,13 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     """The appliance: a small supervisor that runs `edgeserve serve` as its child and keeps it alive."""
-    from edgeserve.config import ConfigError
     from edgeserve.logs import setup_logging
-    from edgeserve.settings_tools import repository_problem, resolve_state_dir
+    from edgeserve.repository.layout import repository_problem
+    from edgeserve.settings_tools import resolve_state_dir
     from edgeserve.supervisor.supervisor import Supervisor
 
     loader = _settings_loader(args)
-    try:
-        settings, sources = loader()
-    except ConfigError as exc:
-        print(f"edgeserve: {exc}", file=sys.stderr)
-        return 2
+    settings, sources = loader()  # a ConfigError is main()'s: one line, exit 2
     settings.server.state_dir = resolve_state_dir(settings, sources)[0]
     problem = repository_problem(settings)
     if problem is not None:  # restarting the server would not make the folder appear
@@ -120,16 +116,11 @@ GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints
 def _serve(args: argparse.Namespace) -> int:
     """One process, no supervisor: for containers (the engine restarts it) and tests."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
-    from edgeserve.config import ConfigError
+    from edgeserve.app import Server, StartupError
     from edgeserve.logs import setup_logging
-    from edgeserve.server.app import Server, StartupError
 
     loader = _settings_loader(args)
-    try:
-        settings, _ = loader()
-    except ConfigError as exc:
-        print(f"edgeserve: {exc}", file=sys.stderr)
-        return 2
+    settings, _ = loader()  # a ConfigError is main()'s: one line, exit 2
     log = settings.logging
     supervised = args.control_socket is not None
     if supervised:
@@ -312,7 +303,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _restricted_flag(parser: argparse.ArgumentParser, option: str, feature: str, carries: str) -> None:
     """Triton's `--<option>=<category>[,<category>...]:<key>=<value>` (repeatable)."""
-    from edgeserve.frontends.restricted import CATEGORIES, parse_group
+    from edgeserve.protocol.restricted import CATEGORIES, parse_group
 
     def group(value: str) -> str:
         try:

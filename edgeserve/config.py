@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from edgeserve.config_allowlist import only_allowed
 from edgeserve.config_sections import (
     MAX_COMMAND_LIFETIME_S,
     MAX_SPIN_US,
@@ -31,7 +32,7 @@ from edgeserve.config_sections import (
     SupervisorSection,
     ZmqSection,
 )
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.protocol.restricted import RestrictedGroups, grpc_restrictions, http_restrictions
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -92,10 +93,7 @@ class Settings:
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
         self._validate_limits(fail)
-        from edgeserve.frontends.access import listener_problems
-
-        for path, message in listener_problems("http", self.http) + listener_problems("grpc", self.grpc):
-            fail(path, message)
+        self._validate_listeners(fail)
         inline_limits = {"http": self.http.inline_max_us, "grpc": self.grpc.inline_max_us}
         inline_limits["zmq"] = self.zmq.inline_max_us
         for name, inline_us in inline_limits.items():
@@ -194,6 +192,27 @@ class Settings:
         ):
             if seconds < 0:
                 fail(path, "must be 0 (never) or a number of seconds")
+
+    def _validate_listeners(self, fail: Any) -> None:
+        """[http] and [grpc] access: TLS files, the bearer token, Triton's restricted-API groups."""
+        for section, values in (("http", self.http), ("grpc", self.grpc)):
+            if bool(values.tls_cert) != bool(values.tls_key):
+                fail(f"{section}.tls_cert", "tls_cert and tls_key must be set together")
+            if values.tls_client_ca and not values.tls_cert:
+                fail(f"{section}.tls_client_ca", "client certificates need TLS: set tls_cert and tls_key")
+            for name in ("tls_cert", "tls_key", "tls_client_ca"):
+                path = getattr(values, name)
+                if path is not None and not Path(path).is_file():
+                    fail(f"{section}.{name}", f"{path} is not a readable file (a PEM file)")
+            token = values.token
+            if token and (token != token.strip() or not token.isprintable() or " " in token
+                          or not token.isascii()):  # fmt: skip
+                fail(f"{section}.token", "must be printable ASCII without spaces (it travels in a header)")
+            groups_field = "restricted_api" if section == "http" else "restricted_protocol"
+            try:
+                (http_restrictions if section == "http" else grpc_restrictions)(getattr(values, groups_field))
+            except ValueError as exc:
+                fail(f"{section}.{groups_field}", str(exc))
 
     def _validate_fleet(self, fail: Any) -> None:
         fleet = self.fleet
@@ -343,8 +362,6 @@ def load_settings_with_sources(
     if path is not None:
         _apply(settings, _read_toml(path), str(path), sources)
     if overlay is not None:  # only what a fleet command may set: a key put there otherwise is dropped
-        from edgeserve.fleet.allowlist import only_allowed
-
         _apply(settings, only_allowed(_read_toml(overlay), str(overlay)), str(overlay), sources)
     env = os.environ if environ is None else environ
     env_values = _env_overrides(env)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.protocol.restricted import RestrictedGroups
 
 
 class ConfigError(ValueError):

@@ -3,6 +3,7 @@ content, never half of it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -19,20 +20,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary file, fsync, rename over `path`, fsync the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def replace_symlink(link: Path, target: str) -> None:
@@ -45,6 +33,7 @@ def replace_symlink(link: Path, target: str) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file, fsync, rename over `path`, fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -57,3 +46,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks (bundles and models can be larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

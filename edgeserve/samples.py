@@ -30,11 +30,11 @@ PPOCR_MODELS = {
 }
 
 
-def _save(graph: Any, path: Path) -> Path:
-    """The checked opset-17 model of `graph`, written to `path`."""
+def save_onnx(graph: Any, path: Path, *, opset: int = 17, producer: str = "edgeserve") -> Path:
+    """The checked model of `graph` (IR 8), written to `path` (tests and benchmarks build theirs so too)."""
     from onnx import checker, helper, save
 
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name=producer)
     model.ir_version = 8
     checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def build_mlp(
         [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["N", out_features])],
         [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"))],
     )
-    return _save(graph, path)
+    return save_onnx(graph, path)
 
 
 def build_accumulate(path: Path) -> Path:
@@ -95,7 +95,7 @@ def build_accumulate(path: Path) -> Path:
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 1]) for n in ("OUTPUT", "STATE_OUT")],
         [one],
     )
-    return _save(graph, path)
+    return save_onnx(graph, path)
 
 
 def _download_wheel(dest: Path, requirement: str = RAPIDOCR_WHEEL) -> Path:

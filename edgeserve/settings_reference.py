@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from edgeserve.config import Settings, to_dict
-from edgeserve.fleet.allowlist import ALLOWED
-from edgeserve.frontends.restricted import RestrictedGroups
+from edgeserve.config_allowlist import ALLOWED
+from edgeserve.protocol.restricted import RestrictedGroups
 from edgeserve.settings_tools import _toml_value, is_live
 
 ALLOWLIST_MARK, ALLOWLIST_END = "<!-- set_config allowlist -->", "<!-- /set_config allowlist -->"
@@ -154,7 +154,7 @@ def render() -> str:
         out.append("")
     out.append("## Settings a fleet command may change\n")
     out.append(
-        "A signed `set_config` command may set only these (`ALLOWED` in edgeserve/fleet/allowlist.py); any\n"
+        "A signed `set_config` command may set only these (`ALLOWED` in edgeserve/config_allowlist.py); any\n"
         "other key is refused with its reason, and nothing of that command is applied.\n"
     )
     out += [ALLOWLIST_MARK, "| setting | what it tunes |", "|---|---|"]

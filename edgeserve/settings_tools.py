@@ -91,19 +91,6 @@ def toml_text(data: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def repository_problem(settings: Settings) -> str | None:
-    """Why the model repository cannot be served, or None (checked before anything starts)."""
-    from edgeserve.ota.store import active_models
-
-    repository = settings.server.model_repository
-    if repository.is_dir() or active_models(settings.server.state_dir) is not None:
-        return None
-    return (
-        f"model repository {repository} is not a folder; set --model-repository or "
-        "[server] model_repository (run `edgeserve samples` for the sample models)"
-    )
-
-
 def resolve_state_dir(
     settings: Settings, sources: Mapping[str, str], environ: Mapping[str, str] | None = None
 ) -> tuple[Path, str]:

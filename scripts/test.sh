@@ -46,6 +46,20 @@ else
     echo "warning: could not install gst-rtsp-server (needs root or sudo); the RTSP tests will skip" >&2
 fi
 
+# `edgeserve watch gst:...` needs GStreamer's Python bindings in the venv: PyGObject has no wheels, so it
+# is built here against Debian's GObject introspection (a compiler and the headers, a minute once).
+if .venv/bin/python -c 'import gi; gi.require_version("GstApp", "1.0"); from gi.repository import GstApp' >/dev/null 2>&1; then
+  step "PyGObject present (the GStreamer source of edgeserve watch)"
+else
+  step "building PyGObject into .venv (the GStreamer source of edgeserve watch)"
+  { apt_install --no-install-recommends gcc pkg-config libgirepository1.0-dev libcairo2-dev \
+      gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0 gstreamer1.0-plugins-base &&
+    { .venv/bin/python -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
+      apt_install --no-install-recommends python3-dev; } &&
+    .venv/bin/python -m pip install -q --progress-bar off "PyGObject<3.51"; } ||
+    echo "warning: could not build PyGObject (needs root or sudo for its build packages); the GStreamer test will skip" >&2
+fi
+
 step "python -m pytest $*"
 set +e
 .venv/bin/python -m pytest -ra "$@"

@@ -14,9 +14,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,14 +73,25 @@ class RunningServer(Endpoints):
         return self.process.poll() is None
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        return int(self.process.returncode)
+        return terminate(self.process, timeout)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float, *, tree: bool = False) -> int:
+    """SIGTERM, and SIGKILL after `timeout` s (`tree`: its descendants first, e.g. a supervisor's server);
+    the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if tree:
+                import psutil
+
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    child.kill()
+            process.kill()
+            process.wait(10)
+    return int(process.returncode)
 
 
 def server_command(command: str, repository: Path, http_port: int, grpc_port: int, zmq_endpoint: str,
@@ -99,6 +111,14 @@ def get_status(url: str, timeout: float = 2.0) -> int | None:
         return int(exc.code)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
+
+
+def scrape(base: str, prefix: str, timeout: float = 30.0) -> dict[str, float]:
+    """GET {base}/metrics: the value of each series (its name with its labels) named `prefix`..."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    series = (line.rpartition(" ") for line in text.splitlines() if line.startswith(prefix))
+    return {name: float(value) for name, _, value in series}
 
 
 def start_server(
@@ -151,3 +171,25 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
 
 
 ServerFactory = Callable[..., RunningServer]
+
+
+class Stoppable(Protocol):
+    def stop(self, timeout: float = ...) -> int: ...
+
+
+StartedT = TypeVar("StartedT", bound=Stoppable)
+
+
+def stopped_after(start: Callable[..., StartedT], tmp_path: Path) -> Iterator[Callable[..., StartedT]]:
+    """A fixture's body: `factory(repository, **kwargs)` is `start(repository, tmp_path, **kwargs)`, and
+    whatever it started is stopped once the test is done."""
+    started: list[StartedT] = []
+
+    def factory(repository: Path, **kwargs: Any) -> StartedT:
+        process = start(repository, tmp_path, **kwargs)
+        started.append(process)
+        return process
+
+    yield factory
+    for process in started:
+        process.stop()

@@ -8,9 +8,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeserve.samples import build_mlp
+from edgeserve.samples import build_mlp, save_onnx
 
 __all__ = [
+    "MLP_CONFIG",
+    "ORT",
     "build_add_sub",
     "build_bf16_identity",
     "build_conv_dynamic_hw",
@@ -19,6 +21,13 @@ __all__ = [
     "build_mlp",
     "write_model",
 ]
+
+ORT = 'backend: "onnxruntime"\n'  # the rest of a config.pbtxt is auto-completed from the model
+MLP_CONFIG = """backend: "onnxruntime"
+max_batch_size: 8
+input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
+output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
+"""  # build_mlp's model, batching up to 8 rows
 
 ONNX_TYPES = {
     "FP32": TensorProto.FLOAT,
@@ -38,14 +47,7 @@ ONNX_TYPES = {
 
 
 def _save(graph: onnx.GraphProto, path: Path, opset: int = 17) -> Path:
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="edgeserve-tests"
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_onnx(graph, path, opset=opset, producer="edgeserve-tests")
 
 
 def build_add_sub(path: Path, datatype: str = "FP32", dims: int = 16, batch: bool = True) -> Path:

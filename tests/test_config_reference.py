@@ -12,7 +12,7 @@ import pytest
 
 from edgeserve.cli import main
 from edgeserve.config import Settings, _env_overrides
-from edgeserve.fleet.allowlist import ALLOWED
+from edgeserve.config_allowlist import ALLOWED
 from edgeserve.settings_reference import field_comments, render
 from edgeserve.settings_tools import is_live
 

@@ -44,7 +44,7 @@ def declared_io(config: Any) -> ModelIO:
 
 def _config_next_to(model_path: Path) -> Any:
     """<model>/config.pbtxt for <model>/<version>/model.pt, or None."""
-    from edgeserve.repository.config import parse_pbtxt
+    from edgeserve.protocol.model_config import parse_pbtxt
 
     path = model_path.parent.parent / "config.pbtxt"
     return parse_pbtxt(path) if path.is_file() else None

@@ -10,6 +10,11 @@ from pathlib import Path
 # accept trade-offs (e.g. OpenVINO's 32-bit INT64) it would otherwise refuse so that a fallback runs it.
 PINNED_PARAMETER = "pinned_backend"
 
+# A batch running longer than this marks its instance hung (answered, replaced); the model config's
+# parameter `hang_timeout_s` overrides it per model (repository/served.py). The schedulers watch it, and
+# a backend that runs models out of process (python/) bounds its waits by it.
+DEFAULT_HANG_TIMEOUT_S = 30.0
+
 
 @dataclass(frozen=True, slots=True)
 class BackendOptions:

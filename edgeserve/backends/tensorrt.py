@@ -5,7 +5,7 @@ Name-based I/O (`num_io_tensors`, `get_tensor_name`, `set_input_shape`, `set_ten
 Dynamic shapes run through the engine's optimization profile. When no usable plan is there, an
 engine is built from ONNX in a child process (progress in the log) and cached under
 `options.cache_dir`, keyed by GPU/SoC, compute capability, TensorRT version, precision, profile
-shapes and the ONNX hash (edgeserve/hardware/trt_engine.py). `tensorrt` and `cuda` are imported only here.
+shapes and the ONNX hash (backends/trt_engine.py). `tensorrt` and `cuda` are imported only here.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends import trt_engine
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
-from edgeserve.hardware import trt_engine
+from edgeserve.fsutil import sha256_file
 from edgeserve.protocol.datatypes import BF16_DTYPE, from_numpy
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -216,7 +217,7 @@ class TensorRTBackend:
 
         spec = trt_engine.spec_from_config(config, options.precision, options.device)
         identity = device_identity()
-        digest = trt_engine.file_sha256(onnx)
+        digest = sha256_file(onnx)
         key = trt_engine.cache_key(digest, identity, trt.__version__, spec)
         expected = trt_engine.manifest_for(digest, identity, trt.__version__, spec)
         cache = trt_engine.EngineCache(options.cache_dir or onnx.parent / ".engines")

@@ -33,6 +33,7 @@ Say = Callable[[str], None]
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 ORT_FILENAME = "model_int8.onnx"
 IR_FILENAME = "model_int8.xml"
+PER_CHANNEL_OPSET = 13  # DequantizeLinear with an axis
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,36 @@ class WorkDir:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _opset_for_per_channel(model: Path, work: WorkDir, say: Say) -> Path | None:
+    """The model at opset PER_CHANNEL_OPSET or later; None when it cannot be converted.
+
+    Per-channel weights need DequantizeLinear's `axis` (opset 13), but quantize_static lifts older models
+    only to opset 11 and writes the axis anyway: ONNX Runtime then refuses the model ("Unrecognized
+    attribute: axis for operator DequantizeLinear"), as with ResNets exported by tf2onnx at opset 9."""
+    import onnx
+
+    done = work.path / "model_opset.onnx"
+    if done.is_file():
+        return done
+    proto = onnx.load(str(model))
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), PER_CHANNEL_OPSET)
+    if opset >= PER_CHANNEL_OPSET:
+        return model
+    part = work.path / "model_opset.onnx.part"
+    try:
+        from onnx import version_converter
+
+        onnx.save(version_converter.convert_version(proto, PER_CHANNEL_OPSET), str(part))
+    except Exception as exc:
+        part.unlink(missing_ok=True)
+        say(f"  opset {opset} -> {PER_CHANNEL_OPSET} failed ({type(exc).__name__}: {str(exc)[:120]}): "
+            "per-tensor weights")  # fmt: skip
+        return None
+    os.replace(part, done)
+    say(f"  opset {opset} -> {PER_CHANNEL_OPSET} (per-channel weights need it)")
+    return done
+
+
 def _preprocess(model: Path, work: WorkDir, say: Say) -> Path:
     """ORT's recommended pre-processing (shape inference, graph optimisation); the model as it is when
     that fails (some models do not take symbolic shape inference)."""
@@ -177,6 +208,10 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
         return done
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}  # fmt: skip
+    per_channel = scheme.per_channel
+    if per_channel:
+        lifted = _opset_for_per_channel(model, work, say)
+        per_channel, model = lifted is not None, lifted or model
     source = _preprocess(model, work, say)
     feeds = batches(samples.calibration, batch, batched)
     kwargs: dict[str, Any] = {}
@@ -195,7 +230,7 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
     with work.scratch():
         quantize_static(
             str(source), str(part), Reader(feeds, say), quant_format=QuantFormat.QDQ,
-            per_channel=scheme.per_channel, reduce_range=scheme.reduce_range, activation_type=activations,
+            per_channel=per_channel, reduce_range=scheme.reduce_range, activation_type=activations,
             weight_type=QuantType.QInt8, calibrate_method=methods[method],
             # no CalibMaxIntermediateOutputs: ORT 1.32 drops the chunk it clears instead of merging it
             # (and MinMax keeps only per-tensor minima and maxima anyway; entropy and percentile keep

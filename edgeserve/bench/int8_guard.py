@@ -138,7 +138,13 @@ def judge_figures(stored: dict[str, Any], limits: Thresholds) -> dict[str, Any]:
 def check(fp32: Path, candidate: Path, held_out: Sequence[Feed], limits: Thresholds) -> Verdict:
     """Run both models on the held-out rows and judge the candidate."""
     run_ref, names = ort_runner(fp32)
-    run_cand, _ = runner(candidate)
     reference = [run_ref(feed) for feed in held_out]
-    outputs = [run_cand(feed) for feed in held_out]
+    try:  # a quantizer can write a model its runtime refuses: that candidate is rejected, not the tune
+        run_cand, _ = runner(candidate)
+        outputs = [run_cand(feed) for feed in held_out]
+    except Exception as exc:
+        engine = "OpenVINO" if candidate.suffix == ".xml" else "ONNX Runtime"
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 240 else "..." + text[-237:]  # the runtime's reason is at the end
+        return Verdict(False, f"{engine} does not run it ({type(exc).__name__}: {text})", len(held_out))
     return judge(reference, outputs, names, limits)

@@ -352,7 +352,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
     config = apply(base, winner)
     output = options.output or out_dir / "config.pbtxt"
     write_config(output, config, best, options.budget_ms, options.protocol)
-    finish(extras.get(winner.model), bool(extras), options.int8, output, model_dir, version_dir, out_dir, say)
+    finish(extras.get(winner.model), list(extras), options.int8, output, model_dir, version_dir, out_dir, say,
+           best.label, {r["candidate"].get("model", "") for r in records.values()})  # fmt: skip
     print(
         f"best within {options.budget_ms:g} ms: {best.label} at concurrency {best.concurrency}: "
         f"{best.throughput:.1f} infer/s, p99 {best.p99_ms:.2f} ms -> {output}"

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,10 +239,11 @@ def _write_results(results: Path, made: dict[str, Path], verdicts: dict[str, Any
     os.replace(part, results)
 
 
-def finish(won: ExtraModel | None, raced: bool, options: Int8Options | None, output: Path, model_dir: Path,
-           version_dir: Path, out_dir: Path, say: int8.Say) -> None:  # fmt: skip
+def finish(won: ExtraModel | None, raced: Sequence[str], options: Int8Options | None, output: Path,
+           model_dir: Path, version_dir: Path, out_dir: Path, say: int8.Say, winner: str = "",
+           measured: Collection[str] = ()) -> None:  # fmt: skip
     """After the race: the winning INT8 files beside the written config.pbtxt; with --apply, both into the
-    model folder."""
+    model folder. `raced`: the INT8 candidates' tags, `measured`: the tags the race measured."""
     for relative, source in won.files.items() if won is not None else ():
         shutil.copyfile(source, output.parent / Path(relative).name)
     apply = options is not None and options.apply
@@ -250,7 +252,19 @@ def finish(won: ExtraModel | None, raced: bool, options: Int8Options | None, out
         print(f"the winner serves the INT8 model: copy {names} from {output.parent} into {version_dir} with "
               "this config.pbtxt (or run again with --apply)")  # fmt: skip
     elif options is not None and raced and won is None:
-        print("the INT8 candidates passed the accuracy guard but lost the race: the config keeps fp32")
+        # the winner may be bf16 as well as fp32 (on AMX / AVX512-BF16 CPUs it often is), and a race cut
+        # short by --max-candidates may not have measured every INT8 candidate
+        unmeasured = [tag.split(":")[0] for tag in raced if tag not in measured]
+        winner = winner or "fp32"
+        if len(unmeasured) == len(raced):
+            print("the INT8 candidates passed the accuracy guard, but the race stopped before measuring them "
+                  f"(run again to continue): the config serves {winner}")  # fmt: skip
+        else:
+            rest = (
+                f"; not measured yet: {', '.join(unmeasured)} (run again to continue)" if unmeasured else ""
+            )
+            print(f"the INT8 candidates passed the accuracy guard but lost the race to {winner}: the config "
+                  f"serves that{rest}")  # fmt: skip
     if apply:
         apply_winner(won, output, model_dir, out_dir, say)
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from edgeserve.client.zmq_client import ZmqClient
+# Receives replies on the caller's thread until the future is done or `timeout` passes: the client's,
+# handed over so that a future does not need to know the client.
+Waiter = Callable[["ZmqFuture", float | None], None]
 
 
 class ZmqFuture:
     """The eventual reply to one request; `result()` receives replies until this one is in."""
 
-    __slots__ = ("_callbacks", "_client", "_done", "_error", "_result", "id")
+    __slots__ = ("_callbacks", "_done", "_error", "_result", "_wait", "id")
 
-    def __init__(self, client: ZmqClient, req_id: int) -> None:
-        self._client = client
+    def __init__(self, wait: Waiter, req_id: int) -> None:
+        self._wait = wait
         self.id = req_id
         self._done = False
         self._result: Any = None
@@ -29,14 +30,14 @@ class ZmqFuture:
         """The result; raises ClientError for a failed request, TimeoutError if `timeout` (seconds)
         passes first (the request itself stays pending until its own deadline)."""
         if not self._done:
-            self._client._wait_for(self, timeout)
+            self._wait(self, timeout)
         if self._error is not None:
             raise self._error
         return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done:
-            self._client._wait_for(self, timeout)
+            self._wait(self, timeout)
         return self._error
 
     def add_done_callback(self, fn: Callable[[ZmqFuture], None]) -> None:

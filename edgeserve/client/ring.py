@@ -19,7 +19,6 @@ A slot named by a request goes back to its ring when that request's reply (or er
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import mmap
@@ -132,28 +131,16 @@ class Slot:
         (a strided view, such as a crop of a camera frame, is gathered by that same copy)."""
         array = np.asarray(array)
         datatype = _datatype(array.dtype)
-        shape = tuple(int(d) for d in array.shape)
+        shape = array.shape
         if datatype == "BYTES":
             payload = datatypes.to_wire_bytes(array, datatype)
             size = memoryview(payload).nbytes
-            self._check_fits(size)
+            self.ring.check_fits(size)
             self.buffer[:size] = payload
             return ShmTensor(self.ring.name, size, 0, datatype, shape, self)
         size = array.nbytes
-        self._check_fits(size)
-        start = self.ring.layout.slot_offset(self.index)
-        # Viewing as uint8 first also covers dtypes the buffer protocol cannot export (bfloat16).
-        target = np.frombuffer(self.ring.buf, dtype=np.uint8, count=size, offset=start)
-        np.copyto(target.view(array.dtype).reshape(shape), array, casting="no")
+        np.copyto(self.ring._target(self.index, array.dtype, shape, size), array, casting="no")
         return ShmTensor(self.ring.name, size, 0, datatype, shape, self)
-
-    def _check_fits(self, size: int) -> None:
-        if size > self.ring.slot_size:
-            raise ClientError(
-                "INVALID_ARG",
-                f"a {size}-byte tensor does not fit a {self.ring.slot_size}-byte slot "
-                f"of ring '{self.ring.name}'",
-            )
 
     def output(self, byte_size: int | None = None) -> ShmTensor:
         """A reference asking the server to write an output into this slot."""
@@ -214,7 +201,11 @@ class FrameRing:
             (slots,), dtype="<u8", buffer=self.buf, offset=GEN_OFFSET
         )
         self._gens[:] = 0
-        self._free: collections.deque[int] = collections.deque(range(slots))
+        # Free slots, the most recently released last: taken first, its memory is likely still in
+        # this core's cache (copying a 600 KB frame into a cold slot took twice as long here).
+        self._free: list[int] = list(range(slots - 1, -1, -1))
+        # Typed views of slots that `Slot.write` fills, by (slot, dtype, shape): made once, not per frame.
+        self._targets: dict[tuple[int, Any, tuple[int, ...]], npt.NDArray[Any]] = {}
         self._stale: dict[int, None] = {}  # timed-out slots, oldest first: reused last
         self._taken: set[int] = set()
         self._lock = threading.Lock()
@@ -251,7 +242,7 @@ class FrameRing:
             if self.closed:
                 raise ClientError("UNAVAILABLE", f"ring '{self.name}' is closed")
             if self._free:
-                index = self._free.popleft()
+                index = self._free.pop()
             elif self._stale:  # a request that timed out may still be using it: bumping the
                 index = next(iter(self._stale))  # generation makes the server refuse it
                 del self._stale[index]
@@ -283,6 +274,30 @@ class FrameRing:
             self._stale.pop(index, None)  # the late answer of a call that timed out
             self._free.append(index)
 
+    def check_fits(self, size: int) -> None:
+        if size > self.slot_size:
+            raise ClientError(
+                "INVALID_ARG",
+                f"a {size}-byte tensor does not fit a {self.slot_size}-byte slot of ring '{self.name}'",
+            )
+
+    def _target(self, index: int, dtype: Any, shape: tuple[int, ...], size: int) -> npt.NDArray[Any]:
+        """A writable `dtype` view of `shape` at the start of slot `index` (`size` bytes, checked)."""
+        key = (index, dtype, shape)
+        target = self._targets.get(key)
+        if target is None:
+            self.check_fits(size)
+            if self.closed:
+                raise ClientError("UNAVAILABLE", f"ring '{self.name}' is closed")
+            # Viewing as uint8 first also covers dtypes the buffer protocol cannot export (bfloat16).
+            start = self.layout.slot_offset(index)
+            raw = np.frombuffer(self.buf, dtype=np.uint8, count=size, offset=start)
+            target = raw.view(dtype).reshape(shape)
+            if len(self._targets) >= _CACHE_MAX:
+                self._targets.clear()
+            self._targets[key] = target
+        return target
+
     def quarantine(self, slot: Slot) -> None:
         """A request using this slot timed out: reuse the slot only when no other is free."""
         with self._lock:
@@ -307,6 +322,7 @@ class FrameRing:
             return
         self.closed = True
         del self._gens
+        self._targets.clear()  # views of the mapping: it cannot be unmapped while they exist
         if self._shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()

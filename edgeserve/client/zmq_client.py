@@ -21,6 +21,7 @@ from edgeserve.client.errors import ClientError
 from edgeserve.client.future import ZmqFuture
 from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.frontends.zmq import wire
+from edgeserve.frontends.zmq.spin import CoreShare
 
 # Plain ints: pyzmq's enum constants make `events & POLLIN` an enum operation costing microseconds.
 _EVENTS = int(zmq.EVENTS)
@@ -40,8 +41,10 @@ class ZmqClient:
     large inline inputs are sent without a copy: do not modify them until their future is done.
     `spin_us`: busy-wait up to that long for a reply before sleeping, while replies have recently
     come within it (a slow model, a busy server or a paced camera turns spinning off by itself),
-    yielding the core between polls. Against the server's own spin it adds 0-20% (7% on average
-    here) to back-to-back round trips, for a core while it waits. 0 = always sleep.
+    yielding the core between polls, and while this thread gets its core when it spins (other busy
+    processes on the box turn it off for a while: a yielding thread then waits behind them, where
+    a woken one runs at once). Against the server's own spin it adds 0-20% (7% on average here)
+    to back-to-back round trips, for a core while it waits. 0 = always sleep.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ZmqClient:
         self.endpoint = endpoint
         self.spin_s = max(0, spin_us) / 1e6
         self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
+        self._core = CoreShare()  # whether this thread gets its core while it spins
         self.timeout = timeout
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
@@ -149,8 +153,9 @@ class ZmqClient:
 
     @property
     def spinning(self) -> bool:
-        """Whether waiting for a reply busy-waits first (replies have recently come within `spin_us`)."""
-        return self.spin_s > 0.0 and self._reply_s <= self.spin_s
+        """Whether waiting for a reply busy-waits first: replies have recently come within `spin_us`,
+        and this thread got its core while it spun (other busy processes make a sleeping wait faster)."""
+        return self.spin_s > 0.0 and self._reply_s <= self.spin_s and not self._core.backoff
 
     @property
     def in_flight(self) -> int:
@@ -268,8 +273,9 @@ class ZmqClient:
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         try:
             last = len(frames) - 1
-            for i, frame in enumerate(frames):  # send_multipart costs microseconds more
-                sock.send(frame, _SNDMORE if i < last else 0, copy=wire.send_copy(frame))
+            send = wire.sock_send  # past pyzmq's Python layer; send_multipart costs more still
+            for i, frame in enumerate(frames):
+                send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
         except zmq.Again:
             if pending is not None:
                 pending.release_slots()
@@ -282,7 +288,7 @@ class ZmqClient:
         if pending is not None:
             pending.sent_at = time.perf_counter()
             pending.deadline = deadline
-        future = ZmqFuture(self, req_id)
+        future = ZmqFuture(self._wait_for, req_id)
         self._pending[req_id] = (future, pending)
         heapq.heappush(self._deadlines, (deadline, req_id))
         return future
@@ -309,27 +315,30 @@ class ZmqClient:
         if not 0 <= self._rcvtimeo <= wait_ms or wait_ms - self._rcvtimeo > wait_ms >> 4:
             sock.setsockopt(_RCVTIMEO, wait_ms)
             self._rcvtimeo = wait_ms
-        if self.spinning:
-            end = min(until, time.monotonic() + self.spin_s)
-            while not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN and time.monotonic() < end:
+        recv, get = wire.sock_recv, wire.sock_get
+        if self.spin_s > 0.0 and self._reply_s <= self.spin_s and self._core.ready():
+            start, cpu_start = time.monotonic(), self._core.cpu_clock()
+            end = min(until, start + self.spin_s)
+            while not cast(int, get(sock, _EVENTS)) & _POLLIN and time.monotonic() < end:
                 # Let a woken thread (ZeroMQ's I/O thread, the server's) have this core now: with
                 # EEVDF it may otherwise wait for the rest of our time slice (p99 0.74 -> 0.33 ms).
                 os.sched_yield()
+            self._core.record(time.monotonic() - start, cpu_start)
         try:
-            frame = sock.recv(0, copy=False)  # one call: no poll first
+            frame = recv(sock, 0, False)  # one call: no poll first
         except zmq.Again:
             frame = None
         while frame is not None:
             msg = [frame]
             while frame.more:  # the parts of a message arrive together
-                frame = sock.recv(0, copy=False)
+                frame = recv(sock, 0, False)
                 msg.append(frame)
             self._dispatch(msg)
             if (target is not None and target._done) or self._sock is None:
                 break
-            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+            if not cast(int, get(sock, _EVENTS)) & _POLLIN:
                 break
-            frame = sock.recv(_DONTWAIT, copy=False)
+            frame = recv(sock, _DONTWAIT, False)
         heap = self._deadlines
         if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
             self._expire(time.monotonic())

@@ -14,21 +14,19 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edgeserve.config import FleetSection
-from edgeserve.fleet.connection import connect, device_id, make_client, payload, publish_properties
+from edgeserve.fleet.agent_base import AgentBase, utc_now
+from edgeserve.fleet.connection import connect, payload, publish_properties
 from edgeserve.fleet.desired import DesiredRefused, parse_desired
 from edgeserve.fleet.gate import CommandGate
 from edgeserve.fleet.gate import Reply as _Reply
-from edgeserve.fleet.persist import RUNNING, CommandLedger, Generation, Outbox, hex_or_none
+from edgeserve.fleet.persist import RUNNING, Generation, Outbox, hex_or_none
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
@@ -40,11 +38,9 @@ from edgeserve.fleet.protocol import (
     CommandError,
     Topics,
     parse_command,
-    utc,
 )
-from edgeserve.fleet.safe_text import safe
-from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, Report, execute
-from edgeserve.ota.trust import TrustStore, default_trust_dir
+from edgeserve.fleet.services import FleetCommandFailed, Report, execute
+from edgeserve.logs import safe
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -56,33 +52,15 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-class FleetAgent:
-    def __init__(
-        self,
-        settings: FleetSection,
-        state_dir: Path,
-        services: DeviceServices,
-        version: str,
-        trust: TrustStore | None = None,
-    ) -> None:
-        self.settings = settings
-        self.services = services
-        self.version = version
-        self.device = device_id(settings)
+class FleetAgent(AgentBase):
+    def _init_agent(self) -> None:
+        settings = self.settings
         self.topics = Topics(settings.fleet, self.device)
         # Command keys: [fleet] command_keys, else <trust_dir>/commands, less the keys the fleet revoked.
-        self.gate = CommandGate(
-            settings, self.topics, trust or TrustStore(default_trust_dir(state_dir), state_dir)
-        )
+        self.gate = CommandGate(settings, self.topics, self.trust)
         self.v5 = settings.protocol == "5"
-        folder = state_dir / "fleet"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.ledger = CommandLedger(folder / "commands.json")
-        self.outbox = Outbox(folder)
-        self._generation = Generation(folder / "applied.json")
-        self.boot_id = uuid.uuid4().hex[:12]
-        self.connected = threading.Event()
-        self._stop = threading.Event()
+        self.outbox = Outbox(self.folder)
+        self._generation = Generation(self.folder / "applied.json")
         self._max_jobs = settings.max_queued_commands + 1  # the running one and those waiting
         self._long: queue.Queue[_Job | None] = queue.Queue(maxsize=self._max_jobs + 1)
         self._short: queue.Queue[_Job | None] = queue.Queue(maxsize=64)
@@ -94,15 +72,7 @@ class FleetAgent:
         self._info_due = threading.Event()
         self._pending_replies: list[tuple[_Reply, dict[str, Any]]] = []
         self._threads: list[threading.Thread] = []
-        self.client = make_client(
-            settings,
-            f"edgeserve-{settings.fleet}-{self.device}",
-            self.topics.state,
-            {"online": False, "device": self.device},
-        )
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = self._on_message
+        self._make_client(f"edgeserve-{settings.fleet}-{self.device}", self.topics.state)
         self._finish_interrupted()
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -130,17 +100,7 @@ class FleetAgent:
         for q in (self._long, self._short):
             with contextlib.suppress(queue.Full):
                 q.put_nowait(None)
-        if self.connected.is_set():
-            info = self.client.publish(
-                self.topics.state,
-                payload({"online": False, "device": self.device, "at": _now()}),
-                qos=1,
-                retain=True,
-            )
-            with contextlib.suppress(RuntimeError, ValueError):
-                info.wait_for_publish(2)
-        self.client.disconnect()
-        self.client.loop_stop()
+        self._goodbye(self.topics.state)
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -149,40 +109,18 @@ class FleetAgent:
         self._reported_dirty.set()
 
     # -- connection -------------------------------------------------------------------------------
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("fleet broker refused the connection: %s", reason)
-            return
+    def _on_accepted(self, client: mqtt.Client, flags: Any) -> None:
         if self.v5:  # keep the retain flag as published: a retained command is refused even when live
             client.subscribe(self.topics.cmd("+"), options=SubscribeOptions(qos=1, retainAsPublished=True))
         else:
             client.subscribe(self.topics.cmd("+"), qos=1)
         client.subscribe(self.topics.desired, qos=1)
-        self._publish(
-            self.topics.state,
-            {
-                "online": True,
-                "device": self.device,
-                "boot_id": self.boot_id,
-                "version": self.version,
-                "at": _now(),
-            },
-            retain=True,
-        )
+        self._publish(self.topics.state, self._online(), retain=True)
         self.connected.set()
         self._reported_dirty.set()
         self._last_health = None  # re-send health and info at every connect
         self._info_due.set()
         log.info("fleet broker connected (session present: %s)", getattr(flags, "session_present", "?"))
-
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        self.connected.clear()
-        if not self._stop.is_set():
-            log.warning("fleet broker connection lost (%s); reconnecting with backoff", reason)
 
     def _publish(
         self,
@@ -337,7 +275,7 @@ class FleetAgent:
             if state != last["state"]:
                 self.outbox.add(
                     self.topics.events,
-                    {"cmd_id": command.cmd_id, "state": state, "message": message, "at": _now()},
+                    {"cmd_id": command.cmd_id, "state": state, "message": message, "at": utc_now()},
                 )
             if state != last["state"] or now - float(last["at"]) >= 1.0:
                 last["at"], last["state"] = now, state
@@ -389,7 +327,7 @@ class FleetAgent:
             log.warning("fleet: a command without cmd_id or ResponseTopic was %s: %s", status,
                         safe(fields.get("error"), 400))  # fmt: skip
             return
-        body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": _now(), **fields}
+        body = {"cmd_id": cmd_id, "device": self.device, "status": status, "at": utc_now(), **fields}
         self._publish(reply.topic, body, correlation=reply.correlation)
 
     def _finish_interrupted(self) -> None:
@@ -450,7 +388,7 @@ class FleetAgent:
                 "desired_rejected": self.gate.desired_rejected,
                 "running": running,
                 "queued": self._long.qsize(),
-                "at": _now(),
+                "at": utc_now(),
             },
             retain=True,
         )
@@ -469,7 +407,7 @@ class FleetAgent:
         except Exception as exc:
             metrics = {"error": str(exc)}
         expiry = int(self.settings.metrics_interval_s * 2) + 1
-        self._publish(self.topics.metrics, {**metrics, "at": _now()}, qos=0, expiry_s=expiry)
+        self._publish(self.topics.metrics, {**metrics, "at": utc_now()}, qos=0, expiry_s=expiry)
 
     def _publish_health(self) -> None:
         try:
@@ -478,7 +416,7 @@ class FleetAgent:
             health = {"status": "failing", "checks": [f"health probe failed: {exc}"]}
         if health != self._last_health:
             self._last_health = health
-            self._publish(self.topics.health, {**health, "at": _now()}, retain=True)
+            self._publish(self.topics.health, {**health, "at": utc_now()}, retain=True)
 
     # -- small state ------------------------------------------------------------------------------
     def _agent_status(self) -> dict[str, Any]:
@@ -492,7 +430,3 @@ class FleetAgent:
             "events_dropped": self.outbox.dropped,
             "boot_id": self.boot_id,
         }
-
-
-def _now() -> str:
-    return utc(datetime.now(timezone.utc))

@@ -33,8 +33,8 @@ from typing import Any
 
 from edgeserve.fleet.gate import UNSIGNED, check_self_revocation
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, VERBS, Command, CommandError, Topics, parse_command
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_command
+from edgeserve.logs import safe
 
 log = logging.getLogger("edgeserve.fleet")
 

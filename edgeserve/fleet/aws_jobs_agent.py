@@ -18,14 +18,12 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edgeserve.config import FleetSection
+from edgeserve.fleet.agent_base import AgentBase
 from edgeserve.fleet.aws_jobs import (
     DEFAULT_STEP_TIMEOUT_MIN,
     FAILED,
@@ -42,13 +40,12 @@ from edgeserve.fleet.aws_jobs import (
     new_token,
     open_job,
 )
-from edgeserve.fleet.connection import connect, device_id, make_client, payload
+from edgeserve.fleet.connection import connect, payload
 from edgeserve.fleet.gate import command_keys
-from edgeserve.fleet.persist import RUNNING, CommandLedger
-from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, Topics, utc
-from edgeserve.fleet.safe_text import safe
-from edgeserve.fleet.services import DeviceServices, FleetCommandFailed, execute
-from edgeserve.ota.trust import TrustStore, default_trust_dir
+from edgeserve.fleet.persist import RUNNING
+from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, Topics
+from edgeserve.fleet.services import FleetCommandFailed, execute
+from edgeserve.logs import safe
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -56,28 +53,13 @@ PROGRESS_EVERY_S = 2.0  # progress within one step, at most this often (AWS thro
 INTERRUPTED = "interrupted: the device restarted while it ran; what was under way was undone"
 
 
-class JobsAgent:
-    def __init__(
-        self,
-        settings: FleetSection,
-        state_dir: Path,
-        services: DeviceServices,
-        version: str,
-        trust: TrustStore | None = None,
-    ) -> None:
-        self.settings = settings
-        self.services = services
-        self.version = version
-        self.thing = device_id(settings)
+class JobsAgent(AgentBase):
+    def _init_agent(self) -> None:
+        settings = self.settings
+        self.thing = self.device  # AWS IoT's name for it
         self.topics = JobTopics(self.thing)
         self.presence = Topics(settings.fleet, self.thing).state
-        self.keys = command_keys(settings, trust or TrustStore(default_trust_dir(state_dir), state_dir))
-        folder = state_dir / "fleet"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.ledger = CommandLedger(folder / "commands.json")
-        self.boot_id = uuid.uuid4().hex[:12]
-        self.connected = threading.Event()
-        self._stop = threading.Event()
+        self.keys = command_keys(settings, self.trust)
         self._offers: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=16)
         self._lock = threading.Lock()
         self._running: Execution | None = None
@@ -85,12 +67,7 @@ class JobsAgent:
         self._told: set[str] = set()  # executions whose final status the service took (this run)
         self._thread: threading.Thread | None = None
         self.updates = Updates(self.topics, self._publish, self.connected, self._stop)
-        self.client = make_client(
-            settings, self.thing, self.presence, {"online": False, "device": self.thing}
-        )
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = self._on_message
+        self._make_client(self.thing, self.presence)
         self._finish_interrupted()
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -113,14 +90,7 @@ class JobsAgent:
                 self._running.cancel.set()
         with contextlib.suppress(queue.Full):
             self._offers.put_nowait(None)
-        if self.connected.is_set():
-            info = self._publish(
-                self.presence, {"online": False, "device": self.thing, "at": _now()}, retain=True
-            )
-            with contextlib.suppress(RuntimeError, ValueError):
-                info.wait_for_publish(2)
-        self.client.disconnect()
-        self.client.loop_stop()
+        self._goodbye(self.presence)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -131,29 +101,16 @@ class JobsAgent:
     def _publish(self, topic: str, data: dict[str, Any], *, retain: bool = False) -> mqtt.MQTTMessageInfo:
         return self.client.publish(topic, payload(data), qos=1, retain=retain)
 
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        if reason.is_failure:
-            log.warning("fleet broker refused the connection: %s", reason)
-            return
+    def _on_accepted(self, client: mqtt.Client, flags: Any) -> None:
         for topic in self.topics.subscriptions():
             client.subscribe(topic, qos=1)
-        self._publish(self.presence, {"online": True, "device": self.thing, "boot_id": self.boot_id,
-                                      "version": self.version, "at": _now()}, retain=True)  # fmt: skip
+        self._publish(self.presence, self._online(), retain=True)
         with self._lock:
             unsent, self._unsent = self._unsent, []
         for job_id, status, status_details in unsent:  # no expectedVersion: the service has moved on since
             self._publish(self.topics.update(job_id), {"status": status, "statusDetails": status_details})
         self.connected.set()
         self._publish(self.topics.next_get, {"clientToken": new_token()})  # anything pending for us?
-
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
-    ) -> None:
-        self.connected.clear()
-        if not self._stop.is_set():
-            log.warning("fleet broker connection lost (%s); reconnecting with backoff", reason)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:  # a bad message must never stop the network loop
@@ -367,7 +324,3 @@ def _result_details(result: dict[str, Any]) -> dict[str, Any]:
 
 def _no_cancel(cmd_id: str) -> dict[str, Any]:
     raise FleetCommandFailed("a job is cancelled with AWS IoT CancelJob / CancelJobExecution, not a command")
-
-
-def _now() -> str:
-    return utc(datetime.now(timezone.utc))

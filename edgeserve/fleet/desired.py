@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from edgeserve.fleet.protocol import CommandError, check_args
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 
 MAX_GENERATION = 2**53 - 1
 

@@ -3,7 +3,7 @@
     edgeserve fleet devices
     export EDGESERVE_FLEET_KEY=/secure/keys/fleet-commands.key   # or --key on each command
     edgeserve fleet send cam-01 get_status
-    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'   # allowlist: fleet/allowlist.py
+    edgeserve fleet send cam-01 set_config '{"logging": {"level": "DEBUG"}}'  # allowlist: config_allowlist.py
     edgeserve fleet send cam-01 revoke_key '{"key_id": "<16 hex>", "role": "bundle"}'
     edgeserve fleet deploy https://repo/bundle-v8.tar --devices 'cam-*' --canary 10% --wave-size 20 \
         --pause 30 --max-failure-ratio 0.05 --sha256 <hex>
@@ -67,23 +67,22 @@ def _signing_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _percent(value: str) -> float:
-    text = value.strip().removesuffix("%")
-    try:
-        number = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a percentage (e.g. 10%)") from None
-    if not 0 <= number <= 100:
-        raise argparse.ArgumentTypeError("the canary percentage must be between 0% and 100%")
-    return number
+    return _number(value.strip().removesuffix("%"), 100, f"{value!r} is not a percentage (e.g. 10%)",
+                   "the canary percentage must be between 0% and 100%")  # fmt: skip
 
 
 def _ratio(value: str) -> float:
+    return _number(value, 1, f"{value!r} is not a number between 0 and 1",
+                   "the failure ratio must be between 0 and 1")  # fmt: skip
+
+
+def _number(text: str, most: float, not_a_number: str, out_of_range: str) -> float:
     try:
-        number = float(value)
+        number = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number between 0 and 1") from None
-    if not 0 <= number <= 1:
-        raise argparse.ArgumentTypeError("the failure ratio must be between 0 and 1")
+        raise argparse.ArgumentTypeError(not_a_number) from None
+    if not 0 <= number <= most:
+        raise argparse.ArgumentTypeError(out_of_range)
     return number
 
 
@@ -238,13 +237,18 @@ def _describe(update: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _send(args: argparse.Namespace) -> int:
+def _json_object(text: str, name: str) -> dict[str, Any]:
     try:
-        command_args = json.loads(args.args_json)
+        value = json.loads(text)
     except ValueError as exc:
-        raise _UsageError(f"ARGS_JSON is not JSON: {exc}") from None
-    if not isinstance(command_args, dict):
-        raise _UsageError("ARGS_JSON must be a JSON object")
+        raise _UsageError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _UsageError(f"{name} must be a JSON object")
+    return value
+
+
+def _send(args: argparse.Namespace) -> int:
+    command_args = _json_object(args.args_json, "ARGS_JSON")
     with _manager(args) as manager:
 
         def on_update(update: dict[str, Any]) -> None:
@@ -258,12 +262,7 @@ def _send(args: argparse.Namespace) -> int:
 
 
 def _desired(args: argparse.Namespace) -> int:
-    try:
-        state = json.loads(args.state_json)
-    except ValueError as exc:
-        raise _UsageError(f"STATE_JSON is not JSON: {exc}") from None
-    if not isinstance(state, dict):
-        raise _UsageError("STATE_JSON must be a JSON object")
+    state = _json_object(args.state_json, "STATE_JSON")
     with _manager(args) as manager:
         manager.set_desired(args.device, state)
     how = "signed" if manager.command_key else "UNSIGNED"

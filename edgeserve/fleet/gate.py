@@ -31,8 +31,8 @@ from edgeserve.fleet.protocol import (
     parse_command,
     utc,
 )
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_envelope, peek_cmd_id
+from edgeserve.logs import safe
 from edgeserve.ota.errors import BundleRefused
 from edgeserve.ota.trust import TrustStore
 

@@ -30,40 +30,26 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.fleet.protocol import FINAL, PREFIX, VERBS, CommandError, Topics, check_args, utc
-from edgeserve.fleet.records import BrokerAddress, Json, device_record, segment
+from edgeserve.fleet.records import BrokerAddress, Json, Pending, device_record, segment, timed_out
 from edgeserve.fleet.records import FleetError as FleetError  # re-exported: library users import it here
 from edgeserve.fleet.records import plan_waves as plan_waves  # re-exported: library users import it here
 from edgeserve.fleet.records import select_devices as select_devices
+from edgeserve.fleet.rollout import Rollout, send_many
 from edgeserve.fleet.signed import load_signing_key, sign_command
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-TIMEOUT = "TIMEOUT"  # synthetic status: no final answer in time (never sent by a device)
-SKIPPED = "SKIPPED"  # deploy: the device was offline when the rollout started
-NOT_ATTEMPTED = "NOT_ATTEMPTED"  # deploy: a later wave that was never sent because the rollout stopped
 RETAINED_LEAVES = ("state", "info", "health", "reported")
 WATCH_LEAVES = ("state", "health", "events", "reported")
 
 UpdateCallback = Callable[[Json], None]
-ProgressCallback = Callable[[Json], None]
 WatchCallback = Callable[[str, str, Json, bool], None]
-
-
-@dataclass
-class _Pending:
-    cmd_id: str
-    device: str
-    verb: str
-    sink: queue.Queue[tuple[str, Json]]
-    unsubscribe: str | None = None
-    updates: list[Json] = field(default_factory=list)
 
 
 def _now() -> datetime:
@@ -115,7 +101,7 @@ class FleetManager:
         self._sync_topic = f"{PREFIX}/{self.fleet}/manager/{self.client_id}/sync"
         self._lock = threading.Lock()
         self._cache: dict[str, dict[str, Json]] = {}
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._watchers: list[WatchCallback] = []
         self._suback: dict[int, threading.Event] = {}
         self._early_acks: set[int] = set()
@@ -246,7 +232,7 @@ class FleetManager:
         if result != 0 or not done.wait(timeout_s):
             raise FleetError(f"the broker did not acknowledge the subscription to {topics[0][0]}")
 
-    def _sync(self, timeout_s: float) -> bool:
+    def sync(self, timeout_s: float) -> bool:
         """Wait until every message the broker queued for us before now has arrived (a round trip through
         our own topic: the broker delivers to one session in order)."""
         if not self._ready.wait(timeout_s):
@@ -313,7 +299,7 @@ class FleetManager:
 
     def devices(self, timeout_s: float = 5.0) -> list[Json]:
         """Every device with a retained topic in the fleet, merged (see `device_record`), sorted by id."""
-        if not self._sync(timeout_s):
+        if not self.sync(timeout_s):
             raise FleetError(f"the broker did not deliver the fleet's retained topics within {timeout_s:g} s")
         return self.cached_devices()
 
@@ -338,7 +324,7 @@ class FleetManager:
         *,
         sink: queue.Queue[tuple[str, Json]] | None = None,
         cmd_id: str | None = None,
-    ) -> _Pending:
+    ) -> Pending:
         """Publish one command and return its pending record (answers go to `sink`); see `send`."""
         segment(device, "device")
         if verb not in VERBS:
@@ -351,7 +337,7 @@ class FleetManager:
         client = self._require_client()
         cmd_id = cmd_id or f"{self.client_id}-{uuid.uuid4().hex[:16]}"
         topics = Topics(self.fleet, device)
-        pending = _Pending(cmd_id, device, verb, sink or queue.Queue())
+        pending = Pending(cmd_id, device, verb, sink or queue.Queue())
         with self._lock:
             self._pending[cmd_id] = pending
         properties = None
@@ -401,7 +387,7 @@ class FleetManager:
         if info.rc != 0 or not info.is_published():
             raise FleetError(f"publish to {topic} failed or was not acknowledged (paho rc {info.rc})")
 
-    def forget(self, pending: _Pending) -> None:
+    def forget(self, pending: Pending) -> None:
         with self._lock:
             self._pending.pop(pending.cmd_id, None)
         if pending.unsubscribe and self._client is not None:
@@ -429,7 +415,7 @@ class FleetManager:
                         pending.sink.get(timeout=max(0.0, left)) if left > 0 else pending.sink.get_nowait()
                     )
                 except queue.Empty:
-                    return self._timeout(pending, timeout_s)
+                    return timed_out(pending, timeout_s)
                 pending.updates.append(body)
                 if on_update is not None:
                     on_update(body)
@@ -437,17 +423,6 @@ class FleetManager:
                     return body
         finally:
             self.forget(pending)
-
-    @staticmethod
-    def _timeout(pending: _Pending, timeout_s: float) -> Json:
-        last = pending.updates[-1] if pending.updates else None
-        return {
-            "cmd_id": pending.cmd_id,
-            "status": TIMEOUT,
-            "error": f"no final answer from {pending.device} within {timeout_s:g} s"
-            + (f" (last: {last.get('status')})" if last else " (no answer at all)"),
-            "last": last,
-        }
 
     def send_many(
         self,
@@ -457,16 +432,12 @@ class FleetManager:
         on_update: Callable[[str, Json], None] | None = None,
     ) -> dict[str, Json]:
         """The same verb to several devices at once ({device: args}) -> {device: final answer}."""
-        from edgeserve.fleet.rollout import send_many
-
         return send_many(self, targets, verb, timeout_s, on_update)
 
     # -- staged rollout -----------------------------------------------------------------------------
 
     def deploy(self, url: str, *args: Any, **kwargs: Any) -> Json:
         """Staged rollout of a bundle; the arguments and their defaults are `Rollout.run`'s."""
-        from edgeserve.fleet.rollout import Rollout
-
         return Rollout(self).run(url, *args, **kwargs)
 
     def watch(self, on_message: WatchCallback, timeout_s: float = 10.0) -> Callable[[], None]:

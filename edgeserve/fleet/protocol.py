@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from edgeserve.fleet.allowlist import refused_keys
+from edgeserve.config_allowlist import refused_keys
 
 PREFIX = "es/v1"
 VERBS = ("deploy_bundle", "rollback", "activate_model", "deactivate_model", "set_config", "restart_runtime",

@@ -1,18 +1,20 @@
 """The fleet manager's pure logic, no MQTT: the broker address, the device record merged from a device's
-retained topics, device selectors and the wave plan of a staged rollout."""
+retained topics, device selectors, the wave plan of a staged rollout, and a command in flight."""
 
 from __future__ import annotations
 
 import fnmatch
 import math
+import queue
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from edgeserve.fleet.protocol import check_segment
 
 Json = dict[str, Any]
+TIMEOUT = "TIMEOUT"  # synthetic status: no final answer in time (never sent by a device)
 
 
 class FleetError(RuntimeError):
@@ -121,3 +123,27 @@ def plan_waves(devices: list[str], canary_percent: float, wave_size: int) -> lis
         rest = rest[count:]
     waves.extend(rest[i : i + wave_size] for i in range(0, len(rest), wave_size))
     return waves
+
+
+@dataclass
+class Pending:
+    """A command in flight: its answers arrive in `sink` as (cmd_id, body)."""
+
+    cmd_id: str
+    device: str
+    verb: str
+    sink: queue.Queue[tuple[str, Json]]
+    unsubscribe: str | None = None
+    updates: list[Json] = field(default_factory=list)
+
+
+def timed_out(pending: Pending, timeout_s: float) -> Json:
+    """The synthetic final answer of a command that got none within `timeout_s`."""
+    last = pending.updates[-1] if pending.updates else None
+    return {
+        "cmd_id": pending.cmd_id,
+        "status": TIMEOUT,
+        "error": f"no final answer from {pending.device} within {timeout_s:g} s"
+        + (f" (last: {last.get('status')})" if last else " (no answer at all)"),
+        "last": last,
+    }

@@ -6,18 +6,36 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-from edgeserve.fleet.manager import NOT_ATTEMPTED, SKIPPED, ProgressCallback
 from edgeserve.fleet.protocol import FINAL, SUCCEEDED, CommandError, check_args
-from edgeserve.fleet.records import FleetError, Json, plan_waves, select_devices
+from edgeserve.fleet.records import FleetError, Json, Pending, plan_waves, select_devices, timed_out
 
-if TYPE_CHECKING:
-    from edgeserve.fleet.manager import FleetManager
+SKIPPED = "SKIPPED"  # deploy: the device was offline when the rollout started
+NOT_ATTEMPTED = "NOT_ATTEMPTED"  # deploy: a later wave that was never sent because the rollout stopped
+
+ProgressCallback = Callable[[Json], None]
+
+
+class Fleet(Protocol):
+    """What a rollout uses of the FleetManager that runs it (manager.py)."""
+
+    def devices(self, timeout_s: float = 5.0) -> list[Json]: ...
+
+    def device(self, device: str) -> Json | None: ...
+
+    def sync(self, timeout_s: float) -> bool: ...
+
+    def issue(
+        self, device: str, verb: str, args: Json | None = None, timeout_s: float = 60.0, *,
+        sink: queue.Queue[tuple[str, Json]] | None = None,
+    ) -> Pending: ...  # fmt: skip
+
+    def forget(self, pending: Pending) -> None: ...
 
 
 class Rollout:
-    def __init__(self, manager: FleetManager) -> None:
+    def __init__(self, manager: Fleet) -> None:
         self.manager = manager
 
     def run(
@@ -103,7 +121,7 @@ class Rollout:
                     }
                 )
 
-            answers = self.manager.send_many({d: args for d in wave}, "deploy_bundle", timeout_s, on_update)
+            answers = send_many(self.manager, {d: args for d in wave}, "deploy_bundle", timeout_s, on_update)
             wave_failed = [d for d in wave if answers[d].get("status") != SUCCEEDED]
             for device in wave:
                 answer = answers[device]
@@ -197,7 +215,7 @@ class Rollout:
         """Roll back the devices of the stopped wave that committed the new version: SUCCEEDED, or a
         `reported` active version that moved away from the one before the rollout (a late commit after a
         timeout). A device whose install failed kept its old version by itself and gets nothing."""
-        self.manager._sync(5.0)
+        self.manager.sync(5.0)
         committed: dict[str, Json] = {}
         skipped: dict[str, str] = {}
         for device in wave:
@@ -223,7 +241,7 @@ class Rollout:
                 }
             )
 
-        answers_rb = self.manager.send_many(committed, "rollback", timeout_s, on_update) if committed else {}
+        answers_rb = send_many(self.manager, committed, "rollback", timeout_s, on_update) if committed else {}
         devices: dict[str, Json] = {}
         for device, answer in answers_rb.items():
             devices[device] = {
@@ -240,7 +258,7 @@ class Rollout:
 
 
 def send_many(
-    manager: FleetManager,
+    manager: Fleet,
     targets: dict[str, Json],
     verb: str,
     timeout_s: float,
@@ -248,7 +266,7 @@ def send_many(
 ) -> dict[str, Json]:
     """FleetManager.send_many: issue every command at once, then collect the final answers."""
     sink: queue.Queue[tuple[str, Json]] = queue.Queue()
-    pendings: dict[str, Any] = {}
+    pendings: dict[str, Pending] = {}
     outcomes: dict[str, Json] = {}
     try:
         for device, args in targets.items():
@@ -276,7 +294,7 @@ def send_many(
                 outcomes[pending.device] = body
         for device, pending in pendings.items():
             if device not in outcomes:
-                outcomes[device] = manager._timeout(pending, timeout_s)
+                outcomes[device] = timed_out(pending, timeout_s)
                 if on_update is not None:
                     on_update(device, outcomes[device])
     finally:

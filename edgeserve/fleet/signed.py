@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, Command, CommandError, parse_command, utc
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.ota.signing import (
     SIGNATURE_BYTES,
     TrustedKey,

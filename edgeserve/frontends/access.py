@@ -9,7 +9,7 @@ In this order, for one request:
 2. Admin endpoints (load/unload, shared-memory register/unregister, log-settings updates) are refused
    to non-loopback peers while `admin_loopback_only` (the default), token or not: PERMISSION_DENIED
    (HTTP 403).
-3. Triton's restricted APIs (restricted.py): a restricted category needs its header from every peer,
+3. Triton's restricted APIs (protocol/restricted.py): a restricted category needs its header from every peer,
    loopback included (Triton: HTTP 403, gRPC UNAVAILABLE). The one exception is the supervisor's
    private control socket (a Unix socket of mode 0600: only the service's own user can open it, and
    that user can read the settings that hold the header anyway).
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from edgeserve.frontends.restricted import Restriction, grpc_restrictions, http_restrictions
 from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.restricted import Restriction, grpc_restrictions, http_restrictions
 
 if TYPE_CHECKING:
     from edgeserve.config import GrpcSection, HttpSection
@@ -210,29 +210,3 @@ def exposure_warnings(section: str, host: str, token: str, tls: bool, client_ca:
             f"(set [{section}] tls_cert and tls_key)"
         )
     return warnings
-
-
-def listener_problems(section: str, values: HttpSection | GrpcSection) -> list[tuple[str, str]]:
-    """Validation of [http]/[grpc] access settings: (field path, message) for each problem."""
-    problems: list[tuple[str, str]] = []
-    if bool(values.tls_cert) != bool(values.tls_key):
-        problems.append((f"{section}.tls_cert", "tls_cert and tls_key must be set together"))
-    if values.tls_client_ca and not values.tls_cert:
-        problems.append(
-            (f"{section}.tls_client_ca", "client certificates need TLS: set tls_cert and tls_key")
-        )
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(values, name)
-        if path is not None and not Path(path).is_file():
-            problems.append((f"{section}.{name}", f"{path} is not a readable file (a PEM file)"))
-    if values.token and (values.token != values.token.strip() or not values.token.isprintable()
-                         or " " in values.token or not values.token.isascii()):  # fmt: skip
-        problems.append(
-            (f"{section}.token", "must be printable ASCII without spaces (it travels in a header)")
-        )
-    groups_field = "restricted_api" if section == "http" else "restricted_protocol"
-    try:
-        (http_restrictions if section == "http" else grpc_restrictions)(getattr(values, groups_field))
-    except ValueError as exc:
-        problems.append((f"{section}.{groups_field}", str(exc)))
-    return problems

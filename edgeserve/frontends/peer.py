@@ -13,6 +13,7 @@ register only memory it could open itself). Sources, each one the kernel's word,
   cannot lend its owner to the client; TIME_WAIT rows (uid 0, no inode) never count.
 - Anything else (a LAN peer, ZeroMQ over tcp, gRPC on a Unix socket, a lookup that failed) has no
   known user.
+The answer, a PeerIdentity, is defined beside the shared-memory binding that it decides (shm/binding.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import pwd
 import re
 import socket
 import struct
@@ -32,63 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgeserve.frontends.shm.binding import PeerIdentity
+
 log = logging.getLogger("edgeserve.peer")
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _TCP_ESTABLISHED = 0x01
 _ZMQ_IPC_PEER = re.compile(r"localhost:([0-9]{1,10}):([0-9]{1,10}):([0-9]{1,10})")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-@dataclass(frozen=True, slots=True)
-class PeerIdentity:
-    """A client connection: how it arrived, its address and, for a local client, its user."""
-
-    transport: str  # "zmq-ipc", "zmq-tcp", "unix", "tcp"
-    address: str
-    uid: int | None = None
-    gid: int | None = None
-    pid: int | None = None
-    proc_root: Path = Path("/proc")
-
-    @property
-    def known(self) -> bool:
-        return self.uid is not None
-
-    def describe(self) -> str:
-        if self.uid is None:
-            return f"a client at {self.address or 'an unknown address'} ({self.transport}; user unknown)"
-        return f"uid {self.uid} ({self.transport})"
-
-    def groups(self) -> frozenset[int]:
-        """The groups the client acts with: its process's when it is still there and still runs as
-        that user, else the user's groups in the account database (plus the gid SO_PEERCRED gave)."""
-        if self.uid is None:
-            return frozenset()
-        found = _process_groups(self.proc_root, self.pid, self.uid) if self.pid else None
-        if found is not None:
-            return found
-        groups = {self.gid} if self.gid is not None else set()
-        try:
-            entry = pwd.getpwuid(self.uid)
-            groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
-        except (KeyError, OSError):  # a uid without an account (a container's) has only its gid
-            pass
-        return frozenset(groups)
-
-
-def _process_groups(proc_root: Path, pid: int, uid: int) -> frozenset[int] | None:
-    try:
-        text = (proc_root / str(pid) / "status").read_text()
-    except OSError:  # gone, or hidden (ProtectProc=invisible)
-        return None
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    try:
-        if int(fields["Uid"].split()[1]) != uid:  # the pid now belongs to someone else
-            return None
-        return frozenset([int(fields["Gid"].split()[1]), *(int(g) for g in fields["Groups"].split())])
-    except (KeyError, IndexError, ValueError):
-        return None
 
 
 # -- ZeroMQ ---------------------------------------------------------------------------------------

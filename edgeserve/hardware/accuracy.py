@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -23,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgeserve.fsutil import write_json_atomic
 from edgeserve.hardware import fidelity
+from edgeserve.hardware.digest_cache import DigestCache
 from edgeserve.hardware.inputs import ModelInputs
 from edgeserve.hardware.plan import GuardResult, PlanOption
 
@@ -174,29 +173,9 @@ class AccuracyGuard:
     """Callable as plan.AccuracyGuard: (artifact, option, tolerance) -> GuardResult, cached on disk."""
 
     def __init__(self, cache_dir: Path | None, samples: int = 3, seed: int = 0) -> None:
-        self.cache_dir = cache_dir
+        self.cache = DigestCache(cache_dir, "accuracy", "the accuracy check", log)
         self.samples = samples
         self.seed = seed
-
-    def _cache_file(self, digest: str) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / "accuracy" / f"{digest[:32]}.json"
-
-    def _load(self, file: Path | None) -> dict[str, Any]:
-        if file is None:
-            return {}
-        try:
-            data = json.loads(file.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _store(self, file: Path | None, entries: dict[str, Any]) -> None:
-        if file is None:
-            return
-        try:  # a full disk leaves no half-written temporary file behind (write_json_atomic)
-            write_json_atomic(file, entries)
-        except OSError as exc:
-            log.warning("cannot cache the accuracy check in %s: %s", file.parent, exc)
 
     def measure(
         self,
@@ -240,8 +219,7 @@ class AccuracyGuard:
                 "figures v3",  # entries of the old max-relative-error guard are not reused
             )
         )
-        file = self._cache_file(digest)
-        entries = self._load(file)
+        entries = self.cache.load(digest)
         cached = entries.get(key)
         figures: list[fidelity.OutputFigures] | None = None
         if isinstance(cached, dict) and isinstance(cached.get("figures"), list):
@@ -256,7 +234,7 @@ class AccuracyGuard:
                 log.warning("accuracy check of %s for %s failed: %s", path, option.label(), exc)
                 return GuardResult(False, f"could not run the check ({type(exc).__name__}: {exc})")
             entries[key] = {"figures": [f.to_dict() for f in figures], "note": note, "model": path.name}
-            self._store(file, entries)
+            self.cache.store(digest, entries)
             how = f"measured on {source}"
         error = max((f.range_error for f in figures), default=0.0)
         if note:

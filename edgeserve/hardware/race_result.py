@@ -7,13 +7,12 @@ corrupt or unwritable file only means the model is raced again: never a failed l
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fsutil import write_json_atomic
+from edgeserve.hardware.digest_cache import DigestCache
 
 log = logging.getLogger("edgeserve.hardware.race")
 
@@ -131,25 +130,10 @@ class RaceCache:
     """The race results of this box, per model file hash; every failure is logged and ignored."""
 
     def __init__(self, cache_dir: Path | None) -> None:
-        self.cache_dir = cache_dir
-
-    def _file(self, digest: str) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / "race" / f"{digest[:32]}.json"
-
-    def _entries(self, file: Path | None) -> dict[str, Any]:
-        if file is None:
-            return {}
-        try:
-            data = json.loads(file.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring the race cache %s (%s); racing again", file, exc)
-            return {}
-        return data if isinstance(data, dict) else {}
+        self.cache = DigestCache(cache_dir, "race", "the race result", log)
 
     def get(self, digest: str, key: str) -> RaceResult | None:
-        entry = self._entries(self._file(digest)).get(key)
+        entry = self.cache.load(digest).get(key)
         if not isinstance(entry, dict):
             return None
         try:
@@ -159,12 +143,8 @@ class RaceCache:
             return None
 
     def put(self, digest: str, key: str, result: RaceResult) -> None:
-        file = self._file(digest)
-        if file is None:
+        if self.cache.cache_dir is None:
             return
-        entries = self._entries(file)
+        entries = self.cache.load(digest)
         entries[key] = result.to_dict()
-        try:
-            write_json_atomic(file, entries)
-        except OSError as exc:  # a full disk costs a race at the next start, nothing more
-            log.warning("cannot cache the race result in %s: %s", file.parent, exc)
+        self.cache.store(digest, entries)

@@ -16,7 +16,8 @@ import io
 import os
 import tarfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO, cast
 
@@ -74,6 +75,19 @@ def _open_stream(path: Path, cap: int) -> tuple[BinaryIO, tarfile.TarFile]:
         raise BundleRefused("format", f"not a bundle (tar or tar.gz): {exc}") from None
 
 
+@contextmanager
+def _reading(path: Path, cap: int, corrupt: str) -> Iterator[tarfile.TarFile]:
+    """The archive as a tar stream; a cut-off or damaged one is refused as "truncated" (`corrupt`: why)."""
+    raw, tar = _open_stream(path, cap)
+    try:
+        yield tar
+    except CORRUPT as exc:
+        raise BundleRefused("truncated", f"{corrupt}: {exc}") from None
+    finally:
+        tar.close()
+        raw.close()
+
+
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
     handle = tar.extractfile(member)
     if handle is None:
@@ -83,24 +97,21 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> b
 
 def read_header(path: Path) -> tuple[bytes, bytes]:
     """(manifest.json bytes, manifest.sig bytes): the first two members, size-capped."""
-    raw, tar = _open_stream(path, MAX_MANIFEST_BYTES + 64 * 1024)
-    try:
-        members = []
-        for member in tar:
-            members.append((member, _read_member(tar, member, MAX_MANIFEST_BYTES) if member.isreg() else b""))
-            if len(members) == 2:
-                break
-    except BundleRefused as exc:
-        if exc.reason == "bomb":
-            raise BundleRefused(
-                "manifest", f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes"
-            ) from None
-        raise
-    except CORRUPT as exc:
-        raise BundleRefused("truncated", f"the bundle cannot be read: {exc}") from None
-    finally:
-        tar.close()
-        raw.close()
+    members = []
+    with _reading(path, MAX_MANIFEST_BYTES + 64 * 1024, "the bundle cannot be read") as tar:
+        try:
+            for member in tar:
+                members.append(
+                    (member, _read_member(tar, member, MAX_MANIFEST_BYTES) if member.isreg() else b"")
+                )
+                if len(members) == 2:
+                    break
+        except BundleRefused as exc:
+            if exc.reason == "bomb":
+                raise BundleRefused(
+                    "manifest", f"manifest.json is larger than {MAX_MANIFEST_BYTES} bytes"
+                ) from None
+            raise
     names = [m.name for m, _ in members]
     if len(members) < 1 or names[0] != "manifest.json" or not members[0][0].isreg():
         raise BundleRefused(
@@ -124,8 +135,7 @@ def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | Non
     dest.mkdir(parents=True, exist_ok=False)
     seen: set[str] = set()
     written = 0
-    raw, tar = _open_stream(path, cap)
-    try:
+    with _reading(path, cap, "the archive ends early or is corrupt") as tar:
         for index, member in enumerate(tar):
             if index < 2:
                 if member.name != ("manifest.json", "manifest.sig")[index]:
@@ -162,11 +172,6 @@ def extract(path: Path, manifest: Manifest, dest: Path, progress: Progress | Non
         stream = tar.fileobj
         while stream is not None and stream.read(CHUNK):
             pass
-    except CORRUPT as exc:
-        raise BundleRefused("truncated", f"the archive ends early or is corrupt: {exc}") from None
-    finally:
-        tar.close()
-        raw.close()
     missing = sorted(set(expected) - seen)
     if missing:
         raise BundleRefused(

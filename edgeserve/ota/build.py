@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import re
 import tarfile
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeserve import __version__
+from edgeserve.fsutil import sha256_file
 from edgeserve.ota.archive import add_bytes, read_header
 from edgeserve.ota.errors import BundleRefused
 from edgeserve.ota.manifest import (
@@ -44,14 +44,6 @@ def parse_expiry(value: str | None, now: datetime) -> datetime:
         )
     moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _model_files(repo: Path, model: str) -> tuple[list[Path], list[int]]:
@@ -137,10 +129,10 @@ def build_bundle(request: BuildRequest) -> dict[str, Any]:
         models[model] = versions
         for path in paths:
             member = f"models/{model}/{path.relative_to(repo / model).as_posix()}"
-            files.append({"path": member, "sha256": _sha256(path), "size": path.stat().st_size})
+            files.append({"path": member, "sha256": sha256_file(path), "size": path.stat().st_size})
             sources.append((member, path))
     for member, path in _calibration_files(request.calibration or {}, names, {m for m, _ in sources}):
-        files.append({"path": member, "sha256": _sha256(path), "size": path.stat().st_size})
+        files.append({"path": member, "sha256": sha256_file(path), "size": path.stat().st_size})
         sources.append((member, path))
     now = datetime.now(timezone.utc).replace(microsecond=0)
     manifest: dict[str, Any] = {

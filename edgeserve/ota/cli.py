@@ -7,6 +7,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,11 +211,11 @@ class _Progress:
 
 
 def _offline_installer(args: argparse.Namespace) -> Any:
-    from edgeserve.ota.activate import OfflineActivator, TrialRunner
     from edgeserve.ota.installer import Installer
     from edgeserve.ota.policy import Policy
     from edgeserve.ota.store import Store
     from edgeserve.ota.trust import trust_dir_for
+    from edgeserve.supervisor.activate import OfflineActivator, TrialRunner
     from edgeserve.supervisor.report import device_accelerators
 
     settings, state_dir, config, sources = _settings(args)
@@ -268,44 +269,47 @@ def _finish(result: dict[str, Any]) -> int:
 
 
 def _install(args: argparse.Namespace) -> int:
-    from edgeserve.ota.errors import StoreError
-    from edgeserve.ota.installer import recover
-
     state_dir, _ = _state_dir(args)
     source = args.source if "://" in args.source else str(Path(args.source).resolve())
-    result = _through_appliance(state_dir, {"op": "install", "source": source, "sha256": args.sha256})
-    if result is not None:
-        return _finish(result)
-    installer = _offline_installer(args)
-    _quiet_installer_log()
-    progress = _Progress()
-    try:
-        with installer.store.lock():
-            recover(installer.store)
-        outcome = installer.install(source, progress, sha256=args.sha256)
-    except StoreError as exc:
-        return _fail(str(exc))
-    finally:
-        progress.close()
-    return _finish(outcome.to_dict())
+    return _apply(
+        args,
+        state_dir,
+        {"op": "install", "source": source, "sha256": args.sha256},
+        lambda installer, progress: installer.install(source, progress, sha256=args.sha256),
+    )
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from edgeserve.ota.errors import StoreError
-
     state_dir, _ = _state_dir(args)
-    result = _through_appliance(state_dir, {"op": "rollback", "to": args.to_version})
+    return _apply(
+        args,
+        state_dir,
+        {"op": "rollback", "to": args.to_version},
+        lambda installer, progress: installer.rollback(args.to_version, progress),
+    )
+
+
+def _apply(
+    args: argparse.Namespace,
+    state_dir: Path,
+    request: dict[str, Any],
+    offline: Callable[[Any, _Progress], Any],
+) -> int:
+    """Through the running appliance when there is one; else here, after finishing an interrupted
+    install, with `offline(installer, progress)`."""
+    result = _through_appliance(state_dir, request)
     if result is not None:
         return _finish(result)
+    from edgeserve.ota.errors import StoreError
     from edgeserve.ota.installer import recover
 
-    progress = _Progress()
     _quiet_installer_log()
+    progress = _Progress()
     try:
         installer = _offline_installer(args)
         with installer.store.lock():
             recover(installer.store)
-        outcome = installer.rollback(args.to_version, progress)
+        outcome = offline(installer, progress)
     except StoreError as exc:
         return _fail(str(exc))
     finally:

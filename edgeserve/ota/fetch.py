@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from edgeserve.fsutil import sha256_file
 from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused
 from edgeserve.ota.policy import Policy, check_disk
@@ -31,14 +32,6 @@ def download_name(source: str) -> str | None:
     return hashlib.sha256(source.encode()).hexdigest()[:24] + ".esb" if is_url(source) else None
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch(store: Store, source: str, report: Report, *, sha256: str | None, cancel: threading.Event | None,
           policy: Policy, url_policy: UrlPolicy | None) -> Path:  # fmt: skip
     """The bundle file for `source`; BundleRefused (reason "url", "disk", "hash", "size", "download")
@@ -54,7 +47,7 @@ def fetch(store: Store, source: str, report: Report, *, sha256: str | None, canc
         path = Path(source.removeprefix("file://"))
         if not path.is_file():
             raise BundleRefused("download", f"no bundle file at {path}")
-        if sha256 is not None and sha256_of(path) != sha256.lower():
+        if sha256 is not None and sha256_file(path) != sha256.lower():
             raise BundleRefused("hash", f"{path} does not have the expected sha256")
         report(DOWNLOADING, 1.0, f"{path} ({path.stat().st_size} bytes)")
         return path

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused, StoreError
 from edgeserve.ota.fetch import download_name, fetch

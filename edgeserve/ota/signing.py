@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgeserve.logs import safe
 from edgeserve.ota.errors import BundleRefused
 
 if TYPE_CHECKING:
@@ -130,8 +131,6 @@ def key_folder(trust_dir: Path) -> Path:
 def trusted_keys(folder: Path, role: str = "bundle") -> dict[str, TrustedKey]:
     """Every valid `*.pub` in `folder` (several: key rotation). A file that is not exactly one PEM
     Ed25519 public key is skipped with a warning."""
-    from edgeserve.fleet.safe_text import safe
-
     keys: dict[str, TrustedKey] = {}
     if not folder.is_dir():
         return keys
@@ -155,8 +154,6 @@ def verify(
     """The trusted key whose signature over the exact manifest bytes holds; refuses otherwise.
     `revoked`: key id -> why it is no longer trusted (refused even while its file is still there)."""
     from cryptography.exceptions import InvalidSignature
-
-    from edgeserve.fleet.safe_text import safe
 
     if len(signature) != SIGNATURE_BYTES:
         raise BundleRefused(

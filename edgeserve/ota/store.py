@@ -52,15 +52,6 @@ class Version:
         return f"{self.name} v{self.version}"
 
 
-def active_models(state_dir: Path) -> Path | None:
-    """The models folder of the active bundle (resolved now: a later switch is seen by the next call)."""
-    link = state_dir / "ota" / "current"
-    if not link.is_symlink():
-        return None
-    models = link.resolve() / "models"
-    return models if models.is_dir() else None
-
-
 # A download and what download.py writes beside it while it arrives.
 DOWNLOAD_SUFFIXES = ("", ".part", ".part.meta", ".part.meta.tmp")
 

@@ -73,6 +73,19 @@ class InferenceError(Exception):
         return f"InferenceError({self.status.value}, {self.message!r})"
 
 
+class RepositoryError(InferenceError):
+    """A model folder or model config that cannot serve: `<file>: <field>: <what is wrong>`;
+    INVALID_ARG unless a status is given. Raised wherever a config is read (backends, the sequence
+    batcher, ensembles, the repository)."""
+
+    def __init__(self, where: str, field: str, problem: str, status: Status = Status.INVALID_ARG) -> None:
+        message = f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
+        super().__init__(status, message)
+        self.where = where
+        self.field = field
+        self.problem = problem
+
+
 def invalid_arg(message: str) -> InferenceError:
     return InferenceError(Status.INVALID_ARG, message)
 

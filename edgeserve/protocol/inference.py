@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from edgeserve.frontends.shm.binding import ShmClient
-
 ParamValue = bool | int | float | str
+
+
+class RegionNamer(Protocol):
+    """Who names the shared-memory regions of a request (frontends.shm.binding.ShmClient): regions
+    are found by the principal that registered them and the socket (`owner`) it used."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def principal(self) -> str: ...
+
 
 # Request timeouts longer than this (~12.7 days) mean "no deadline" in practice; they are clamped to
 # it so that a client's UINT64_MAX never overflows a clock or a wait (threading's limit is ~292 years
@@ -70,7 +79,7 @@ class InferRequest:
     priority: int = 0  # 0 = the model's default level, 1 = highest
     timeout_us: int = 0  # 0 = the model's queue policy default
     arrival_ns: int = field(default_factory=time.monotonic_ns)
-    shm_client: ShmClient | None = None  # who names its shm regions (None: in-process); set by frontends
+    shm_client: RegionNamer | None = None  # who names its shm regions (None: in-process); set by frontends
 
 
 @dataclass(slots=True)

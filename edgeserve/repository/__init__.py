@@ -1,5 +1,5 @@
-"""Model repository: Triton layout, config.pbtxt parsing + auto-complete, version policy, lifecycle."""
+"""Model repository: Triton layout, config.pbtxt validation + auto-complete, version policy, lifecycle."""
 
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError
 
 __all__ = ["RepositoryError"]

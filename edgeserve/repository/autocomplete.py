@@ -17,8 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.backends.base import ModelIO, TensorSpec
 from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import RepositoryError
 from edgeserve.repository.config import type_name
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.scheduling.sequence_config import server_inputs
 
 # One instance per model on this appliance. Triton defaults to 2 for ONNX Runtime on CPU; on a

@@ -14,9 +14,9 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -36,13 +36,35 @@ from edgeserve.repository.residency import (
 )
 
 if TYPE_CHECKING:
-    from edgeserve.repository.manager import ModelRepository
     from edgeserve.repository.served import PreparedVersion, ServedModel
 
 log = logging.getLogger("edgeserve.repository.budget")
 
 T = TypeVar("T")
 UNLOADED, UNAVAILABLE = "unloaded", "UNAVAILABLE"
+
+
+class Repository(Protocol):
+    """What the budget uses of the ModelRepository that holds it (manager.py): its settings and
+    selector, its models and served versions (read only), and its drained load and unload paths."""
+
+    settings: Any
+    selector: Any
+    _closing: bool
+
+    @property
+    def _models(self) -> Mapping[str, Any]: ...  # name -> the model's lock, states, `wanted`
+
+    @property
+    def _served(self) -> Mapping[str, Mapping[int, ServedModel]]: ...
+
+    def folders(self) -> dict[str, Path]: ...
+
+    def is_ready(self, name: str, version: str = "") -> bool: ...
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
 
 
 def budget_from(settings: Any, selector: Any) -> tuple[int | None, str]:
@@ -77,7 +99,7 @@ def effective_cpus(selector: Any) -> int:
 
 
 class MemoryBudget:
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self, repository: Repository) -> None:
         self.repo = repository
         self.residency = Residency(*budget_from(repository.settings, repository.selector))
         self.load_wait_s = float(

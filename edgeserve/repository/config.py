@@ -1,4 +1,4 @@
-"""config.pbtxt / load-API JSON -> `ModelConfig` (Triton's own generated class), and its validation.
+"""A model's config (`ModelConfig`, Triton's own generated class) and its validation.
 
 Every error names the file, the field and what is wrong, e.g.
 `models/foo/config.pbtxt: dynamic_batching.preferred_batch_size: 16 exceeds max_batch_size 8`.
@@ -10,62 +10,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from edgeserve.protocol.errors import Status
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError, Status
+
+# Parsing lives in protocol/model_config.py (backends/ and server/ read configs too); importers keep
+# using these names here.
+from edgeserve.protocol.model_config import ModelConfig as ModelConfig
+from edgeserve.protocol.model_config import parse_json as parse_json
+from edgeserve.protocol.model_config import parse_override as parse_override
+from edgeserve.protocol.model_config import parse_pbtxt as parse_pbtxt
+from edgeserve.protocol.model_config import parse_text as parse_text
+from edgeserve.protocol.model_config import to_json as to_json
+from edgeserve.protocol.model_config import type_name as type_name
 from edgeserve.repository.layout import WARMUP_DIR
-
-ModelConfig = mc.ModelConfig
-
-
-def parse_pbtxt(path: Path) -> Any:
-    """Parse a config.pbtxt; a syntax error or unknown field names the file, line and field."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RepositoryError(str(path), "", f"cannot read: {exc}") from None
-    return parse_text(text, str(path))
-
-
-def parse_text(text: str, where: str) -> Any:
-    """Parse protobuf text format (the config.pbtxt syntax)."""
-    config = mc.ModelConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        raise RepositoryError(where, "", f"not a valid model config: {exc}") from None
-    return config
-
-
-def parse_json(text: str, where: str) -> Any:
-    """Parse Triton model-config JSON (the load API's `config` parameter)."""
-    config = mc.ModelConfig()
-    try:
-        json_format.Parse(text, config)
-    except json_format.ParseError as exc:
-        raise RepositoryError(where, "", f"not a valid model config: {exc}") from None
-    return config
-
-
-def parse_override(text: str, where: str) -> Any:
-    """The load API's `config`: Triton's JSON, or config.pbtxt text (what `edgeserve models load
-    --config-file` sends)."""
-    return parse_json(text, where) if text.lstrip().startswith("{") else parse_text(text, where)
-
-
-def to_json(config: Any) -> str:
-    text: str = json_format.MessageToJson(config, preserving_proto_field_name=True)
-    return text
-
-
-def type_name(data_type: int) -> str:
-    try:
-        name: str = mc.DataType.Name(data_type)
-        return name
-    except ValueError:
-        return str(data_type)
+from edgeserve.server.ensemble_graph import check_shape
 
 
 def _dims_ok(dims: Iterable[int]) -> bool:
@@ -144,9 +103,7 @@ def _check_scheduling(check: _Checker, config: Any) -> None:
         check_sequence(config, check.where)
         return
     if choice == "ensemble_scheduling" or config.platform == "ensemble":
-        from edgeserve.server.ensemble_graph import check_shape  # its steps are checked when they load
-
-        check_shape(config, check.where)
+        check_shape(config, check.where)  # its steps are checked when they load
     if choice != "dynamic_batching":
         return
     batching = config.dynamic_batching

@@ -1,15 +1,20 @@
 """The Triton repository layout: `<repo>/<model>/[config.pbtxt] [labels…] <version>/<model file>`.
 
 Version folders are numeric; names that are not, or that start with "0", are ignored (as Triton
-does). Hidden folders (`.cache`, `.git`) are not models.
+does). Hidden folders (`.cache`, `.git`) are not models. Models come from the model repository, then
+from the active OTA bundle's `models/` folder.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError
+
+if TYPE_CHECKING:
+    from edgeserve.config import Settings
 
 CONFIG_FILE = "config.pbtxt"
 WARMUP_DIR = "warmup"  # model_warmup input_data_file lives in <model>/warmup/ (Triton)
@@ -43,6 +48,27 @@ def list_models(root: Path) -> list[str]:
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def active_models(state_dir: Path) -> Path | None:
+    """The models folder of the active OTA bundle (resolved now: a later switch is seen by the next
+    call). `<state_dir>/ota/current` is the bundle store's link (ota/store.py)."""
+    link = state_dir / "ota" / "current"
+    if not link.is_symlink():
+        return None
+    models = link.resolve() / "models"
+    return models if models.is_dir() else None
+
+
+def repository_problem(settings: Settings) -> str | None:
+    """Why the model repository cannot be served, or None (checked before anything starts)."""
+    repository = settings.server.model_repository
+    if repository.is_dir() or active_models(settings.server.state_dir) is not None:
+        return None
+    return (
+        f"model repository {repository} is not a folder; set --model-repository or "
+        "[server] model_repository (run `edgeserve samples` for the sample models)"
+    )
 
 
 def version_dirs(model_dir: Path) -> dict[int, Path]:

@@ -19,19 +19,24 @@ from typing import TYPE_CHECKING, Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.config import Settings
-from edgeserve.ota.store import active_models
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
 from edgeserve.repository import ensembles, origin, overrides
 from edgeserve.repository.budget import MemoryBudget
 from edgeserve.repository.config import parse_override, parse_pbtxt
-from edgeserve.repository.layout import CONFIG_FILE, check_model_name, list_models, version_dirs
+from edgeserve.repository.layout import (
+    CONFIG_FILE,
+    active_models,
+    check_model_name,
+    list_models,
+    version_dirs,
+)
 from edgeserve.repository.selection import BackendSelector, DefaultSelector
 from edgeserve.repository.served import ServedModel, build_served, close_instances, prepare_version
 from edgeserve.repository.versions import describe, select_versions
 from edgeserve.server.ensemble_graph import is_ensemble
 
 if TYPE_CHECKING:
-    from edgeserve.server.dataplane import RepositoryLike, ServedModelLike
+    from edgeserve.server.contracts import RepositoryLike, ServedModelLike
 
 log = logging.getLogger("edgeserve.repository")
 

@@ -26,8 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.backends.base import PLATFORM_BACKEND
-from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository.layout import DEFAULT_FILENAMES, WARMUP_DIR, override_path
 from edgeserve.repository.onnx_refs import NotOnnx, external_locations
 

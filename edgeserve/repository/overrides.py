@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError
 from edgeserve.repository.layout import override_path
 
 log = logging.getLogger("edgeserve.repository")

@@ -26,9 +26,8 @@ from edgeserve.backends.base import (
     get_backend,
 )
 from edgeserve.config import Settings
-from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository.autocomplete import instance_count
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.repository.layout import find_artifact
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from edgeserve.backends.base import Instance, ModelIO, get_backend
+from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.repository import autocomplete, warmup
 from edgeserve.repository.config import validate
@@ -22,7 +23,7 @@ from edgeserve.repository.selection import BackendChoice, BackendSelector
 if TYPE_CHECKING:
     from edgeserve.scheduling.scheduler import Scheduler
     from edgeserve.scheduling.stats import ModelStats
-    from edgeserve.server.dataplane import SchedulerLike
+    from edgeserve.server.contracts import SchedulerLike
 
 log = logging.getLogger("edgeserve.repository")
 
@@ -167,8 +168,6 @@ def prepare_version(
 
 def hang_timeout_s(config: Any, where: str) -> float:
     """The model config's `parameters { key: "hang_timeout_s" }`, else the scheduler's default."""
-    from edgeserve.scheduling.scheduler import DEFAULT_HANG_TIMEOUT_S
-
     if "hang_timeout_s" not in config.parameters:
         return DEFAULT_HANG_TIMEOUT_S
     text = config.parameters["hang_timeout_s"].string_value

@@ -17,8 +17,8 @@ import numpy as np
 
 from edgeserve.backends.base import Array, Instance
 from edgeserve.protocol import datatypes
+from edgeserve.protocol.errors import RepositoryError
 from edgeserve.repository.config import type_name
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.repository.layout import WARMUP_DIR
 
 log = logging.getLogger("edgeserve.repository")

@@ -31,13 +31,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.scheduler")
 
 _NS_PER_S = 1_000_000_000
-# A batch running longer than this marks its instance hung (answered, replaced). Model config
-# parameter `hang_timeout_s` overrides it per model (see repository/served.py).
-DEFAULT_HANG_TIMEOUT_S = 30.0
 WATCHDOG_INTERVAL_S = 0.05
 HUNG_MESSAGE = "instance {index} did not answer in {seconds:g} s; it is being replaced"
 
 InstanceFactory = Callable[[], "Instance"]
+
+
+def load_replacement(
+    factory: InstanceFactory, model: str, version: int, index: int, logger: logging.Logger
+) -> Instance | None:
+    """A fresh instance for the hung one at `index`; None (and the traceback logged) when loading fails."""
+    try:
+        return factory()
+    except Exception:
+        logger.exception("%s version %d: loading a replacement for instance %d failed", model, version, index)
+        return None
 
 
 class _Watchdog:
@@ -149,13 +157,9 @@ class HangWatch:
 
     def _replace(self, index: int) -> None:
         """Load a fresh instance for the hung one at `index` and start its worker."""
-        instance: Instance | None = None
+        instance = None
         if self._factory is not None:
-            try:
-                instance = self._factory()
-            except Exception:
-                log.exception("%s version %d: loading a replacement for instance %d failed",
-                              self.model_name, self.version, index)  # fmt: skip
+            instance = load_replacement(self._factory, self.model_name, self.version, index, log)
         with self._lock:
             self._replacing.discard(index)
             if instance is None or self._closed or self._stopping:

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeserve.backends.base import RequestInfo
+from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.scheduling.hangs import _WATCHDOG, DEFAULT_HANG_TIMEOUT_S, HangWatch, InstanceFactory
+from edgeserve.scheduling.hangs import _WATCHDOG, HangWatch, InstanceFactory
 from edgeserve.scheduling.inline import INLINE_WINDOW_MAX_NS, InlineRuns
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
 from edgeserve.scheduling.queue import (
@@ -47,6 +48,7 @@ from edgeserve.scheduling.queue import (
     JobQueue,
 )
 from edgeserve.scheduling.stats import JobTiming, ModelStats
+from edgeserve.scheduling.versioned import ModelVersionScheduler
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -69,19 +71,13 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class Scheduler(InlineRuns, HangWatch):
+class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
     def __init__(self, model_name: str, version: int, config: ModelConfig, instances: list[Instance],
                  stats: ModelStats, *, hard_queue_cap: int = DEFAULT_HARD_QUEUE_CAP,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  instance_factory: InstanceFactory | None = None,
                  max_queue_wait_s: float = MAX_QUEUE_WAIT_S) -> None:  # fmt: skip
-        if not instances:
-            raise InferenceError(Status.INTERNAL, f"model '{model_name}' version {version} has no instances")
-        self.model_name = model_name
-        self.version = int(version)
-        self.config = config
-        self.stats = stats
-        self._instances = list(instances)
+        self._init_version(model_name, version, config, instances, stats)
         self._queue = JobQueue.from_config(config, hard_queue_cap)
         self._batching = bool(config.HasField("dynamic_batching") and config.max_batch_size > 0)
         self._max_rows = int(config.max_batch_size) if self._batching else 0
@@ -474,10 +470,6 @@ class Scheduler(InlineRuns, HangWatch):
         self.job_cost_ewma_ns = ewma
         if ewma > 0 and self._max_wait_ns > 0:
             self._soft_cap = max(self._cap_floor, self._max_wait_ns * len(self._instances) // ewma)
-
-    @property
-    def instance_count(self) -> int:
-        return len(self._instances)
 
     @property
     def soft_queue_cap(self) -> int:

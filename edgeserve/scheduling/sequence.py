@@ -31,12 +31,14 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec, parse, sequence_flags
 from edgeserve.scheduling.sequence_life import Batch, InstanceFactory, SequenceLifecycle
 from edgeserve.scheduling.sequence_run import Row, Sequence, Step, run_batch
 from edgeserve.scheduling.stats import JobTiming, ModelStats
+from edgeserve.scheduling.versioned import ModelVersionScheduler
 
 if TYPE_CHECKING:
     from edgeserve.backends.base import Instance
@@ -46,14 +48,13 @@ log = logging.getLogger("edgeserve.sequence")
 MAX_STEPS_PER_SEQUENCE = 64
 BACKLOG_FACTOR = 4  # backlog bound: this many sequences per place (at least MIN_BACKLOG)
 MIN_BACKLOG = 64
-DEFAULT_HANG_TIMEOUT_S = 30.0  # as the stateless scheduler's; model parameter `hang_timeout_s`
 
 
 def _shape_key(job: Job) -> tuple[Any, ...]:
     return tuple(sorted((name, a.dtype.str, a.shape) for name, a in job.inputs.items()))
 
 
-class SequenceBatcher(SequenceLifecycle):
+class SequenceBatcher(ModelVersionScheduler, SequenceLifecycle):
     """A model version's scheduler when its config has `sequence_batching` (the data plane's
     SchedulerLike, plus the lifecycle the repository uses: start, drain, close)."""
 
@@ -61,14 +62,8 @@ class SequenceBatcher(SequenceLifecycle):
                  stats: ModelStats, *, model_dir: Path | None = None, max_backlog: int = 0,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  instance_factory: InstanceFactory | None = None) -> None:  # fmt: skip
-        if not instances:
-            raise InferenceError(Status.INTERNAL, f"model '{model_name}' version {version} has no instances")
-        self.model_name = model_name
-        self.version = int(version)
-        self.config = config
-        self.stats = stats
+        self._init_version(model_name, version, config, instances, stats)
         self.spec: SequenceSpec = parse(config, f"model '{model_name}'", model_dir)
-        self._instances = list(instances)
         rows = self.spec.max_rows
         self._slots: list[list[Sequence | None]] = [[None] * rows for _ in instances]
         self._places = self.spec.max_candidates or rows * len(instances)  # Oldest
@@ -90,10 +85,6 @@ class SequenceBatcher(SequenceLifecycle):
     @property
     def batching(self) -> bool:
         return self.spec.batching
-
-    @property
-    def instance_count(self) -> int:
-        return len(self._instances)
 
     @property
     def soft_queue_cap(self) -> int:

@@ -20,8 +20,7 @@ import numpy.typing as npt
 from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.protocol import datatypes
-from edgeserve.protocol.errors import InferenceError, Status
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 
 Array = npt.NDArray[Any]
 SequenceKey = tuple[str, int | str]  # ("u", 42) or ("s", "abc"): numeric and string IDs never mix

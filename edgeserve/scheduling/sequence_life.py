@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.scheduling.hangs import load_replacement
 from edgeserve.scheduling.job import Arrays, Job, answer
 from edgeserve.scheduling.sequence_config import SequenceKey, SequenceSpec
 from edgeserve.scheduling.sequence_run import Sequence, Step
@@ -181,12 +182,7 @@ class SequenceLifecycle:
     def _replace(self, index: int) -> None:
         """Load a fresh instance for the hung one at `index` and start its worker."""
         assert self._factory is not None
-        instance: Instance | None = None
-        try:
-            instance = self._factory()
-        except Exception:
-            log.exception("%s version %d: loading a replacement for instance %d failed",
-                          self.model_name, self.version, index)  # fmt: skip
+        instance = load_replacement(self._factory, self.model_name, self.version, index, log)
         with self._lock:
             keep = instance is not None and not self._closed and not self._stopping
             if keep and instance is not None:

@@ -13,25 +13,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from edgeserve import __version__
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
-from edgeserve.protocol.inference import InferRequest, InferResponse, OutputTensor
+from edgeserve.protocol.inference import InferRequest, InferResponse
 from edgeserve.scheduling.cache import ResponseCache
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job
 from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE
 from edgeserve.server import validation
+from edgeserve.server.contracts import RepositoryLike, ServedModelLike
 from edgeserve.server.logsettings import LogSettings
+from edgeserve.server.outputs import ResponseAssembler
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
 
-    from edgeserve.backends.base import ModelIO
-    from edgeserve.scheduling.stats import ModelStats
 
 log = logging.getLogger("edgeserve.dataplane")
 
@@ -102,39 +101,6 @@ MAX_AUTO_INFLIGHT = 4096
 _AUTO_REFRESH_NS = 250_000_000
 
 
-class SchedulerLike(Protocol):
-    def submit(self, job: Job) -> None: ...
-    def try_run_inline(self, job: Job, max_compute_ns: int) -> bool: ...
-
-
-class ServedModelLike(Protocol):
-    """One ready version of a model, as the repository hands it out."""
-
-    name: str
-    version: int
-    config: ModelConfig
-    io: ModelIO
-    model_dir: Path
-    platform: str
-    backend_name: str
-    scheduler: SchedulerLike
-    stats: ModelStats
-
-
-class RepositoryLike(Protocol):
-    def get(self, name: str, version: str = "") -> ServedModelLike: ...
-    def ready_versions(self, name: str) -> list[ServedModelLike]: ...
-    def is_ready(self, name: str, version: str = "") -> bool: ...
-    def all_ready(self) -> bool: ...
-    def config(self, name: str, version: str = "") -> ModelConfig: ...
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]: ...
-    def served(self) -> list[ServedModelLike]: ...
-    async def load(
-        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
-    ) -> None: ...
-    async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
-
-
 class DataPlane:
     def __init__(
         self,
@@ -158,7 +124,7 @@ class DataPlane:
         self.model_control_mode = model_control_mode
         self.live_flag = True
         self.shutting_down = False
-        self._labels: dict[tuple[str, str], list[str] | None] = {}
+        self._outputs = ResponseAssembler()
         self._touch: Callable[[str], None] | None = getattr(repository, "touch", None)  # LRU residency
         self._log_settings = LogSettings()
 
@@ -387,7 +353,7 @@ class DataPlane:
                     error = result if isinstance(result, InferenceError) else internal(str(result))
                     on_done(error)
                 else:
-                    on_done(self._response(request, model, result, output_names, output_leases))
+                    on_done(self._outputs.response(request, model, result, output_names, output_leases))
             except InferenceError as exc:
                 on_done(exc)
             except Exception as exc:
@@ -470,61 +436,6 @@ class DataPlane:
 
         return answer
 
-    def _response(
-        self,
-        request: InferRequest,
-        served: ServedModelLike,
-        outputs: Arrays,
-        names: list[str],
-        output_leases: dict[str, ShmLease],
-    ) -> InferResponse:
-        specs = validation.compiled(served.config).output_specs
-        requested = {o.name: o for o in request.outputs} if request.outputs else {}
-        response = InferResponse(
-            model_name=served.name,
-            model_version=str(served.version),
-            id=request.id,
-        )
-        for name in names:
-            if name not in outputs:
-                raise internal(f"model '{served.name}' did not produce output '{name}'")
-            array = outputs[name]
-            spec = specs[name]
-            datatype = spec.datatype
-            if spec.dtype is not None and array.dtype != spec.dtype:
-                array = array.astype(spec.dtype)
-            wanted = requested.get(name)
-            if wanted is not None and wanted.classification > 0:
-                labels = self._labels_for(served, spec.label_filename)
-                batched = served.config.max_batch_size > 0
-                array = validation.classify(array, wanted.classification, labels, batched)
-                datatype = "BYTES"
-            if wanted is not None and wanted.shm is not None:
-                _write_shm(name, array, datatype, output_leases[name])
-                response.outputs.append(
-                    OutputTensor(name, datatype, tuple(array.shape), None, shm=wanted.shm)
-                )
-            else:
-                response.outputs.append(OutputTensor(name, datatype, tuple(array.shape), array))
-        return response
-
-    def _labels_for(self, served: ServedModelLike, filename: str) -> list[str] | None:
-        if not filename:
-            return None
-        # Keyed by folder: a reload from a new folder (a new bundle) reads its own labels. Bounded:
-        # months of reloads must not grow it.
-        key = (str(served.model_dir), filename)
-        if key not in self._labels:
-            if len(self._labels) >= 256:
-                self._labels.clear()
-            path = served.model_dir / filename
-            try:
-                self._labels[key] = path.read_text(encoding="utf-8").splitlines()
-            except OSError:
-                log.warning("label file %s of model %s is unreadable", path, served.name)
-                self._labels[key] = None
-        return self._labels[key]
-
     def log_settings(self, updates: dict[str, Any] | None = None) -> dict[str, Any]:
         """Triton's log settings; `updates` (all or nothing) change the real logging levels/format."""
         if updates:
@@ -564,15 +475,3 @@ class DataPlane:
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_control()
         await self.repository.unload(name, unload_dependents)
-
-
-def _write_shm(name: str, array: Any, datatype: str, lease: ShmLease) -> None:
-    payload = datatypes.to_wire_bytes(array, datatype)
-    size = memoryview(payload).nbytes
-    capacity = lease.nbytes
-    if size > capacity:
-        raise invalid_arg(
-            f"shared memory size specified with the request for output '{name}' ({capacity} bytes) "
-            f"should be at least {size} bytes to hold the results"
-        )
-    lease.write(payload, f"output '{name}'")

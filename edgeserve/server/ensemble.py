@@ -39,7 +39,7 @@ from edgeserve.server.ensemble_graph import EnsemblePlan, Step
 from edgeserve.server.ensemble_steps import Gather, chunks_of, datatype_of, empty_outputs
 
 if TYPE_CHECKING:
-    from edgeserve.server.dataplane import ServedModelLike
+    from edgeserve.server.contracts import ServedModelLike
 
 log = logging.getLogger("edgeserve.ensemble")
 

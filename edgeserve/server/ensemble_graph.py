@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from edgeserve.protocol.errors import Status
-from edgeserve.repository.config import type_name
-from edgeserve.repository.errors import RepositoryError
+from edgeserve.protocol.errors import RepositoryError, Status
+from edgeserve.protocol.model_config import type_name
 
 ENSEMBLE_PLATFORM = "ensemble"
 

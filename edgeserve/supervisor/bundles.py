@@ -48,8 +48,8 @@ class BundleKeeper:
         return f"bundle install {done}" if done else None
 
     def make_installer(self, settings: Settings, config_path: Path | None) -> Installer:
-        from edgeserve.ota.activate import LiveActivator, TrialRunner
         from edgeserve.repository.layout import list_models
+        from edgeserve.supervisor.activate import LiveActivator, TrialRunner
 
         repository = settings.server.model_repository
         ota = settings.ota

@@ -4,24 +4,52 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from edgeserve import __version__
-from edgeserve.config import ConfigError, load_settings_with_sources
-from edgeserve.fleet.allowlist import only_allowed, refused_keys
+from edgeserve.config import ConfigError, Settings, load_settings_with_sources
+from edgeserve.config_allowlist import only_allowed, refused_keys
 from edgeserve.fleet.services import FleetCommandFailed, Report
 from edgeserve.fsutil import write_text_atomic
 from edgeserve.ota.errors import BundleRefused, StoreError
+from edgeserve.ota.installer import Installer, Outcome
+from edgeserve.ota.store import Store
 from edgeserve.settings_tools import OVERLAY, load_layered_with_overlay, restart_fields, toml_text
-from edgeserve.supervisor.control import ServerControl, ServerUnreachable
+from edgeserve.supervisor.child import ServerProcess
+from edgeserve.supervisor.control import ServerControl, ServerUnreachable, ServerView
 
-if TYPE_CHECKING:
-    from edgeserve.supervisor.supervisor import Supervisor
+
+class Appliance(Protocol):
+    """All the fleet agent reaches of the device: the Supervisor (supervisor.py) that starts it."""
+
+    settings: Settings
+    state_dir: Path
+    config_path: Path | None
+    cli_overrides: dict[str, dict[str, Any]]
+    store: Store
+    control: ServerControl
+    child: ServerProcess | None
+    view: ServerView | None
+    server_ready: bool
+    backends: dict[str, str]
+    restarts: int
+    last_error: str
+
+    def make_installer(self) -> Installer: ...
+
+    def on_install(self, outcome: Outcome) -> None: ...
+
+    def call_in_loop(self, fn: Callable[[], Any], timeout_s: float) -> Any: ...
+
+    def reload(self) -> None: ...
+
+    def restart_gracefully(self, reason: str, with_backoff: bool) -> None: ...
 
 
 class SupervisorServices:
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Appliance) -> None:
         self.sup = supervisor
         self._stats: dict[str, tuple[float, int, int, int]] = {}  # model -> (t, count, queue_ns, compute_ns)
 

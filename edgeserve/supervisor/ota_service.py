@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store

@@ -30,6 +30,20 @@ def available() -> str | None:
     return None
 
 
+def _find_appsink(pipeline: Any, gst: Any) -> Any:
+    """The pipeline's appsink, or None (a Gst.Iterator is walked by hand: it is not a Python iterable)."""
+    elements = pipeline.iterate_elements()
+    while True:
+        result, element = elements.next()
+        if result == gst.IteratorResult.RESYNC:
+            elements.resync()
+            continue
+        if result != gst.IteratorResult.OK:
+            return None
+        if element.get_factory().get_name() == "appsink":
+            return element
+
+
 def gst_frames(
     description: str, stopping: threading.Event, read_timeout: float
 ) -> Iterator[tuple[npt.NDArray[np.uint8], float | None]]:
@@ -44,9 +58,7 @@ def gst_frames(
 
     Gst.init(None)
     pipeline: Any = Gst.parse_launch(description)
-    sink: Any = next(
-        (e for e in pipeline.iterate_elements() if e.get_factory().get_name() == "appsink"), None
-    )
+    sink: Any = _find_appsink(pipeline, Gst)
     if sink is None:
         raise ValueError("the GStreamer pipeline has no appsink")
     sink.set_property("caps", Gst.Caps.from_string("video/x-raw,format=RGB"))

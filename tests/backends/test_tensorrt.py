@@ -12,9 +12,9 @@ import pytest
 from onnx_models import build_conv_dynamic_hw, build_mlp
 from tritonclient.grpc import model_config_pb2 as mc
 
+from edgeserve.backends import trt_engine as te
 from edgeserve.backends.base import BackendOptions
 from edgeserve.backends.tensorrt import BACKEND, TensorRTBackend
-from edgeserve.hardware import trt_engine as te
 from edgeserve.protocol.errors import InferenceError
 from edgeserve.repository.config import parse_text
 

@@ -36,12 +36,13 @@ model_warmup [
 """
 
 
-def build_cnn(path: Path, seed: int = 7) -> Path:
+def build_cnn(path: Path, seed: int = 7, opset: int = 17) -> Path:
     rng = np.random.default_rng(seed)
 
     def he(*shape: int) -> np.ndarray:
         fan_in = int(np.prod(shape[1:]))
-        return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        weights: np.ndarray = (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        return weights
 
     inits = [
         numpy_helper.from_array(he(16, 3, 3, 3), "w1"),
@@ -70,7 +71,7 @@ def build_cnn(path: Path, seed: int = 7) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", CLASSES])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
@@ -94,7 +95,7 @@ def clear_inputs(model: Path, count: int, seed: int = 0, margin: float = 0.15) -
             colour = rng.random(3).astype(np.float32)[:, None, None]
             image += colour * np.exp(-((ys - cy) ** 2 + (xs - cx) ** 2) / (0.02 + 0.1 * r))
         image += rng.normal(0, 0.05, image.shape).astype(np.float32)
-        image = np.round(np.clip(image, 0.0, 1.0) * 255) / 255  # what an 8-bit image file holds
+        image = (np.round(np.clip(image, 0.0, 1.0) * 255) / 255).astype(np.float32)  # as an 8-bit file holds
         logits = session.run(None, {"x": image[None]})[0][0]
         top2 = np.sort(logits)[-2:]
         if top2[1] - top2[0] >= margin * (logits.max() - logits.min()):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgeserve.bench.api import grpc_metadata
-from edgeserve.bench.candidates import Candidate, apply, layouts, search
+from edgeserve.bench.candidates import Candidate, apply, cpu_precisions, layouts, search
 from edgeserve.bench.cli import parse_headers, parse_levels, parse_protocols, parse_rates
 from edgeserve.bench.errors import BenchError
 from edgeserve.bench.inputs import (
@@ -223,3 +223,19 @@ def test_headers_and_protocol_lists() -> None:
     assert parse_protocols("grpc,zmq-shm,grpc") == ["grpc", "zmq-shm"]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_protocols("grpc,carrier-pigeon")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("avx2 fma", ["fp32"]),
+        ("avx512f avx512_bf16 avx512_fp16 amx_bf16", ["fp32", "bf16"]),  # Sapphire Rapids: no f16 hint
+        ("avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16", ["fp32", "bf16", "fp16"]),  # Granite Rapids
+    ],
+)
+def test_cpu_precisions_offer_only_what_openvino_runs(
+    tmp_path: Path, flags: str, expected: list[str]
+) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert cpu_precisions(cpuinfo) == expected

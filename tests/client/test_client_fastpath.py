@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from edgeserve.client import ClientError, FrameRing, ZmqClient
+from edgeserve.frontends.zmq.spin import BACKOFF_WAITS, CoreShare
 from edgeserve.protocol.errors import InferenceError
 
 OK_OUT = [{"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 4]}]
@@ -187,6 +188,7 @@ def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> 
 def test_spinning_turns_off_while_replies_are_slow_and_back_on_when_they_are_fast() -> None:
     want = np.arange(4, dtype=np.float32).reshape(1, 4)
     with connected("inproc://adaptive", spin_us=5_000) as (client, peer):
+        client._core = CoreShare(time.monotonic)  # its core all the time: only reply times decide
 
         def run(delays: list[float]) -> None:
             server = peer.answer_after(delays, want)
@@ -202,10 +204,46 @@ def test_spinning_turns_off_while_replies_are_slow_and_back_on_when_they_are_fas
         assert client.spinning
 
 
+def test_a_client_that_does_not_get_its_core_while_spinning_sleeps_then_tries_again() -> None:
+    """The CPU clock is injected: while it stands still (other processes have the core) a few spins
+    turn spinning off; after the back-off's waits the client spins again, and goes on while the
+    core is its own."""
+    want = np.arange(4, dtype=np.float32).reshape(1, 4)
+    busy_core = [0.0]
+    with connected("inproc://core-share", spin_us=1_000_000) as (client, peer):
+        client._core = CoreShare(lambda: busy_core[0])  # no CPU time at all while spinning
+
+        made = [0]
+
+        def call() -> None:
+            result = client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)})
+            assert result.as_numpy("OUTPUT0").tolist() == want.tolist()
+            made[0] += 1
+
+        answers = 8 + BACKOFF_WAITS + 8
+        server = peer.answer_after([0.002] * answers, want)  # each spin lasts 2 ms
+        spins = 0
+        while client.spinning:
+            call()
+            spins += 1
+            assert spins < 8, "kept spinning on a core it did not get"
+        for _ in range(BACKOFF_WAITS):  # every wait sleeps at once
+            call()
+        assert client.spinning
+        client._core.cpu_clock = time.monotonic  # the core is free again: CPU time = wall time
+        for _ in range(8):
+            call()
+            assert client.spinning
+        while made[0] < answers:
+            call()
+        server.join(10)
+
+
 def test_spin_us_zero_never_spins() -> None:
     client = ZmqClient("inproc://never-spins", timeout=1.0, context=zmq.Context.instance(), spin_us=0)
     try:
         assert not client.spinning
     finally:
+        assert client._sock is not None
         client._sock.close(linger=0)  # nothing listens: skip close()'s bye
         client._sock = None

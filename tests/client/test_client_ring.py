@@ -42,7 +42,21 @@ def test_quarantined_slots_are_reused_last() -> None:
         ring.quarantine(s0)  # its request timed out
         s1.release()
         order = [ring.acquire().index for _ in range(3)]
-        assert order == [2, 1, 0]
+        assert order == [1, 2, 0]  # the slot released last first (its memory is warm), the stale one last
+
+
+def test_the_slot_released_last_is_taken_first() -> None:
+    """A producer sending one frame at a time writes into the same slot every time (its pages stay in
+    cache); with more in flight, the most recently freed slot goes first."""
+    with FrameRing(4, 64) as ring:
+        first = ring.acquire()
+        first.release()
+        assert [ring.acquire().index for _ in range(1)] == [first.index]
+        slots = [ring.acquire() for _ in range(3)]
+        slots[1].release()
+        slots[0].release()
+        assert ring.acquire().index == slots[0].index
+        assert ring.acquire().index == slots[1].index
 
 
 def test_the_late_answer_of_a_timed_out_call_gives_its_slot_back() -> None:
@@ -110,6 +124,29 @@ def test_write_gathers_a_strided_view_in_one_copy() -> None:
         half = np.linspace(-2, 2, 6, dtype=np.float16).reshape(2, 3).T
         ref = slot.write(half)
         assert np.array_equal(ring.read(slot, "FP16", (3, 2), 12), half)
+
+
+def test_writes_reuse_a_view_per_slot_and_closing_unmaps() -> None:
+    """Slot.write keeps one typed view per (slot, dtype, shape): each write lands in its own slot, a
+    new dtype or shape gets its own view, and close() drops them so the mapping really goes."""
+    ring = FrameRing(2, 64)
+    first, second = ring.acquire(), ring.acquire()
+    first.write(np.full((2, 2), 1.5, np.float32))
+    second.write(np.full((2, 2), -3.0, np.float32))
+    first.write(np.full((2, 2), 2.5, np.float32))  # the cached view of slot `first`, new values
+    assert ring.read(first, "FP32", (2, 2), 16).tolist() == [[2.5, 2.5], [2.5, 2.5]]
+    assert ring.read(second, "FP32", (2, 2), 16).tolist() == [[-3.0, -3.0], [-3.0, -3.0]]
+    ref = second.write(np.array([1, -2, 3], np.int8))
+    assert (ref.datatype, ref.shape, ref.byte_size) == ("INT8", (3,), 3)
+    assert ring.read(second, "INT8", (3,), 3).tolist() == [1, -2, 3]
+    with pytest.raises(ClientError, match="does not fit a 64-byte slot"):
+        first.write(np.zeros((5, 4), np.float32))
+    mapping = ring._map
+    ring.close()
+    assert mapping is not None and mapping.closed  # no cached view kept it mapped
+    with pytest.raises(ClientError) as info:
+        first.write(np.full((2, 2), 1.0, np.float32))
+    assert info.value.status == "UNAVAILABLE"
 
 
 def test_closed_ring_refuses_slots() -> None:

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
 from conc_transports import (
@@ -24,10 +23,11 @@ from conc_transports import (
     Call,
     Endpoints,
     Transport,
+    failure,
     grpc_answer,
-    grpc_inputs,
+    grpc_request,
     http_answer,
-    http_tensors,
+    http_request,
     sequence_kwargs,
 )
 
@@ -104,55 +104,51 @@ class SharedTransport(Transport):
         self.hub.close(self._close())
 
 
-class GrpcAioTransport(SharedTransport):
+class _TritonAioTransport(SharedTransport):
+    """tritonclient's asyncio clients: the same infer() and close(), a request and an answer of their own."""
+
+    def _request(self, call: Call) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        raise NotImplementedError
+
+    async def _one(self, call: Call) -> Answer:
+        request = self._request(call)
+        try:
+            result = await self.hub.client.infer(**request)
+        except Exception as exc:
+            return failure(exc)
+        return self._answer(result, call.outputs)
+
+    async def _close(self) -> None:
+        await self.hub.client.close()
+
+
+class GrpcAioTransport(_TritonAioTransport):
     name = "grpc_aio"
 
     async def _make(self) -> Any:
         return grpcaio.InferenceServerClient(self.endpoints.grpc_url)
 
-    async def _one(self, call: Call) -> Answer:
-        outputs = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
-        try:
-            result = await self.hub.client.infer(
-                call.model,
-                grpc_inputs(call),
-                model_version=call.version,
-                outputs=outputs,
-                request_id=call.request_id,
-                client_timeout=call.timeout_s or REQUEST_TIMEOUT_S,
-                **sequence_kwargs(call),
-            )
-        except Exception as exc:
-            return Answer(error=f"{type(exc).__name__}: {exc}")
-        return grpc_answer(result, call.outputs)
+    def _request(self, call: Call) -> dict[str, Any]:
+        return grpc_request(call)
 
-    async def _close(self) -> None:
-        await self.hub.client.close()
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        return grpc_answer(result, names)
 
 
-class HttpAioTransport(SharedTransport):
+class HttpAioTransport(_TritonAioTransport):
     name = "http_aio"
 
     async def _make(self) -> Any:
         return httpaio.InferenceServerClient(self.endpoints.http_url, conn_timeout=REQUEST_TIMEOUT_S)
 
-    async def _one(self, call: Call) -> Answer:
-        inputs, outputs = http_tensors(call, httpaio)
-        try:
-            result = await self.hub.client.infer(
-                call.model,
-                inputs,
-                model_version=call.version,
-                outputs=outputs,
-                request_id=call.request_id,
-                **sequence_kwargs(call),
-            )
-        except Exception as exc:
-            return Answer(error=f"{type(exc).__name__}: {exc}")
-        return http_answer(result, call.outputs)
+    def _request(self, call: Call) -> dict[str, Any]:
+        return http_request(call, httpaio)
 
-    async def _close(self) -> None:
-        await self.hub.client.close()
+    def _answer(self, result: Any, names: Sequence[str]) -> Answer:
+        return http_answer(result, names)
 
 
 class ZmqAioTransport(SharedTransport):

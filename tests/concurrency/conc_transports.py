@@ -87,6 +87,10 @@ def sequence_kwargs(call: Call) -> dict[str, Any]:
     return {"sequence_id": call.sequence_id, "sequence_start": call.start, "sequence_end": call.end}
 
 
+def failure(exc: BaseException) -> Answer:
+    return Answer(error=f"{type(exc).__name__}: {exc}")
+
+
 def _datatype(array: Array) -> str:
     return str(np_to_triton_dtype(array.dtype))
 
@@ -120,32 +124,37 @@ class HttpTransport(Transport):
         return [self._one(call) for call in calls]
 
     def _one(self, call: Call) -> Answer:
-        inputs, outputs = http_tensors(call, httpclient)
+        request = http_request(call, httpclient)
         try:
-            result = self.client.infer(
-                call.model,
-                inputs,
-                model_version=call.version,
-                outputs=outputs,
-                request_id=call.request_id,
-                **sequence_kwargs(call),
-            )
+            result = self.client.infer(**request)
         except Exception as exc:
-            return Answer(error=f"{type(exc).__name__}: {exc}")
+            return failure(exc)
         return http_answer(result, call.outputs)
 
     def close(self) -> None:
         self.client.close()
 
 
-def http_tensors(call: Call, module: Any) -> tuple[list[Any], list[Any]]:
-    """The inputs and requested outputs of `call` for tritonclient.http or tritonclient.http.aio."""
+def http_request(call: Call, module: Any) -> dict[str, Any]:
+    """infer()'s arguments for `call`, for tritonclient.http or tritonclient.http.aio."""
     inputs = []
     for name, array in call.inputs.items():
         tensor = module.InferInput(name, list(array.shape), _datatype(array))
         tensor.set_data_from_numpy(array, binary_data=call.binary)
         inputs.append(tensor)
-    return inputs, [module.InferRequestedOutput(n, binary_data=call.binary) for n in call.outputs]
+    outputs = [module.InferRequestedOutput(n, binary_data=call.binary) for n in call.outputs]
+    return _request(call, inputs, outputs)
+
+
+def _request(call: Call, inputs: list[Any], outputs: list[Any]) -> dict[str, Any]:
+    return {
+        "model_name": call.model,
+        "inputs": inputs,
+        "model_version": call.version,
+        "outputs": outputs,
+        "request_id": call.request_id,
+        **sequence_kwargs(call),
+    }
 
 
 def http_answer(result: Any, names: Sequence[str]) -> Answer:
@@ -166,6 +175,12 @@ def grpc_inputs(call: Call) -> list[Any]:
     return inputs
 
 
+def grpc_request(call: Call) -> dict[str, Any]:
+    """infer()'s arguments for `call`, for tritonclient.grpc or tritonclient.grpc.aio."""
+    request = _request(call, grpc_inputs(call), [grpcclient.InferRequestedOutput(n) for n in call.outputs])
+    return {**request, "client_timeout": call.timeout_s or REQUEST_TIMEOUT_S}
+
+
 def grpc_answer(result: Any, names: Sequence[str]) -> Answer:
     response = result.get_response()
     return Answer(
@@ -182,19 +197,10 @@ class GrpcTransport(Transport):
     def run(self, calls: Sequence[Call], pipelined: bool) -> list[Answer]:
         answers = []
         for call in calls:
-            outputs = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
             try:
-                result = self.client.infer(
-                    call.model,
-                    grpc_inputs(call),
-                    model_version=call.version,
-                    outputs=outputs,
-                    request_id=call.request_id,
-                    client_timeout=call.timeout_s or REQUEST_TIMEOUT_S,
-                    **sequence_kwargs(call),
-                )
+                result = self.client.infer(**grpc_request(call))
             except Exception as exc:
-                answers.append(Answer(error=f"{type(exc).__name__}: {exc}"))
+                answers.append(failure(exc))
                 continue
             answers.append(grpc_answer(result, call.outputs))
         return answers

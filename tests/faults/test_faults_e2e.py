@@ -23,20 +23,13 @@ import numpy as np
 import pytest
 import requests
 from es_server import ROOT, RunningServer, ServerFactory
-from onnx_models import write_model
+from onnx_models import MLP_CONFIG, ORT, write_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE
 
 pytestmark = pytest.mark.timeout(240)
 
-ORT = 'backend: "onnxruntime"\n'
-MLP_CONFIG = """
-backend: "onnxruntime"
-max_batch_size: 8
-input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
-output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
-"""
 # a conv over a big image: slow enough (tens of ms) that requests overlap and queue up
 CONV_CONFIG = ORT + "max_batch_size: 1\n"
 IMAGE = (1, 3, 1024, 1024)
@@ -212,9 +205,9 @@ def test_accuracy_cache_write_on_a_full_disk_is_logged_and_leaves_no_temp_file(
 
     (full_tmpfs / "accuracy").mkdir()  # a directory costs no data block: the file write is what fails
     guard = AccuracyGuard(full_tmpfs)
-    file = guard._cache_file("0" * 64)
+    file = guard.cache.file("0" * 64)
     with caplog.at_level("WARNING", logger="edgeserve.hardware"):
-        guard._store(file, {"key": {"ok": True, "error": 0.0, "note": "x" * 65536}})
+        guard.cache.store("0" * 64, {"key": {"ok": True, "error": 0.0, "note": "x" * 65536}})
     assert "cannot cache the accuracy check" in caplog.text
     assert file is not None and not file.exists()
     assert list((full_tmpfs / "accuracy").iterdir()) == []

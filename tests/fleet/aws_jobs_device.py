@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -84,6 +85,19 @@ def start_jobs_device(tmp: Path, *, minute_s: float = 1.0) -> JobsDevice:
                           env={"EDGESERVE_SERVER_STATE_DIR": ""})  # fmt: skip
     app.notify.wait_for("READY", timeout=90)
     return JobsDevice(broker, sim, fleet, app, tmp)
+
+
+def device_fixture(name: str) -> Any:
+    """A test file's module fixture `device` (`device = device_fixture(name)`): a started JobsDevice."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobsDevice]:
+        started = start_jobs_device(tmp_path_factory.mktemp(name))
+        yield started
+        started.close()
+
+    return device
 
 
 def job_document(

@@ -43,6 +43,15 @@ def find_mosquitto() -> str | None:
     return next((c for c in MOSQUITTO_CANDIDATES if os.access(c, os.X_OK)), None)
 
 
+def needs_mosquitto() -> Any:
+    """The pytest mark that skips where no mosquitto binary is installed."""
+    import pytest
+
+    return pytest.mark.skipif(
+        find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -329,3 +338,25 @@ class Mosquitto:
             client.disconnect()
             client.loop_stop()
         return values
+
+
+class Spy:
+    """A raw paho client that records every message published under `topics` (filters), from its
+    subscription on (properties included)."""
+
+    def __init__(self, broker: Mosquitto, *topics: str, protocol: int = 5) -> None:  # 5: mqtt.MQTTv5
+        import paho.mqtt.client as mqtt
+
+        self.messages: list[mqtt.MQTTMessage] = []
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="spy", protocol=protocol)
+        subscribed = threading.Event()
+        self.client.on_message = lambda c, u, m: self.messages.append(m)
+        self.client.on_subscribe = lambda *a: subscribed.set()
+        self.client.on_connect = lambda c, *a: c.subscribe([(t, 1) for t in topics])
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        assert subscribed.wait(5)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()

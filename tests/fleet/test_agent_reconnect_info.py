@@ -13,12 +13,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "ota"), str(HERE.parent / "supervisor")]
 
 from appliance import start_appliance  # noqa: E402
-from broker import Mosquitto, find_mosquitto  # noqa: E402
+from broker import Mosquitto, needs_mosquitto  # noqa: E402
 from commander import Commander  # noqa: E402
 from ota_fixtures import edgeserve, make_fleet  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"),
+    needs_mosquitto(),
     pytest.mark.timeout(240),
 ]
 

@@ -10,7 +10,6 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota" / "mender"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "supervisor"))
 from appliance import wait_until
-from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, store_status
-from broker import find_mosquitto
+from aws_jobs_device import THING, JobsDevice, device_fixture, job_document, store_status
+from broker import needs_mosquitto
 from bundle_server import BundleServer
 from fleet_keys import write_private
 from mender_env import kill_tree
@@ -30,16 +29,10 @@ from ota_fixtures import edgeserve
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.ota.signing import keygen
 
-pytestmark = pytest.mark.skipif(
-    find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
-)
+pytestmark = needs_mosquitto()
 
 
-@pytest.fixture(scope="module")
-def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobsDevice]:
-    device = start_jobs_device(tmp_path_factory.mktemp("aws-jobs"))
-    yield device
-    device.close()
+device = device_fixture("aws-jobs")
 
 
 def _next_version(device: JobsDevice) -> int:

@@ -19,15 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from appliance import Appliance, start_appliance, wait_until
-from broker import Mosquitto, find_mosquitto
+from broker import Mosquitto, needs_mosquitto
 from bundle_server import BundleServer
 from commander import Commander
 from fleet_keys import trust
 from ota_fixtures import FAST, Fleet, edgeserve, make_fleet
 
-pytestmark = pytest.mark.skipif(
-    find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
-)
+pytestmark = needs_mosquitto()
 
 
 @pytest.fixture
@@ -255,19 +253,10 @@ def test_mqtt_311_answers_on_resp_topic(broker: Mosquitto, fleet: Fleet, tmp_pat
 
 def test_tls_with_client_certificates(tmp_path: Path, fleet: Fleet) -> None:
     broker = Mosquitto(tmp_path / "tls-broker", tls=True).start()
-    try:
-        device = broker.client_options("cam-1")
-        extra = (f'ca_file = "{device["ca_file"]}"\ncert_file = "{device["cert_file"]}"\n'
-                 f'key_file = "{device["key_file"]}"\n')  # fmt: skip
-        app = _device(broker, fleet, tmp_path, extra=extra)
-        manager = Commander("127.0.0.1", broker.port, "lab", "cam-1", **broker.client_options("ops"))
-        try:
-            assert manager.wait(manager.send("get_status"))["status"] == "SUCCEEDED"
-        finally:
-            manager.close()
-            app.stop()
-    finally:
-        broker.kill()
+    device = broker.client_options("cam-1")
+    extra = (f'ca_file = "{device["ca_file"]}"\ncert_file = "{device["cert_file"]}"\n'
+             f'key_file = "{device["key_file"]}"\n')  # fmt: skip
+    _assert_get_status_over(broker, fleet, tmp_path, extra, broker.client_options("ops"))
 
 
 def test_desired_state_applied_once_per_generation(
@@ -290,9 +279,17 @@ def test_desired_state_applied_once_per_generation(
 
 def test_username_and_password(tmp_path: Path, fleet: Fleet) -> None:
     broker = Mosquitto(tmp_path / "auth-broker", users={"cam-1": "s3cret"}).start()
+    extra = 'username = "cam-1"\npassword = "s3cret"\n'
+    _assert_get_status_over(broker, fleet, tmp_path, extra, {"username": "cam-1", "password": "s3cret"})
+
+
+def _assert_get_status_over(
+    broker: Mosquitto, fleet: Fleet, tmp_path: Path, extra: str, manager_options: dict[str, Any]
+) -> None:
+    """A device connected to `broker` with the [fleet] lines `extra` answers get_status; `broker` is
+    killed afterwards."""
     try:
-        app = _device(broker, fleet, tmp_path, extra='username = "cam-1"\npassword = "s3cret"\n')
-        manager_options = {"username": "cam-1", "password": "s3cret"}
+        app = _device(broker, fleet, tmp_path, extra=extra)
         manager = Commander("127.0.0.1", broker.port, "lab", "cam-1", **manager_options)
         try:
             assert manager.wait(manager.send("get_status"))["status"] == "SUCCEEDED"

@@ -14,10 +14,10 @@ from typing import Any, get_type_hints
 import pytest
 
 from edgeserve.config import Settings
-from edgeserve.fleet.allowlist import ALLOWED, REFUSED, refused_keys, why_refused
+from edgeserve.config_allowlist import ALLOWED, REFUSED, refused_keys, why_refused
 from edgeserve.fleet.desired import MAX_GENERATION, DesiredRefused, parse_desired
 from edgeserve.fleet.protocol import CommandError, check_args
-from edgeserve.fleet.safe_text import safe
+from edgeserve.logs import safe
 from edgeserve.settings_tools import OVERLAY, load_layered
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_every_setting_is_allowed_or_refused_with_a_reason() -> None:
     unclassified = [
         n for n in settings if n not in ALLOWED and n not in REFUSED and f"{n.split('.')[0]}.*" not in REFUSED
     ]
-    assert not unclassified, f"classify these in edgeserve/fleet/allowlist.py: {unclassified}"
+    assert not unclassified, f"classify these in edgeserve/config_allowlist.py: {unclassified}"
     assert not set(ALLOWED) & set(REFUSED)
 
 

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -17,7 +16,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from broker import Mosquitto
+from broker import Mosquitto, Spy
 from fleet_keys import COMMAND_KEY, OTHER_KEY, trusted, write_private
 from sim_agent import SimConfig, SimFleet
 
@@ -41,25 +40,6 @@ def sims(mosquitto: Mosquitto) -> Iterator[SimFleet]:
 def manager_for(broker: Mosquitto, **options: Any) -> FleetManager:
     defaults = {**broker.client_options("manager"), "command_key": COMMAND_KEY}
     return FleetManager(broker.url, FLEET, **{**defaults, **options})
-
-
-class Spy:
-    """A raw paho client that records what is published under a topic filter (properties included)."""
-
-    def __init__(self, broker: Mosquitto, topic: str, protocol: int = mqtt.MQTTv5) -> None:
-        self.messages: list[mqtt.MQTTMessage] = []
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="spy", protocol=protocol)
-        subscribed = threading.Event()
-        self.client.on_message = lambda c, u, m: self.messages.append(m)
-        self.client.on_subscribe = lambda *a: subscribed.set()
-        self.client.on_connect = lambda c, *a: c.subscribe(topic, qos=1)
-        self.client.connect("127.0.0.1", broker.port)
-        self.client.loop_start()
-        assert subscribed.wait(5)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
@@ -292,23 +272,31 @@ def devices20() -> list[str]:
     return [f"cam-{i:02d}" for i in range(20)]
 
 
-def test_deploy_canary_then_waves_all_succeed(mosquitto: Mosquitto, sims: SimFleet) -> None:
-    sims.add(devices20(), config=SimConfig(install_s=0.3))
-    sims.add(["door-1"])  # not selected
+def _deploy_in_waves_of_6(
+    mosquitto: Mosquitto, url: str, sha256: str | None, selector: str, pause_s: float
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """A 10% canary, then waves of 6, stopping above 10% failed: (report, device records, events)."""
     events: list[dict[str, Any]] = []
     with manager_for(mosquitto) as manager:
         report = manager.deploy(
-            URL_V2,
-            "ab" * 32,
-            "cam-*",
+            url,
+            sha256,
+            selector,
             canary_percent=10,
             wave_size=6,
-            pause_s=0.2,
+            pause_s=pause_s,
             max_failure_ratio=0.1,
             on_progress=events.append,
             timeout_s=20,
         )
         records = {r["device"]: r for r in manager.devices()}
+    return report, records, events
+
+
+def test_deploy_canary_then_waves_all_succeed(mosquitto: Mosquitto, sims: SimFleet) -> None:
+    sims.add(devices20(), config=SimConfig(install_s=0.3))
+    sims.add(["door-1"])  # not selected
+    report, records, events = _deploy_in_waves_of_6(mosquitto, URL_V2, "ab" * 32, "cam-*", pause_s=0.2)
     assert report["ok"] and not report["stopped"]
     assert [w["size"] for w in report["waves"]] == [2, 6, 6, 6]
     assert report["waves"][0]["kind"] == "canary" and report["waves"][0]["devices"] == ["cam-00", "cam-01"]
@@ -338,20 +326,8 @@ def test_deploy_over_the_threshold_stops_and_rolls_the_wave_back(
     sims.add(
         sorted(failing), config=SimConfig(install_s=0.3, fail=True), active_version=4, previous_version=3
     )
-    events: list[dict[str, Any]] = []
-    with manager_for(mosquitto) as manager:
-        report = manager.deploy(
-            "https://bundles.example/bundle-v5.tar",
-            None,
-            "all",
-            canary_percent=10,
-            wave_size=6,
-            pause_s=0.1,
-            max_failure_ratio=0.1,
-            on_progress=events.append,
-            timeout_s=20,
-        )
-        records = {r["device"]: r for r in manager.devices()}
+    url = "https://bundles.example/bundle-v5.tar"
+    report, records, events = _deploy_in_waves_of_6(mosquitto, url, None, "all", pause_s=0.1)
     assert report["stopped"] and not report["ok"] and report["stopped_at_wave"] == 2
     assert "2/14" in report["reason"]
     wave2 = [f"cam-{i:02d}" for i in range(8, 14)]
@@ -488,41 +464,15 @@ def test_cli_devices_send_deploy_end_to_end(
     assert [ln["update"]["status"] for ln in lines[:-1]] == ["ACCEPTED", "IN_PROGRESS", "SUCCEEDED"]
     assert lines[-1]["outcome"]["status"] == "SUCCEEDED"
 
-    rc = main(
-        [
-            "deploy",
-            "https://b.example/bundle-v3.tar",
-            "--devices",
-            "cam-0[0-5]",
-            "--canary",
-            "20%",
-            "--wave-size",
-            "2",
-            "--pause",
-            "0",
-            "--max-failure-ratio",
-            "0",
-        ]
-    )
+    rc = main(["deploy", "https://b.example/bundle-v3.tar", "--devices", "cam-0[0-5]", "--canary", "20%",
+               "--wave-size", "2", "--pause", "0", "--max-failure-ratio", "0"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "wave 0 (canary, 2 devices): cam-00,cam-01" in out and "OK in" in out
     assert "6 succeeded, 0 failed" in out
 
-    rc = main(
-        [
-            "deploy",
-            "https://b.example/bundle-v4.tar",
-            "--devices",
-            "cam-05,cam-06",
-            "--canary",
-            "0",
-            "--wave-size",
-            "2",
-            "--max-failure-ratio",
-            "0.4",
-        ]
-    )
+    rc = main(["deploy", "https://b.example/bundle-v4.tar", "--devices", "cam-05,cam-06", "--canary", "0",
+               "--wave-size", "2", "--max-failure-ratio", "0.4"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 1, out
     assert "STOP: failure ratio 1/2" in out and "rolling back 1 devices of the stopped wave: cam-05" in out

@@ -20,7 +20,6 @@ from fleet_keys import COMMAND_KEY, OTHER_KEY, public_pem, trust, trusted
 from edgeserve.cli import main as edgeserve_main
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.fleet.protocol import CommandError, utc
-from edgeserve.fleet.safe_text import safe
 from edgeserve.fleet.signed import (
     CommandKeys,
     load_command_keys,
@@ -29,6 +28,7 @@ from edgeserve.fleet.signed import (
     peek_cmd_id,
     sign_command,
 )
+from edgeserve.logs import safe
 
 TOPIC = "es/v1/plant-7/cam-01/cmd/rollback"
 NOW = datetime(2026, 11, 24, 3, 0, tzinfo=timezone.utc)

@@ -1,4 +1,5 @@
-"""The shared access policy (frontends/access.py) and Triton's restricted-API syntax (restricted.py)."""
+"""The shared access policy (frontends/access.py) and Triton's restricted-API syntax
+(protocol/restricted.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 
 from edgeserve.frontends import access
 from edgeserve.frontends.access import AccessPolicy, Endpoint, RestrictedError
-from edgeserve.frontends.restricted import (
+from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.restricted import (
     CATEGORIES,
     RestrictedGroups,
     Restriction,
@@ -14,7 +16,6 @@ from edgeserve.frontends.restricted import (
     http_restrictions,
     parse_group,
 )
-from edgeserve.protocol.errors import InferenceError, Status
 
 
 # -- Triton's syntax ---------------------------------------------------------------------------------

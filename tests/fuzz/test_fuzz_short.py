@@ -28,6 +28,7 @@ from edgeserve.frontends.http import codec as http_codec
 from edgeserve.frontends.http.jsontensor import json_to_array
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.zmq import codec as zmq_codec
+from edgeserve.frontends.zmq import replies as zmq_replies
 from edgeserve.frontends.zmq import wire as zmq_wire
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status
@@ -251,7 +252,7 @@ def test_zmq_header_loads_raises_only_value_error(data: bytes) -> None:
 
 def test_zmq_reply_with_a_lone_surrogate_is_sent() -> None:
     """A client's id "\\ud800" echoed in a reply: was UnicodeEncodeError (no reply, the client hung)."""
-    frames = zmq_codec.error_reply("\ud800", InferenceError(Status.INVALID_ARG, "bad '\udfff'"))
+    frames = zmq_replies.error_reply("\ud800", InferenceError(Status.INVALID_ARG, "bad '\udfff'"))
     assert json.loads(frames[0])["id"] == "\ud800"
 
 

@@ -5,19 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
-
-
-def _save(graph: onnx.GraphProto, path: Path) -> Path:
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="edgeserve-tests"
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+from onnx_models import _save
 
 
 def build_cancellation(path: Path, width: int = 64, offset: float = 1000.0) -> Path:

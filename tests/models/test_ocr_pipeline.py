@@ -9,32 +9,23 @@ scalable default (Pillow >= 10.1), so nothing comes from the system.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from python_models import sample_step
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
 NEEDED = [MODELS / m / "1" / "model.onnx" for m in ("ppocr_det", "ppocr_cls", "ppocr_rec")]
 NEEDED.append(MODELS / "ocr_decode" / "1" / "ppocr_keys.txt")
 TEXT = "EDGESERVE 2026"
-
-
-def _step(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"ocr_step_{name}", MODELS / name / "1" / "model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def render(text: str = TEXT, size: tuple[int, int] = (640, 160), font_size: int = 64,
@@ -51,7 +42,7 @@ def render(text: str = TEXT, size: tuple[int, int] = (640, 160), font_size: int 
 
 # -- the numpy geometry of ocr_boxes ------------------------------------------------------------------
 def test_components_and_rectangles() -> None:
-    boxes = _step("ocr_boxes")
+    boxes = sample_step("ocr_boxes")
     mask = np.zeros((40, 60), bool)
     mask[5:15, 10:50] = True  # a bar
     mask[25:30, 5:8] = True  # a small blob
@@ -75,7 +66,7 @@ def test_components_and_rectangles() -> None:
 
 def test_boxes_decode_and_rotate_in_process() -> None:
     """The Python steps' own functions, with a synthetic probability map and recognizer output."""
-    boxes, rotate, decode = _step("ocr_boxes"), _step("ocr_rotate"), _step("ocr_decode")
+    boxes, rotate, decode = sample_step("ocr_boxes"), sample_step("ocr_rotate"), sample_step("ocr_decode")
     prob = np.zeros((1, 1, 64, 128), np.float32)
     prob[0, 0, 20:40, 10:110] = 0.9
     image = np.full((128, 256, 3), 255, np.uint8)
@@ -119,7 +110,9 @@ def test_turned_lines_in_process(angle: int) -> None:
     from PIL import Image, ImageDraw, ImageFont
 
     ort = pytest.importorskip("onnxruntime")
-    pre, boxes, rotate, decode = (_step(n) for n in ("ocr_pre", "ocr_boxes", "ocr_rotate", "ocr_decode"))
+    pre, boxes, rotate, decode = (
+        sample_step(n) for n in ("ocr_pre", "ocr_boxes", "ocr_rotate", "ocr_decode")
+    )
     det, cls, rec = (ort.InferenceSession(str(MODELS / m / "1" / "model.onnx"))
                      for m in ("ppocr_det", "ppocr_cls", "ppocr_rec"))  # fmt: skip
     image = Image.new("RGB", (640, 480), "white")

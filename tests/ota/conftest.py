@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ota/bundle_server.py
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/es_server.py, tests/onnx_models.py
 
 from bundle_server import BundleServer
+from hostile_check import Env, make_env
 
 
 @pytest.fixture
@@ -22,3 +23,9 @@ def bundle_server() -> Iterator[BundleServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    """The device side of the hostile-bundle tests (hostile_check.py)."""
+    return make_env(tmp_path)

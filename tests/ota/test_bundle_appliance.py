@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,31 +80,22 @@ def test_live_install_under_load_loses_no_request(appliance: Appliance, fleet: F
     errors: list[str] = []
     stop = threading.Event()
 
-    def http_load() -> None:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{appliance.http_port}")
-        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    def load(via: str, module: Any, url: str) -> None:
+        client = module.InferenceServerClient(url)
+        inp = module.InferInput("INPUT0", [1, 16], "FP32")
         inp.set_data_from_numpy(X)
         while not stop.is_set():
             try:
                 client.infer("mlp", [inp])
-                counts["http"] += 1
+                counts[via] += 1
             except Exception as exc:
-                errors.append(f"http: {exc}")
+                errors.append(f"{via}: {exc}")
         client.close()
 
-    def grpc_load() -> None:
-        client = grpcclient.InferenceServerClient(appliance.grpc_url)
-        inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        inp.set_data_from_numpy(X)
-        while not stop.is_set():
-            try:
-                client.infer("mlp", [inp])
-                counts["grpc"] += 1
-            except Exception as exc:
-                errors.append(f"grpc: {exc}")
-        client.close()
-
-    threads = [threading.Thread(target=http_load), threading.Thread(target=grpc_load)]
+    threads = [
+        threading.Thread(target=load, args=("http", httpclient, f"127.0.0.1:{appliance.http_port}")),
+        threading.Thread(target=load, args=("grpc", grpcclient, appliance.grpc_url)),
+    ]
     for thread in threads:
         thread.start()
     try:

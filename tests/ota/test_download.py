@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import ipaddress
 import json
 import os
 import signal
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from bundle_server import BundleServer
+from tls_certs import self_signed
 
 from edgeserve.ota import download as download_module
 from edgeserve.ota.download import DownloadError, download
@@ -428,38 +427,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgeserve test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder = tmp_path_factory.mktemp("tls")
-    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_file, key_file
+    pytest.importorskip("cryptography")
+    return self_signed(tmp_path_factory.mktemp("tls"), "edgeserve test", ["127.0.0.1"], ca=True)
 
 
 def test_https_with_ca_file(tls_files: tuple[Path, Path], payload: bytes, tmp_path: Path) -> None:

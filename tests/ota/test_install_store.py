@@ -15,10 +15,10 @@ import pytest
 from bundle_server import BundleServer
 from ota_fixtures import FAST, ROOT, Fleet, edgeserve, make_fleet, mlp_check
 
-from edgeserve.ota.activate import OfflineActivator, TrialRunner
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer
 from edgeserve.ota.store import Store
+from edgeserve.supervisor.activate import OfflineActivator, TrialRunner
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends import openvino as ovb
+from edgeserve.protocol.errors import RepositoryError
 from edgeserve.repository.autocomplete import complete, instance_count
 from edgeserve.repository.config import validate
-from edgeserve.repository.errors import RepositoryError
 
 
 def _complete(

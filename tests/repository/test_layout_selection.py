@@ -13,9 +13,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.config import Settings
 from edgeserve.protocol import datatypes
-from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository import overrides, warmup
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.repository.layout import (
     check_model_name,
     find_artifact,

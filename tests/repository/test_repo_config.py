@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository.config import parse_json, parse_override, parse_pbtxt, parse_text, validate
-from edgeserve.repository.errors import RepositoryError
 
 BASE = """
 name: "foo"

@@ -9,7 +9,6 @@ that tiny model's accounted cost."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import urllib.request
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
-from es_server import ROOT, start_server
+from es_server import ROOT, scrape, start_server
 from onnx_models import write_model
 from residency_helpers import BUDGET_MB, make_models, param, reference
 
@@ -35,14 +34,7 @@ def post(url: str, body: dict[str, Any]) -> Any:
 
 
 def metrics(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^(edgeserve_\w+)(\{[^}]*\})? (\S+)$", line)
-        if match:
-            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return out
+    return scrape(base, "edgeserve_")
 
 
 def test_round_robin_over_more_models_than_fit_stays_under_the_budget(tmp_path: Path) -> None:

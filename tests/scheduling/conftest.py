@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 from onnx_models import build_add_sub, build_conv_dynamic_hw, build_mlp
-from sched_helpers import GatedInstance, OrtInstance, load_instance, make_config
+from sched_helpers import GatedInstance, GatedSchedulers, OrtInstance, make_config
 
 from edgeserve.scheduling.scheduler import Scheduler
-from edgeserve.scheduling.stats import ModelStats
 
 
 @pytest.fixture(scope="session")
@@ -31,24 +30,18 @@ SchedulerFactory = Callable[..., tuple[Scheduler, list[GatedInstance]]]
 def make_scheduler(model_paths: dict[str, Path]) -> Iterator[SchedulerFactory]:
     """`make_scheduler(model, config_text, instances=1, open_gate=True, **kwargs)` -> (started
     scheduler, its gated instances); every scheduler is closed after the test."""
-    made: list[tuple[Scheduler, list[GatedInstance]]] = []
+    schedulers = GatedSchedulers(Scheduler)
 
     def factory(model: str, config_text: str, instances: int = 1, open_gate: bool = True,
                 **kwargs: Any) -> tuple[Scheduler, list[GatedInstance]]:  # fmt: skip
         config = make_config(f'name: "{model}"\n' + config_text)
-        gated = [
-            GatedInstance(load_instance(model_paths[model], config), open_gate) for _ in range(instances)
-        ]
-        scheduler = Scheduler(model, 1, config, list(gated), ModelStats(model, 1), **kwargs)
-        scheduler.start()
-        made.append((scheduler, gated))
-        return scheduler, gated
+        started: tuple[Scheduler, list[GatedInstance]] = schedulers.start(
+            model, model_paths[model], config, instances, open_gate, **kwargs
+        )
+        return started
 
     yield factory
-    for scheduler, gated in made:
-        for instance in gated:
-            instance.gate.set()
-        scheduler.close()
+    schedulers.close()
 
 
 @pytest.fixture

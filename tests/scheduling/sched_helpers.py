@@ -16,6 +16,7 @@ from tritonclient.grpc import model_config_pb2
 
 from edgeserve.backends.base import ModelIO, TensorSpec
 from edgeserve.scheduling.job import Job
+from edgeserve.scheduling.stats import ModelStats
 
 WAIT_S = 20.0  # upper bound for anything to happen; never reached when the code is right
 
@@ -141,6 +142,29 @@ def load_instance(path: Path, config: model_config_pb2.ModelConfig) -> Any:
     return BACKEND.load(path, config, BackendOptions(threads=1))
 
 
+class GatedSchedulers:
+    """Started schedulers (`cls`: Scheduler or SequenceBatcher) over gated real instances; `close()` opens
+    every gate and closes every scheduler (a fixture's teardown)."""
+
+    def __init__(self, cls: Any) -> None:
+        self.cls = cls
+        self.made: list[tuple[Any, list[GatedInstance]]] = []
+
+    def start(self, model: str, path: Path, config: model_config_pb2.ModelConfig, instances: int,
+              open_gate: bool, **kwargs: Any) -> tuple[Any, list[GatedInstance]]:  # fmt: skip
+        gated = [GatedInstance(load_instance(path, config), open_gate) for _ in range(instances)]
+        scheduler = self.cls(model, 1, config, list(gated), ModelStats(model, 1), **kwargs)
+        scheduler.start()
+        self.made.append((scheduler, gated))
+        return scheduler, gated
+
+    def close(self) -> None:
+        for scheduler, gated in self.made:
+            for instance in gated:
+                instance.gate.set()
+            scheduler.close()
+
+
 def make_config(text: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
@@ -153,6 +177,21 @@ def make_job(inputs: dict[str, np.ndarray], *, batching: bool = True, priority: 
     job = Job(inputs=inputs, batch_size=rows, done=result, priority=priority, timeout_us=timeout_us,
               arrival_ns=time.monotonic_ns() - int(age_s * 1e9))  # fmt: skip
     return job, result
+
+
+def hold_worker(scheduler: Any, instance: GatedInstance, inputs: dict[str, np.ndarray]) -> tuple[Job, Result]:
+    """Submit a job and wait until the (gated) worker holds it: what is submitted next queues up."""
+    held = make_job(inputs)
+    scheduler.submit(held[0])
+    instance.wait_entered()
+    return held
+
+
+def submit_all(scheduler: Any, inputs: Sequence[dict[str, np.ndarray]]) -> list[tuple[Job, Result]]:
+    jobs = [make_job(one) for one in inputs]
+    for job, _ in jobs:
+        scheduler.submit(job)
+    return jobs
 
 
 def mlp_input(rows: int = 1, fill: float | None = None, seed: int = 0) -> dict[str, np.ndarray]:

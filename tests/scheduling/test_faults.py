@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sched_helpers import WAIT_S, GatedInstance, make_job, mlp_input
+from sched_helpers import WAIT_S, GatedInstance, hold_worker, make_job, mlp_input, submit_all
 
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Job, client_scope
@@ -62,12 +62,8 @@ def test_backend_that_raises_answers_internal_and_keeps_serving(make_scheduler: 
 
 def test_batch_with_too_few_rows_is_internal(make_scheduler: Any) -> None:
     scheduler, gated = make_scheduler("mlp", BATCHING, open_gate=False)
-    blocker, blocker_result = make_job(mlp_input(seed=1))
-    scheduler.submit(blocker)
-    gated[0].wait_entered()
-    jobs = [make_job(mlp_input(seed=i)) for i in (2, 3)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    _, blocker_result = hold_worker(scheduler, gated[0], mlp_input(seed=1))
+    jobs = submit_all(scheduler, [mlp_input(seed=i) for i in (2, 3)])
     inner = gated[0].inner
     gated[0].inner = Faulty(inner, "shape")
     gated[0].gate.set()

@@ -9,24 +9,28 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from typing import Any
 
 import numpy as np
-from sched_helpers import WAIT_S, make_job, mlp_input
+from sched_helpers import WAIT_S, Result, hold_worker, make_job, mlp_input, submit_all
 
+from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.stats import batch_sizes
 
 BATCHING_8 = "max_batch_size: 8\ndynamic_batching { }\n"
 BATCHING_4 = "max_batch_size: 4\ndynamic_batching { }\n"
 
 
+def _assert_mlp_answers(jobs: list[tuple[Job, Result]], reference: Any) -> None:
+    for job, result in jobs:
+        expected = reference("mlp", job.inputs)["OUTPUT0"]
+        np.testing.assert_allclose(result.outputs()["OUTPUT0"], expected, rtol=1e-5)
+
+
 def test_batches_form_behind_a_busy_worker(make_scheduler, reference):
     scheduler, (instance,) = make_scheduler("mlp", BATCHING_8, open_gate=False)
-    first, first_result = make_job(mlp_input(seed=100))
-    scheduler.submit(first)
-    instance.wait_entered()  # the worker holds `first`; everything below queues up
-    jobs = [make_job(mlp_input(seed=i)) for i in range(8)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    first, first_result = hold_worker(scheduler, instance, mlp_input(seed=100))
+    jobs = submit_all(scheduler, [mlp_input(seed=i) for i in range(8)])
     assert scheduler.pending_count == 8
     instance.gate.set()
 
@@ -50,16 +54,10 @@ def test_batches_form_behind_a_busy_worker(make_scheduler, reference):
 
 def test_max_batch_size_caps_rows_and_order_is_kept(make_scheduler, reference):
     scheduler, (instance,) = make_scheduler("mlp", BATCHING_4, open_gate=False)
-    first, _ = make_job(mlp_input(seed=99))
-    scheduler.submit(first)
-    instance.wait_entered()
-    jobs = [make_job(mlp_input(fill=float(i))) for i in range(10)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    hold_worker(scheduler, instance, mlp_input(seed=99))
+    jobs = submit_all(scheduler, [mlp_input(fill=float(i)) for i in range(10)])
     instance.gate.set()
-    for job, result in jobs:
-        expected = reference("mlp", job.inputs)["OUTPUT0"]
-        np.testing.assert_allclose(result.outputs()["OUTPUT0"], expected, rtol=1e-5)
+    _assert_mlp_answers(jobs, reference)
     assert scheduler.wait_idle(WAIT_S)
     # batches of 4, 4, 2 rows, each taking the queue in arrival order
     assert [c["INPUT0"][:, 0].tolist() for c in instance.calls[1:]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -73,12 +71,8 @@ def test_multi_row_jobs_split_back_as_views(make_scheduler, reference):
     def request(rows: int) -> dict[str, np.ndarray]:
         return {name: rng.standard_normal((rows, 16)).astype(np.float32) for name in ("INPUT0", "INPUT1")}
 
-    first, _ = make_job(request(1))
-    scheduler.submit(first)
-    instance.wait_entered()
-    jobs = [make_job(request(rows)) for rows in (1, 2, 3, 2)]  # 8 rows: one batch
-    for job, _ in jobs:
-        scheduler.submit(job)
+    hold_worker(scheduler, instance, request(1))
+    jobs = submit_all(scheduler, [request(rows) for rows in (1, 2, 3, 2)])  # 8 rows: one batch
     instance.gate.set()
     outputs = []
     for job, result in jobs:
@@ -109,13 +103,9 @@ def test_shape_incompatible_jobs_get_their_own_batches(make_scheduler, reference
     def image(h: int, w: int) -> dict[str, np.ndarray]:
         return {"images": rng.standard_normal((1, 3, h, w)).astype(np.float32)}
 
-    first, _ = make_job(image(8, 8))
-    scheduler.submit(first)
-    instance.wait_entered()
+    hold_worker(scheduler, instance, image(8, 8))
     sizes = [(8, 8), (16, 16), (8, 8), (16, 12), (16, 16), (8, 8)]
-    jobs = [make_job(image(h, w)) for h, w in sizes]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    jobs = submit_all(scheduler, [image(h, w) for h, w in sizes])
     instance.gate.set()
     for job, result in jobs:
         features = result.outputs()["features"]
@@ -129,9 +119,7 @@ def test_shape_incompatible_jobs_get_their_own_batches(make_scheduler, reference
 
 def test_dtype_mismatch_is_not_batched(make_scheduler):
     scheduler, (instance,) = make_scheduler("mlp", BATCHING_8, open_gate=False)
-    first, _ = make_job(mlp_input())
-    scheduler.submit(first)
-    instance.wait_entered()
+    hold_worker(scheduler, instance, mlp_input())
     f32, r32 = make_job(mlp_input())
     f64, r64 = make_job({"INPUT0": np.zeros((1, 16), dtype=np.float64)})
     scheduler.submit(f64)
@@ -153,16 +141,10 @@ def test_single_job_inputs_are_passed_without_copy(make_scheduler):
 
 def test_without_dynamic_batching_each_job_runs_alone(make_scheduler, reference):
     scheduler, (instance,) = make_scheduler("mlp", "max_batch_size: 8\n", open_gate=False)
-    first, _ = make_job(mlp_input())
-    scheduler.submit(first)
-    instance.wait_entered()
-    jobs = [make_job(mlp_input(seed=i)) for i in range(3)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    hold_worker(scheduler, instance, mlp_input())
+    jobs = submit_all(scheduler, [mlp_input(seed=i) for i in range(3)])
     instance.gate.set()
-    for job, result in jobs:
-        expected = reference("mlp", job.inputs)["OUTPUT0"]
-        np.testing.assert_allclose(result.outputs()["OUTPUT0"], expected, rtol=1e-5)
+    _assert_mlp_answers(jobs, reference)
     assert scheduler.wait_idle(WAIT_S)
     assert batch_sizes(scheduler.stats.to_dict()) == {1: 4}
     assert not scheduler.batching

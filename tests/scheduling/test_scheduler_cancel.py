@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sched_helpers import WAIT_S, make_job, mlp_input
+from sched_helpers import WAIT_S, hold_worker, make_job, mlp_input, submit_all
 
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -20,12 +20,8 @@ def _fills(instance: Any) -> list[float]:
 
 def test_cancel_takes_queued_jobs_out_and_leaves_the_running_one(make_scheduler: Any) -> None:
     scheduler, (instance,) = make_scheduler("mlp", BATCHING_8, open_gate=False)
-    running, running_result = make_job(mlp_input(fill=-1.0))
-    scheduler.submit(running)
-    instance.wait_entered()
-    jobs = [make_job(mlp_input(fill=float(i))) for i in range(3)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    running, running_result = hold_worker(scheduler, instance, mlp_input(fill=-1.0))
+    jobs = submit_all(scheduler, [mlp_input(fill=float(i)) for i in range(3)])
     assert scheduler.pending_count == 3
     scheduler.cancel([running, jobs[0][0], jobs[2][0]])
     assert scheduler.pending_count == 1

@@ -13,8 +13,10 @@ from edgeserve.scheduling.scheduler import Scheduler
 
 BATCHING = "max_batch_size: 8\ndynamic_batching { }\n"
 
+
 def delayed(window_us: int) -> str:
     return f"max_batch_size: 8\ndynamic_batching {{ max_queue_delay_microseconds: {window_us} }}\n"
+
 
 GENEROUS_NS = 10_000_000_000  # any compute time qualifies
 
@@ -87,7 +89,9 @@ def test_runs_a_batching_model_faster_than_its_short_window(make_scheduler, refe
     job, result = make_job(mlp_input(seed=5))
     assert scheduler.try_run_inline(job, GENEROUS_NS)
     assert result.calls == 1 and scheduler.inline_runs == 1
-    np.testing.assert_allclose(result.outputs()["OUTPUT0"], reference("mlp", job.inputs)["OUTPUT0"], rtol=1e-5)
+    np.testing.assert_allclose(
+        result.outputs()["OUTPUT0"], reference("mlp", job.inputs)["OUTPUT0"], rtol=1e-5
+    )
 
 
 def test_declines_while_the_only_instance_is_busy_or_jobs_wait(make_scheduler):

@@ -6,7 +6,7 @@ import threading
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
-from sched_helpers import WAIT_S, make_job, mlp_input
+from sched_helpers import WAIT_S, hold_worker, make_job, mlp_input, submit_all
 
 from edgeserve import metrics
 from edgeserve.scheduling.stats import LATENCY_BUCKETS_S, Histogram, JobTiming, ModelStats
@@ -101,12 +101,8 @@ def _families(body: bytes) -> dict[str, dict[tuple[tuple[str, str], ...], float]
 
 def test_metrics_render_reports_a_real_schedulers_numbers(make_scheduler):
     scheduler, (instance,) = make_scheduler("mlp", BATCHING_8, open_gate=False)
-    first, first_result = make_job(mlp_input())
-    scheduler.submit(first)
-    instance.wait_entered()
-    jobs = [make_job(mlp_input(seed=i)) for i in range(3)]
-    for job, _ in jobs:
-        scheduler.submit(job)
+    first, first_result = hold_worker(scheduler, instance, mlp_input())
+    jobs = submit_all(scheduler, [mlp_input(seed=i) for i in range(3)])
     served = SimpleNamespace(name="mlp", version=1, stats=scheduler.stats, scheduler=scheduler)
     body, content_type = metrics.render([served])
     assert content_type.startswith("text/plain")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sched_helpers import GatedInstance, Result, load_instance, make_config
+from sched_helpers import GatedInstance, GatedSchedulers, Result, load_instance, make_config
 
 from edgeserve.backends.base import ModelIO, TensorSpec
 from edgeserve.protocol.errors import InferenceError, Status
@@ -45,21 +45,14 @@ def accumulate_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_batcher(accumulate_path: Path) -> Iterator[Any]:
-    made: list[tuple[SequenceBatcher, list[GatedInstance]]] = []
+    batchers = GatedSchedulers(SequenceBatcher)
 
     def factory(config_text: str, instances: int = 1, open_gate: bool = True, **kwargs: Any) -> Any:
-        config = make_config(config_text)
-        gated = [GatedInstance(load_instance(accumulate_path, config), open_gate) for _ in range(instances)]
-        batcher = SequenceBatcher("accumulate", 1, config, list(gated), ModelStats("accumulate", 1), **kwargs)
-        batcher.start()
-        made.append((batcher, gated))
-        return batcher, gated
+        return batchers.start("accumulate", accumulate_path, make_config(config_text), instances, open_gate,
+                              **kwargs)  # fmt: skip
 
     yield factory
-    for batcher, gated in made:
-        for instance in gated:
-            instance.gate.set()
-        batcher.close()
+    batchers.close()
 
 
 def step(batcher: Any, seq: int | str, value: float, start: bool = False, end: bool = False) -> Result:

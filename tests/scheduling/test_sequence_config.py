@@ -12,9 +12,8 @@ from sched_helpers import make_config
 from edgeserve.backends.base import ModelIO, TensorSpec
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.frontends.zmq import codec
-from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
 from edgeserve.repository import autocomplete
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.scheduling.sequence_config import parse, sequence_flags, server_inputs, warmup_inputs
 
 BASE = 'name: "m"\nmax_batch_size: 4\n'

@@ -25,15 +25,16 @@ from appliance import start_appliance as start_appliance  # noqa: E402
 from appliance import wait_until as wait_until  # noqa: E402
 from broker import Mosquitto as Mosquitto  # noqa: E402
 from broker import find_mosquitto as find_mosquitto  # noqa: E402
+from broker import needs_mosquitto as needs_mosquitto  # noqa: E402
 from hostile import Bundle, Signer, directory, manifest_for, regular  # noqa: E402
 from ota_fixtures import Fleet  # noqa: E402
 
-from edgeserve.ota.activate import OfflineActivator, TrialRunner  # noqa: E402
 from edgeserve.ota.installer import Installer, Outcome  # noqa: E402
 from edgeserve.ota.policy import Policy  # noqa: E402
 from edgeserve.ota.signing import key_id, load_public  # noqa: E402
 from edgeserve.ota.store import Store  # noqa: E402
 from edgeserve.ota.url_policy import UrlPolicy  # noqa: E402
+from edgeserve.supervisor.activate import OfflineActivator, TrialRunner  # noqa: E402
 
 MB = 2**20
 

@@ -13,13 +13,13 @@ sys.path[:0] = [str(TESTS), str(TESTS / "fleet"), str(TESTS / "ota"), str(TESTS 
 
 import fleet_keys  # noqa: E402
 from appliance import Appliance, start_appliance  # noqa: E402
-from broker import Mosquitto, find_mosquitto  # noqa: E402
+from broker import Mosquitto, find_mosquitto, needs_mosquitto  # noqa: E402
 from commander import Commander  # noqa: E402
 from ota_fixtures import Fleet, edgeserve  # noqa: E402
 
 from edgeserve.ota.signing import keygen  # noqa: E402
 
-__all__ = ["Appliance", "Commander", "Fleet", "Mosquitto", "edgeserve", "find_mosquitto"]
+__all__ = ["Appliance", "Commander", "Fleet", "Mosquitto", "edgeserve", "find_mosquitto", "needs_mosquitto"]
 FLEET, DEVICE = "lab", "cam-1"
 
 

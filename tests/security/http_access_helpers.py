@@ -16,17 +16,11 @@ from pathlib import Path
 
 import pytest
 from es_server import ROOT, RunningServer, free_port, server_command, start_server
-from onnx_models import write_model
+from onnx_models import MLP_CONFIG, write_model
 
 TOKEN = "t0ken-for-the-access-tests-0123456789"
 # A fast start: no runtime race on the test model.
 FAST = {"EDGESERVE_RUNTIME_RACE_BUDGET_S": "0"}
-MLP = """
-backend: "onnxruntime"
-max_batch_size: 8
-input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
-output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
-"""
 
 
 def network_address() -> str:
@@ -51,7 +45,7 @@ def network_address() -> str:
 
 def model_repository(tmp: Path) -> Path:
     repo = tmp / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP)
+    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
     return repo
 
 

@@ -16,16 +16,16 @@ from bundle_helpers import (
     Appliance,
     Mosquitto,
     downloads,
-    find_mosquitto,
     fleet_keys,
     lan_address,
+    needs_mosquitto,
     start_appliance,
 )
 from bundle_server import BundleServer
 from commander import Commander
 from ota_fixtures import Fleet, edgeserve, make_fleet, status
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+pytestmark = needs_mosquitto()
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import base64
 import json
 import re
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "supervisor"))
@@ -26,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fleet"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from appliance import Appliance, start_appliance, wait_until
-from broker import Mosquitto, find_mosquitto
+from broker import Mosquitto, Spy, needs_mosquitto
 from commander import Commander, stamp
 from fleet_keys import COMMAND_KEY, OTHER_KEY, public_pem, trust, write_private
 from ota_fixtures import Fleet, edgeserve, make_fleet, status
@@ -34,7 +32,7 @@ from ota_fixtures import Fleet, edgeserve, make_fleet, status
 from edgeserve.fleet.fleet_cli import main as fleet_main
 from edgeserve.ota.signing import load_private
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+pytestmark = needs_mosquitto()
 
 SET_DEBUG = {"logging": {"level": "DEBUG"}}
 
@@ -105,25 +103,6 @@ def command_text(cmd_id: str, args: dict[str, Any] | None = None) -> str:
     return json.dumps(
         {"cmd_id": cmd_id, "issued_at": stamp(now), "expires_at": stamp(expires), "args": args or {}}
     )
-
-
-class Spy:
-    """Everything published under `topic` (a filter), from subscription on."""
-
-    def __init__(self, broker: Mosquitto, *topics: str) -> None:
-        self.messages: list[tuple[str, bytes]] = []
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="spy", protocol=mqtt.MQTTv5)
-        subscribed = threading.Event()
-        self.client.on_message = lambda c, u, m: self.messages.append((m.topic, bytes(m.payload)))
-        self.client.on_subscribe = lambda *a: subscribed.set()
-        self.client.on_connect = lambda c, *a: c.subscribe([(t, 1) for t in topics])
-        self.client.connect("127.0.0.1", broker.port)
-        self.client.loop_start()
-        assert subscribed.wait(5)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 # -- commands -------------------------------------------------------------------------------------------

@@ -7,27 +7,21 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fleet"))
-from aws_jobs_device import THING, JobsDevice, job_document, start_jobs_device, store_status
-from broker import find_mosquitto
+from aws_jobs_device import THING, JobsDevice, device_fixture, job_document, store_status
+from broker import needs_mosquitto
 from fleet_keys import OTHER_KEY
 
-pytestmark = pytest.mark.skipif(
-    find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
-)
+pytestmark = needs_mosquitto()
 
 
-@pytest.fixture(scope="module")
-def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobsDevice]:
-    device = start_jobs_device(tmp_path_factory.mktemp("jobs-attacks"))
-    yield device
-    device.close()
+device = device_fixture("jobs-attacks")
 
 
 def _deploy(device: JobsDevice, **options: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota" / "mender"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ota"))
-from mender_env import MenderEnv, serving_v1, unavailable, wrap
+from mender_env import MenderEnv, fleet_fixture, unavailable, wrap
 from ota_fixtures import Fleet, status
 
 from edgeserve.ota.signing import keygen
@@ -31,18 +31,7 @@ from edgeserve.ota.signing import keygen
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
-@pytest.fixture(scope="module")
-def template() -> Fleet:
-    """A key and a state folder serving vision v1 (made once per run: installing costs a trial server)."""
-    fleet: Fleet = serving_v1()
-    return fleet
-
-
-@pytest.fixture
-def fleet(template: Fleet, tmp_path: Path) -> Fleet:
-    state = tmp_path / "state"
-    shutil.copytree(template.state, state, symlinks=True)
-    return Fleet(tmp_path, template.key, template.public, state)
+fleet = fleet_fixture()  # serving vision v1: a copy per test of one install (it costs a trial server)
 
 
 @pytest.fixture

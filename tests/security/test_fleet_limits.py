@@ -21,9 +21,9 @@ from cmdlimits_helpers import (
     Appliance,
     Commander,
     Mosquitto,
-    find_mosquitto,
     install_offline,
     manager_for,
+    needs_mosquitto,
     publish_desired,
     signer,
     start_device,
@@ -33,7 +33,7 @@ from cmdlimits_helpers import (
 from edgeserve.settings_tools import OVERLAY
 
 pytestmark = [
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"),
+    needs_mosquitto(),
     pytest.mark.timeout(300),
 ]
 

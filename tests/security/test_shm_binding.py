@@ -10,21 +10,17 @@ reports their own credentials.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from es_server import RunningServer, free_port, start_server, wait_until
-from onnx_models import write_model
+from es_server import RunningServer, wait_until
 from shm_binding_helpers import SIZE, Session
-from shm_helpers import CONFIG, MODEL, NOBODY, D
-from test_shm_registration import _lan_address
+from shm_helpers import NOBODY, D
+from shm_server_helpers import lan_address, serve, shm_fixtures
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/shm").is_dir(),
@@ -38,39 +34,7 @@ TRANSPORTS = ("http", "grpc", "ipc", "zmq-tcp")  # every way an attacker may try
 NOT_FOUND = {"http": "404", "grpc": "NOT_FOUND", "ipc": "NOT_FOUND", "zmq-tcp": "NOT_FOUND"}
 
 
-@pytest.fixture(scope="module")
-def public_dir() -> Iterator[Path]:
-    """A folder both users can reach, for the ZeroMQ ipc socket."""
-    folder = Path(tempfile.mkdtemp(prefix="es-shm-bind-", dir="/tmp"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _serve(tmp: Path, public: Path, extra: tuple[str, ...] = ()) -> tuple[RunningServer, dict[str, str]]:
-    write_model(tmp / "repo", MODEL, "identity", config=CONFIG)
-    ipc, tcp = f"ipc://{public}/{uuid.uuid4().hex[:8]}.zmq", f"tcp://127.0.0.1:{free_port()}"
-    running = start_server(
-        tmp / "repo",
-        tmp,
-        args=["--zmq-endpoint", ipc, "--zmq-endpoint", tcp, "--host", "0.0.0.0", *extra],
-        # a LAN client registers too: the shm rule, not the admin rule, must answer it
-        env={"EDGESERVE_HTTP_ADMIN_LOOPBACK_ONLY": "false", "EDGESERVE_GRPC_ADMIN_LOOPBACK_ONLY": "false"},
-    )
-    os.chmod(ipc.removeprefix("ipc://"), 0o666)  # local clients of any user may connect
-    return running, {"ipc": ipc, "zmq-tcp": tcp, "http": running.http_url, "grpc": running.grpc_url}
-
-
-@pytest.fixture(scope="module")
-def served(
-    tmp_path_factory: pytest.TempPathFactory, public_dir: Path
-) -> Iterator[tuple[RunningServer, dict[str, str]]]:
-    running, at = _serve(tmp_path_factory.mktemp("shm-bind"), public_dir)
-    try:
-        yield running, at
-    finally:
-        assert running.alive(), running.log()[-3000:]
-        running.stop()
+public_dir, served = shm_fixtures("shm-bind")
 
 
 def _key(tag: str) -> str:
@@ -197,7 +161,7 @@ def test_a_network_client_is_bound_to_its_address(served: tuple[RunningServer, d
     """A client whose user the server cannot know (here: HTTP from the LAN address) is bound to its IP
     address: neither the box's own clients nor it can name each other's regions."""
     running, at = served
-    lan = _lan_address()
+    lan = lan_address()
     if lan is None:
         pytest.skip("this host has no address beyond loopback")
     at = {**at, "http-lan": f"{lan}:{running.http_port}"}
@@ -238,7 +202,7 @@ def test_the_triton_setting_shares_regions_by_name_again_and_changes_live(
     tmp = tmp_path_factory.mktemp("shm-bind-triton")
     config = tmp / "edgeserve.toml"
     config.write_text('[shm]\nregistration = "triton"\n')
-    running, at = _serve(tmp, public_dir, extra=("--config", str(config)))
+    running, at = serve(tmp, public_dir, extra=("--config", str(config)))
     try:
         with Session(VICTIM) as victim, Session(NOBODY) as attacker:
             key = _owned_region(victim, "http", at, "frames", SECRET)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
-import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from es_server import RunningServer, free_port, start_server, wait_until
-from onnx_models import write_model
-from shm_helpers import CONFIG, MODEL, NOBODY, D, run_as
+from es_server import RunningServer, wait_until
+from shm_helpers import NOBODY, D, run_as
+from shm_objects import shm_object
+from shm_server_helpers import lan_address, serve, shm_fixtures
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/shm").is_dir(),
@@ -36,72 +34,11 @@ SECRET = np.full(D, 4242.0, dtype=np.float32).tobytes()
 SIZE = len(SECRET)
 
 
-def _lan_address() -> str | None:
-    """An address of this host that is not loopback (where it has one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))  # no packet is sent: only picks the outgoing interface
-            address = str(probe.getsockname()[0])
-        except OSError:
-            return None
-    return None if address.startswith("127.") or address == "0.0.0.0" else address
+public_dir, served = shm_fixtures("shm-sec")
 
 
-@pytest.fixture(scope="module")
-def public_dir() -> Iterator[Path]:
-    """A folder `nobody` can reach, for the ZeroMQ ipc socket."""
-    folder = Path(tempfile.mkdtemp(prefix="es-shm-sec-", dir="/tmp"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _serve(
-    tmp: Path, public: Path, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()
-) -> tuple[RunningServer, dict[str, str]]:
-    repo = tmp / "repo"
-    write_model(repo, MODEL, "identity", config=CONFIG)
-    ipc, tcp = f"ipc://{public}/{uuid.uuid4().hex[:8]}.zmq", f"tcp://127.0.0.1:{free_port()}"
-    args = ["--zmq-endpoint", ipc, "--zmq-endpoint", tcp, "--host", "0.0.0.0", *extra]
-    # The LAN cases register from a non-loopback address: admin endpoints must be open to the network
-    # for the shm rule (not the admin rule) to be what answers them.
-    env = {
-        "EDGESERVE_HTTP_ADMIN_LOOPBACK_ONLY": "false",
-        "EDGESERVE_GRPC_ADMIN_LOOPBACK_ONLY": "false",
-        **(env or {}),
-    }
-    running = start_server(repo, tmp, args=args, env=env)
-    os.chmod(ipc.removeprefix("ipc://"), 0o666)  # local clients of any user may connect
-    return running, {"ipc": ipc, "zmq-tcp": tcp, "http": running.http_url, "grpc": running.grpc_url}
-
-
-@pytest.fixture(scope="module")
-def served(
-    tmp_path_factory: pytest.TempPathFactory, public_dir: Path
-) -> Iterator[tuple[RunningServer, dict[str, str]]]:
-    running, at = _serve(tmp_path_factory.mktemp("shm-sec"), public_dir)
-    try:
-        yield running, at
-    finally:
-        assert running.alive(), running.log()[-3000:]
-        running.stop()
-
-
-@contextlib.contextmanager
-def _object(owner: int, mode: int, data: bytes = SECRET) -> Iterator[str]:
-    key = f"es_sec_{uuid.uuid4().hex[:12]}"
-    path = Path("/dev/shm") / key
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.write(fd, data + bytes(4096 - len(data)))
-        os.fchown(fd, owner, owner)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    try:
-        yield key
-    finally:
-        path.unlink(missing_ok=True)
+def _object(owner: int, mode: int, data: bytes = SECRET) -> contextlib.AbstractContextManager[str]:
+    return shm_object(owner, owner, mode, data, prefix="es_sec", size=4096)
 
 
 @pytest.fixture
@@ -251,7 +188,7 @@ def test_clients_of_unknown_user_register_only_the_servers_objects(
     """ZeroMQ over tcp (even from loopback) and HTTP from a non-loopback address carry no credentials:
     a world-readable object of another user is refused, the server's own object is not."""
     running, at = served
-    lan = _lan_address()
+    lan = lan_address()
     vias = ["zmq-tcp"] + (["http-lan"] if lan else [])
     at = {**at, "http-lan": f"{lan}:{running.http_port}"}
     with _object(THIRD_USER, 0o644) as theirs, _object(0, 0o600) as ours:
@@ -285,7 +222,7 @@ def test_the_triton_setting_restores_the_old_rule_and_changes_live(
     tmp = tmp_path_factory.mktemp("shm-triton")
     config = tmp / "edgeserve.toml"
     config.write_text('[shm]\nregistration = "triton"\n')
-    running, at = _serve(tmp, public_dir, extra=("--config", str(config)))
+    running, at = serve(tmp, public_dir, extra=("--config", str(config)))
     try:
         reg, echo = run_as(NOBODY, [_register("http", at, "old", secret), _echo("http", at, "old")])
         assert reg.get("ok"), reg

@@ -20,10 +20,10 @@ import pytest
 from cmdlimits_helpers import (
     Mosquitto,
     edgeserve,
-    find_mosquitto,
     install_offline,
     key_id_of,
     manager_for,
+    needs_mosquitto,
     signer,
     start_device,
     trust,
@@ -33,7 +33,7 @@ from ota_fixtures import status
 from edgeserve.ota.signing import parse_public
 
 pytestmark = [
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"),
+    needs_mosquitto(),
     pytest.mark.timeout(400),
 ]
 

@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from es_server import RunningServer, ServerFactory
-from onnx_models import build_matmul_chain
-from tritonclient.utils import InferenceServerException
+from slow_model import DIM, grpc_outcome, slow_repo
 
 pytestmark = pytest.mark.timeout(240)
 
-DIM = 256
 LAYERS = 48
 LIMIT = 4
 FLOOD = 48
@@ -27,19 +25,9 @@ OVERLOAD = "server overloaded"
 QUEUE_FULL = "Exceeds maximum queue size"
 
 
-def _slow_repo(tmp_path: Path) -> Path:
-    """A MatMul+Tanh chain: milliseconds per row on one thread, so a flood overloads it."""
-    repo = tmp_path / "repo"
-    build_matmul_chain(repo / "slow" / "1" / "model.onnx", LAYERS, DIM, weights=0)
-    (repo / "slow" / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 1\ninstance_group [{ kind: KIND_CPU, count: 1 }]\n'
-    )
-    return repo
-
-
 def _start(server_factory: ServerFactory, tmp_path: Path) -> RunningServer:
     return server_factory(
-        _slow_repo(tmp_path),
+        slow_repo(tmp_path, LAYERS, weights=0),
         env={
             "EDGESERVE_SERVER_MAX_INFLIGHT": str(LIMIT),
             "EDGESERVE_RUNTIME_CPU_THREADS": "1",
@@ -75,13 +63,7 @@ async def _grpc_flood(server: RunningServer) -> tuple[list[tuple[str, str]], str
     x = _row()
 
     async def one() -> tuple[str, str]:
-        inp = grpcclient.InferInput("x", [1, DIM], "FP32")
-        inp.set_data_from_numpy(x)
-        try:
-            await client.infer("slow", [inp], client_timeout=60)
-        except InferenceServerException as exc:
-            return str(exc.status()), str(exc.message())
-        return "OK", ""
+        return await grpc_outcome(client, x)
 
     try:
         results = await asyncio.gather(*(one() for _ in range(FLOOD)))

@@ -243,10 +243,8 @@ ensemble_scheduling { step [
     assert late.value.status is Status.UNAVAILABLE and "timeout" in late.value.message
 
 
-async def test_steps_larger_than_max_batch_are_split_and_empty_steps_skip_the_model(
-    repo_dir: Path, make_plane: Plane
-) -> None:
-    _ensemble(repo_dir, "split", """
+# X -> small (max_batch_size 2): a request of more rows is split into steps of 2
+SPLIT = """
 name: "split" platform: "ensemble" max_batch_size: 0
 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
@@ -254,7 +252,13 @@ ensemble_scheduling { step [
   { model_name: "small" input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
     output_map { key: "OUTPUT0" value: "Y" } }
 ] }
-""")  # fmt: skip
+"""
+
+
+async def test_steps_larger_than_max_batch_are_split_and_empty_steps_skip_the_model(
+    repo_dir: Path, make_plane: Plane
+) -> None:
+    _ensemble(repo_dir, "split", SPLIT)
     plane = await make_plane(repo_dir)
     x = np.arange(20, dtype=np.float32).reshape(5, 4)
     out = _outputs(await plane.infer(_request("split", X=x)))
@@ -300,15 +304,7 @@ ensemble_scheduling { step [
   { model_name: "split" input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } }
 ] }
 """)  # fmt: skip
-    _ensemble(repo_dir, "split", """
-name: "split" platform: "ensemble" max_batch_size: 0
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
-ensemble_scheduling { step [
-  { model_name: "small" input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "Y" } }
-] }
-""")  # fmt: skip
+    _ensemble(repo_dir, "split", SPLIT)
     for name, other in (("loop_a", "loop_b"), ("loop_b", "loop_a")):
         _ensemble(repo_dir, name, f"""
 name: "{name}" platform: "ensemble" max_batch_size: 0

@@ -8,9 +8,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from edgeserve.protocol.errors import Status
+from edgeserve.protocol.errors import RepositoryError, Status
 from edgeserve.repository.config import validate
-from edgeserve.repository.errors import RepositoryError
 from edgeserve.server.ensemble_graph import build_plan, composing_models
 
 MODELS = {

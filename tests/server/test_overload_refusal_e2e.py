@@ -16,32 +16,20 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcclient
 from es_server import RunningServer, ServerFactory
-from onnx_models import build_matmul_chain
-from tritonclient.utils import InferenceServerException
+from slow_model import DIM, grpc_outcome, slow_repo
 
 pytestmark = pytest.mark.timeout(240)
 
-DIM = 256
 LAYERS = 600  # a few ms per row on one thread
+QUEUE_OF_2 = "dynamic_batching { default_queue_policy { max_queue_size: 2 } }\n"
 QUEUE_FULL = "Exceeds maximum queue size"
 FLOODERS = 8
 TRIES = 200
 
 
-def _slow_repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    build_matmul_chain(repo / "slow" / "1" / "model.onnx", LAYERS, DIM, weights=4)
-    (repo / "slow" / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 1\n'
-        "dynamic_batching { default_queue_policy { max_queue_size: 2 } }\n"
-        "instance_group [{ kind: KIND_CPU, count: 1 }]\n"
-    )
-    return repo
-
-
 def _start(server_factory: ServerFactory, tmp_path: Path) -> RunningServer:
     return server_factory(
-        _slow_repo(tmp_path),
+        slow_repo(tmp_path, LAYERS, weights=4, config=QUEUE_OF_2),
         env={"EDGESERVE_RUNTIME_CPU_THREADS": "1", "EDGESERVE_HTTP_MAX_CONNECTIONS_PER_CLIENT": "256"},
     )
 
@@ -108,13 +96,7 @@ async def _grpc_case(server: RunningServer) -> tuple[list[tuple[str, str]], str,
     wrong = np.zeros((1, 3), dtype=np.float32)  # a shape the model refuses once decoded
 
     async def call(x: np.ndarray) -> tuple[str, str]:
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        try:
-            await client.infer("slow", [inp], client_timeout=60)
-        except InferenceServerException as exc:
-            return str(exc.status()), str(exc.message())
-        return "OK", ""
+        return await grpc_outcome(client, x)
 
     stop = asyncio.Event()
 

@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from es_server import ROOT, RunningServer, start_server
+from sequence_steps import run_clients, send_step
 from tritonclient.utils import InferenceServerException
 
 from edgeserve.client import ClientError, ZmqClient
@@ -52,20 +53,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running.stop()
 
 
-def _grpc_step(client: grpcclient.InferenceServerClient, model: str, seq: int | str, value: float,
-               start: bool = False, end: bool = False) -> float:  # fmt: skip
-    tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
-    tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
-    result = client.infer(model, [tensor], sequence_id=seq, sequence_start=start, sequence_end=end)
-    return float(result.as_numpy("OUTPUT")[0, 0])
-
-
-def _http_step(client: httpclient.InferenceServerClient, model: str, seq: int | str, value: float,
-               start: bool = False, end: bool = False) -> float:  # fmt: skip
-    tensor = httpclient.InferInput("INPUT", [1, 1], "FP32")
-    tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
-    result = client.infer(model, [tensor], sequence_id=seq, sequence_start=start, sequence_end=end)
-    return float(result.as_numpy("OUTPUT")[0, 0])
+def _step(
+    client: Any, model: str, seq: int | str, value: float, start: bool = False, end: bool = False
+) -> float:
+    """The running sum after this step (gRPC or HTTP client)."""
+    return float(send_step(client, model, seq, value, start, end).as_numpy("OUTPUT")[0, 0])
 
 
 def _interleaved(step: Callable[[int, int, float, bool, bool], float]) -> list[str]:
@@ -88,11 +80,7 @@ def _interleaved(step: Callable[[int, int, float, bool, bool], float]) -> list[s
             if got != running:
                 errors.append(f"client {index} step {n}: got {got}, expected {running}")
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    run_clients(run, CLIENTS)
     return errors
 
 
@@ -105,7 +93,7 @@ def _stats(server: RunningServer, model: str) -> dict[str, Any]:
 def test_grpc_interleaved_sequences_keep_their_state(server: RunningServer) -> None:
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(CLIENTS)]
     try:
-        errors = _interleaved(lambda i, n, v, s, e: _grpc_step(clients[i], "accumulate", 5000 + i, v, s, e))
+        errors = _interleaved(lambda i, n, v, s, e: _step(clients[i], "accumulate", 5000 + i, v, s, e))
     finally:
         for client in clients:
             client.close()
@@ -115,7 +103,7 @@ def test_grpc_interleaved_sequences_keep_their_state(server: RunningServer) -> N
 def test_http_interleaved_string_sequences_keep_their_state(server: RunningServer) -> None:
     clients = [httpclient.InferenceServerClient(server.http_url) for _ in range(CLIENTS)]
     try:
-        errors = _interleaved(lambda i, n, v, s, e: _http_step(clients[i], "accumulate", f"cam-{i}", v, s, e))
+        errors = _interleaved(lambda i, n, v, s, e: _step(clients[i], "accumulate", f"cam-{i}", v, s, e))
     finally:
         for client in clients:
             client.close()
@@ -127,41 +115,41 @@ def test_http_interleaved_string_sequences_keep_their_state(server: RunningServe
 def test_triton_errors(server: RunningServer) -> None:
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         with pytest.raises(InferenceServerException) as err:
-            _grpc_step(client, "accumulate", 424242, 1.0)
+            _step(client, "accumulate", 424242, 1.0)
         assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert err.value.message() == (
             "inference request for sequence 424242 to model 'accumulate' must specify the START flag on the "
             "first request of the sequence"
         )
         with pytest.raises(InferenceServerException, match="non-zero or non-empty correlation ID"):
-            _grpc_step(client, "accumulate", 0, 1.0)  # no sequence parameters at all
+            _step(client, "accumulate", 0, 1.0)  # no sequence parameters at all
     with httpclient.InferenceServerClient(server.http_url) as http:
         with pytest.raises(InferenceServerException) as err:
-            _http_step(http, "accumulate", "nope", 1.0)
+            _step(http, "accumulate", "nope", 1.0)
         assert err.value.status() == "400" and "must specify the START flag" in str(err.value.message())
 
 
 def test_end_and_idle_timeout_free_the_slot(server: RunningServer) -> None:
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        assert _grpc_step(client, "acc_idle", 1, 2.0, start=True) == 2.0  # the only slot
-        assert _grpc_step(client, "acc_idle", 1, 3.0, end=True) == 5.0  # END frees it at once
-        assert _grpc_step(client, "acc_idle", 2, 4.0, start=True) == 4.0
+        assert _step(client, "acc_idle", 1, 2.0, start=True) == 2.0  # the only slot
+        assert _step(client, "acc_idle", 1, 3.0, end=True) == 5.0  # END frees it at once
+        assert _step(client, "acc_idle", 2, 4.0, start=True) == 4.0
         with pytest.raises(InferenceServerException) as ended:
-            _grpc_step(client, "acc_idle", 1, 1.0)
+            _step(client, "acc_idle", 1, 1.0)
         # sequence 1's slot went with its END, not with the idle timeout (that error would say so)
         assert "START flag" in str(ended.value.message()) and "idle longer" not in str(ended.value.message())
         answers: list[float] = []
         waiter = threading.Thread(
-            target=lambda: answers.append(_grpc_step(client, "acc_idle", 3, 9.0, start=True))
+            target=lambda: answers.append(_step(client, "acc_idle", 3, 9.0, start=True))
         )
         waiter.start()  # sequence 3 waits in the backlog until sequence 2 idles out (0.4 s)
         waiter.join(10)
         assert answers == [9.0]
         with pytest.raises(InferenceServerException) as err:
-            _grpc_step(client, "acc_idle", 2, 1.0)
+            _step(client, "acc_idle", 2, 1.0)
         # sequence 2's slot went with the idle timeout: that is what let sequence 3 in
         assert "START flag" in str(err.value.message()) and "idle longer" in str(err.value.message())
-        assert _grpc_step(client, "acc_idle", 3, 1.0, end=True) == 10.0
+        assert _step(client, "acc_idle", 3, 1.0, end=True) == 10.0
 
 
 def test_oldest_strategy_batches_several_sequences(server: RunningServer) -> None:
@@ -169,8 +157,8 @@ def test_oldest_strategy_batches_several_sequences(server: RunningServer) -> Non
 
     def run(seq: int) -> None:
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            totals[seq] = _grpc_step(client, "acc_oldest", seq, float(seq), start=True)
-            totals[seq] = _grpc_step(client, "acc_oldest", seq, 1.0, end=True)
+            totals[seq] = _step(client, "acc_oldest", seq, float(seq), start=True)
+            totals[seq] = _step(client, "acc_oldest", seq, 1.0, end=True)
 
     threads = [threading.Thread(target=run, args=(s,)) for s in range(1, 5)]
     for thread in threads:
@@ -226,9 +214,9 @@ def test_grpc_stream_sequence_in_order(server: RunningServer) -> None:
 
 def test_metrics_show_sequences(server: RunningServer) -> None:
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        _grpc_step(client, "accumulate", 31, 1.0, start=True)
+        _step(client, "accumulate", 31, 1.0, start=True)
         with urllib.request.urlopen(f"{server.base}/metrics", timeout=10) as response:
             text = response.read().decode()
-        _grpc_step(client, "accumulate", 31, 1.0, end=True)
+        _step(client, "accumulate", 31, 1.0, end=True)
     assert 'edgeserve_sequence_active{model="accumulate",version="1"}' in text
     assert 'edgeserve_sequence_backlog{model="accumulate",version="1"} 0.0' in text

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from appliance import Appliance, ApplianceFactory, start_appliance
+from es_server import stopped_after
 from onnx_models import write_model
 
 
@@ -23,13 +24,12 @@ def mlp_repo(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def appliance_factory(tmp_path: Path) -> Iterator[ApplianceFactory]:
-    started: list[Appliance] = []
+    yield from stopped_after(start_appliance, tmp_path)
 
-    def factory(repository: Path, **kwargs: object) -> Appliance:
-        appliance = start_appliance(repository, tmp_path, **kwargs)  # type: ignore[arg-type]
-        started.append(appliance)
-        return appliance
 
-    yield factory
-    for appliance in started:
-        appliance.stop()
+@pytest.fixture
+def app(mlp_repo: Path, appliance_factory: ApplianceFactory) -> Appliance:
+    """An appliance serving the tiny MLP, past READY=1."""
+    started: Appliance = appliance_factory(mlp_repo)
+    started.notify.wait_for("READY", timeout=60)
+    return started

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from appliance import ApplianceFactory, wait_until
+from appliance import Appliance, ApplianceFactory, wait_until
 from onnx_models import write_model
 from tritonclient.utils import InferenceServerException
 
@@ -68,9 +68,7 @@ def test_ready_only_once_models_serve(mlp_repo: Path, appliance_factory: Applian
     assert plan["models"]["mlp"]["backend"] == "onnxruntime" and "conv" in plan["models"]
 
 
-def test_stopping_on_sigterm_and_exit_0(mlp_repo: Path, appliance_factory: ApplianceFactory) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_stopping_on_sigterm_and_exit_0(app: Appliance) -> None:
     server = app.server_pid()
     sent = time.monotonic()
     app.signal(signal.SIGTERM)
@@ -80,11 +78,7 @@ def test_stopping_on_sigterm_and_exit_0(mlp_repo: Path, appliance_factory: Appli
     assert "supervisor stopped" in app.log()
 
 
-def test_killed_server_is_restarted_and_serves_again(
-    mlp_repo: Path, appliance_factory: ApplianceFactory
-) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_killed_server_is_restarted_and_serves_again(app: Appliance) -> None:
     first = app.server_pid()
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
@@ -202,9 +196,7 @@ def test_sigterm_under_load_answers_every_accepted_request(
     assert outcomes.get("stream-ok", 0) > 0 and outcomes.get("http-ok", 0) > 0, outcomes
 
 
-def test_supervisor_dies_server_follows(mlp_repo: Path, appliance_factory: ApplianceFactory) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_supervisor_dies_server_follows(app: Appliance) -> None:
     server = app.server_pid()
     app.process.kill()
     app.process.wait(10)
@@ -215,9 +207,7 @@ def test_supervisor_dies_server_follows(mlp_repo: Path, appliance_factory: Appli
     wait_until(gone, 30, "the orphaned server to exit")
 
 
-def test_supervisor_never_imports_the_heavy_runtimes(
-    mlp_repo: Path, appliance_factory: ApplianceFactory
-) -> None:
+def test_supervisor_never_imports_the_heavy_runtimes(app: Appliance) -> None:
     code = (
         "import sys, edgeserve.cli, edgeserve.supervisor.supervisor as s, edgeserve.supervisor.report as r\n"
         "from edgeserve.config import load_settings\n"
@@ -226,8 +216,6 @@ def test_supervisor_never_imports_the_heavy_runtimes(
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "", result.stdout
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
     maps = Path(f"/proc/{app.process.pid}/maps").read_text()
     for library in ("onnxruntime", "openvino", "numpy", "cygrpc", "libzmq"):
         assert library not in maps, library

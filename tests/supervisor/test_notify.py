@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from appliance import NotifyListener
+from notify_socket import NotifyListener
 
 from edgeserve.supervisor.notify import Notifier, child_environment
 

@@ -92,11 +92,7 @@ def test_sighup_loads_and_unloads_models_from_the_list(
     assert app.server_pid() == server
 
 
-def test_sighup_restarts_the_server_for_a_change_it_cannot_apply_live(
-    mlp_repo: Path, appliance_factory: ApplianceFactory
-) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_sighup_restarts_the_server_for_a_change_it_cannot_apply_live(app: Appliance) -> None:
     server = app.server_pid()
     app.config_path.write_text("[runtime]\ndefault_max_batch_size = 8\n")
     app.signal(signal.SIGHUP)
@@ -108,11 +104,7 @@ def test_sighup_restarts_the_server_for_a_change_it_cannot_apply_live(
     assert "the server restarts for runtime.default_max_batch_size" in app.log()
 
 
-def test_bad_settings_on_reload_are_refused_and_the_server_keeps_serving(
-    mlp_repo: Path, appliance_factory: ApplianceFactory
-) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_bad_settings_on_reload_are_refused_and_the_server_keeps_serving(app: Appliance) -> None:
     server = app.server_pid()
     app.config_path.write_text("[supervisor]\nmax_rss_mb = -5\n")
     sent = time.monotonic()
@@ -123,11 +115,7 @@ def test_bad_settings_on_reload_are_refused_and_the_server_keeps_serving(
     assert app.server_pid() == server and app.get("/v2/health/ready") == 200
 
 
-def test_rss_above_the_limit_restarts_the_server_gracefully(
-    mlp_repo: Path, appliance_factory: ApplianceFactory
-) -> None:
-    app = appliance_factory(mlp_repo)
-    app.notify.wait_for("READY", timeout=60)
+def test_rss_above_the_limit_restarts_the_server_gracefully(app: Appliance) -> None:
     server = app.server_pid()
     app.config_path.write_text(
         "[supervisor]\nmax_rss_mb = 1\nhealth_interval_s = 0.2\nrestart_initial_s = 30\n"

@@ -84,6 +84,11 @@ class Watching:
             f"timed out waiting for {what or predicate}; error {self.error!r}"
         )
 
+    def wait_more(self, stream: str, count: int, what: str) -> None:
+        """Until `count` more results of `stream` than it has now have come."""
+        before = len(self.of(stream))
+        self.wait(lambda: len(self.of(stream)) >= before + count, what=what)
+
     def join(self, timeout: float = 90.0) -> None:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the watch did not finish"

@@ -57,21 +57,17 @@ def test_a_stalled_and_a_vanished_camera_come_back(clips, rtsp_server, watching)
     flaky.pause()
     run.wait(lambda: stream.thread.counters.reconnects >= 1, what="the stall noticed")
     assert not stream.thread.counters.up
-    steady_before = len(run.of("steady"))
-    run.wait(lambda: len(run.of("steady")) >= steady_before + 5, what="the steady stream going on")
+    run.wait_more("steady", 5, "the steady stream going on")
     flaky.resume()
-    count = len(run.of("flaky"))
-    run.wait(lambda: len(run.of("flaky")) >= count + 3, what="results after the stall")
+    run.wait_more("flaky", 3, "results after the stall")
 
     # 2. the server goes away and comes back on the same port
     flaky.stop()
     reconnects = stream.thread.counters.reconnects
     run.wait(lambda: stream.thread.counters.reconnects > reconnects, what="the loss noticed")
-    steady_before = len(run.of("steady"))
-    run.wait(lambda: len(run.of("steady")) >= steady_before + 5, what="the steady stream going on")
+    run.wait_more("steady", 5, "the steady stream going on")
     flaky.start()
-    count = len(run.of("flaky"))
-    run.wait(lambda: len(run.of("flaky")) >= count + 3, what="results after the server came back")
+    run.wait_more("flaky", 3, "results after the server came back")
     run.stop()
     assert stream.thread.counters.reconnects >= 2
     assert run.stream("steady").thread.counters.reconnects == 0

@@ -67,7 +67,7 @@ def declared_io(config: Any) -> ModelIO:
 
 
 def _hang_timeout_s(options: BackendOptions) -> float:
-    from edgeserve.scheduling.scheduler import DEFAULT_HANG_TIMEOUT_S
+    from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 
     text = options.parameters.get("hang_timeout_s", "")
     try:
@@ -102,7 +102,7 @@ class PythonBackend:
 
     def inspect(self, model_path: Path) -> ModelIO:
         """From <model>/config.pbtxt (the model itself is not imported in the server)."""
-        from edgeserve.repository.config import parse_pbtxt
+        from edgeserve.protocol.model_config import parse_pbtxt
 
         path = model_path.parent.parent / "config.pbtxt"
         if not path.is_file():

@@ -20,7 +20,7 @@ import logging
 import os
 import stat
 
-from edgeserve.frontends.peer import PeerIdentity
+from edgeserve.frontends.shm.binding import PeerIdentity
 from edgeserve.frontends.shm.keys import Opened
 from edgeserve.protocol.errors import InferenceError, Status
 

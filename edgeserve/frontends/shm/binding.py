@@ -22,14 +22,67 @@ same region name. "triton" restores name-global regions that any client may use.
 from __future__ import annotations
 
 import ipaddress
+import os
+import pwd
 from collections.abc import Callable
-
-from edgeserve.frontends.peer import PeerIdentity
+from dataclasses import dataclass
+from pathlib import Path
 
 IN_PROCESS = "in-process"
 # The owner of regions registered over the Triton protocol (HTTP/gRPC); ZeroMQ regions are owned by
 # their client socket ("zmq:<routing id>"), so a Triton "unregister all" leaves camera rings alone.
 TRITON_OWNER = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """A client connection: how it arrived, its address and, for a local client, its user."""
+
+    transport: str  # "zmq-ipc", "zmq-tcp", "unix", "tcp"
+    address: str
+    uid: int | None = None
+    gid: int | None = None
+    pid: int | None = None
+    proc_root: Path = Path("/proc")
+
+    @property
+    def known(self) -> bool:
+        return self.uid is not None
+
+    def describe(self) -> str:
+        if self.uid is None:
+            return f"a client at {self.address or 'an unknown address'} ({self.transport}; user unknown)"
+        return f"uid {self.uid} ({self.transport})"
+
+    def groups(self) -> frozenset[int]:
+        """The groups the client acts with: its process's when it is still there and still runs as
+        that user, else the user's groups in the account database (plus the gid SO_PEERCRED gave)."""
+        if self.uid is None:
+            return frozenset()
+        found = _process_groups(self.proc_root, self.pid, self.uid) if self.pid else None
+        if found is not None:
+            return found
+        groups = {self.gid} if self.gid is not None else set()
+        try:
+            entry = pwd.getpwuid(self.uid)
+            groups.update(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        except (KeyError, OSError):  # a uid without an account (a container's) has only its gid
+            pass
+        return frozenset(groups)
+
+
+def _process_groups(proc_root: Path, pid: int, uid: int) -> frozenset[int] | None:
+    try:
+        text = (proc_root / str(pid) / "status").read_text()
+    except OSError:  # gone, or hidden (ProtectProc=invisible)
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        if int(fields["Uid"].split()[1]) != uid:  # the pid now belongs to someone else
+            return None
+        return frozenset([int(fields["Gid"].split()[1]), *(int(g) for g in fields["Groups"].split())])
+    except (KeyError, IndexError, ValueError):
+        return None
 
 
 def principal_of(peer: PeerIdentity | None) -> str:

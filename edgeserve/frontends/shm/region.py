@@ -11,15 +11,13 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgeserve.frontends.shm.binding import IN_PROCESS
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg
-
-if TYPE_CHECKING:
-    from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 
 log = logging.getLogger("edgeserve.shm")
 
@@ -160,14 +158,20 @@ class ShmLease:
 
     `read()` gives the bytes (a zero-copy view of a sealed region, else one copy made with `pread`),
     `write(payload)` stores an output. `view`: the referenced bytes as a buffer (mapped when sealed,
-    else a fresh copy whose slice assignments write through)."""
+    else a fresh copy whose slice assignments write through). `release(region)`: the registry's, which
+    unmaps a retired region when its last lease goes."""
 
-    __slots__ = ("_region", "_registry", "_size", "_start", "_view")
+    __slots__ = ("_region", "_release", "_size", "_start", "_view")
 
     def __init__(
-        self, registry: SharedMemoryRegistry, region: Region, start: int, size: int, view: memoryview | None
+        self,
+        release: Callable[[Region], None],
+        region: Region,
+        start: int,
+        size: int,
+        view: memoryview | None,
     ) -> None:
-        self._registry = registry
+        self._release = release
         self._region = region
         self._start = start  # file offset of the first referenced byte
         self._size = size
@@ -215,7 +219,7 @@ class ShmLease:
             region, self._region = self._region, None  # type: ignore[assignment]
             if self._view is not None:
                 self._view = memoryview(b"")
-            self._registry._release(region)
+            self._release(region)
 
     def __enter__(self) -> ShmLease:
         return self

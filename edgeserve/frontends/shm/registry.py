@@ -23,13 +23,18 @@ import os
 import threading
 from collections.abc import Iterator
 
-from edgeserve.frontends.peer import PeerIdentity
 from edgeserve.frontends.shm.access import PEER_CREDENTIALS, TRITON, authorize
-from edgeserve.frontends.shm.binding import IN_PROCESS_CLIENT, TRITON_OWNER, ShmClient, principal_of
+from edgeserve.frontends.shm.binding import (
+    IN_PROCESS_CLIENT,
+    TRITON_OWNER,
+    PeerIdentity,
+    ShmClient,
+    principal_of,
+)
 from edgeserve.frontends.shm.keys import MEMFD_PREFIX, key_path, open_key, shrink_sealed
 from edgeserve.frontends.shm.region import Region, RegionInfo, ShmLease
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, not_found
-from edgeserve.protocol.inference import ShmRef
+from edgeserve.protocol.inference import RegionNamer, ShmRef
 
 __all__ = ["TRITON_OWNER", "RegionInfo", "SharedMemoryRegistry", "ShmClient", "ShmLease"]
 
@@ -249,7 +254,7 @@ class SharedMemoryRegistry:
             ]
 
     # -- use ------------------------------------------------------------------------------------
-    def acquire(self, ref: ShmRef, write: bool = False, client: ShmClient | None = None) -> ShmLease:
+    def acquire(self, ref: ShmRef, write: bool = False, client: RegionNamer | None = None) -> ShmLease:
         """Open `ref` for one request, with every bound checked (against the registered size; a region
         that is not mapped is also checked against its file's size when read or written).
         `write`: for an output (PERMISSION_DENIED where the registering client may only read).
@@ -277,7 +282,7 @@ class SharedMemoryRegistry:
             region.refs += 1
         start = region.info.offset + ref.offset
         view = None if region.map is None else memoryview(region.map)[start : start + ref.byte_size]
-        return ShmLease(self, region, start, ref.byte_size, view)
+        return ShmLease(self._release, region, start, ref.byte_size, view)
 
     def _release(self, region: Region) -> None:
         with self._lock:

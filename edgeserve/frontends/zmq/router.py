@@ -121,6 +121,7 @@ class Router:
         self._timer_seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._thread_id = 0
+        self._queued = False  # on the router thread: more input was waiting when a message was taken
         self._spin = spin if spin is not None else SpinPolicy(spin_us)
         self.handled = 0  # messages received
         self.spin_hits = 0  # idle waits that ended in a request while spinning
@@ -185,28 +186,33 @@ class Router:
         or a ZMQError with errno EHOSTUNREACH (the peer is gone)."""
         error: BaseException | None = None
         last = len(frames) - 1
+        send, send_copy = wire.sock_send, wire.send_copy
         with self._lock:
             sock = self._sock
             if sock is None:
                 return None
             try:
-                # Frame by frame with int flags: send_multipart costs an enum operation per frame.
+                # Frame by frame with int flags, past pyzmq's Python layer (see wire.sock_send).
                 for i, frame in enumerate(frames):
-                    sock.send(frame, _DONTWAIT if i == last else _MORE_DONTWAIT, copy=wire.send_copy(frame))
+                    send(sock, frame, _DONTWAIT if i == last else _MORE_DONTWAIT, send_copy(frame))
             except zmq.ZMQError as exc:
                 error = exc
             if threading.get_ident() == self._thread_id:
                 return error  # the drain loop re-checks the socket after each message anyway
-            readable = cast(int, sock.getsockopt(_EVENTS)) & _POLLIN
+            readable = cast(int, wire.sock_get(sock, _EVENTS)) & _POLLIN
         if readable:
             self._wake()
         return error
 
     def input_waiting(self) -> bool:
-        """More requests are queued on the socket (the caller is then better off not blocking)."""
+        """More requests are queued on the socket (the caller is then better off not blocking).
+        On the router thread, while it handles a message: as seen right after that message was
+        received (the drain loop looks again before it sleeps)."""
+        if threading.get_ident() == self._thread_id:
+            return self._queued
         with self._lock:
             sock = self._sock
-            return sock is not None and bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+            return sock is not None and bool(cast(int, wire.sock_get(sock, _EVENTS)) & _POLLIN)
 
     def _wake(self) -> None:
         if self._wake_pending:
@@ -254,19 +260,31 @@ class Router:
         """A request is queued on the socket (or the socket is gone: stop spinning)."""
         with self._lock:
             sock = self._sock
-            return sock is None or bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+            return sock is None or bool(cast(int, wire.sock_get(sock, _EVENTS)) & _POLLIN)
 
     def _woken(self) -> bool:
         return self._wake_pending  # callbacks: the loop's poll returns at once
 
     def _drain(self) -> bool:
         """Handle queued messages; True when more are waiting than one batch took."""
+        recv, get = wire.sock_recv, wire.sock_get
+        queued = False  # known to be waiting: seen right after the previous message was taken
         for _ in range(DRAIN_BATCH):
             with self._lock:
                 sock = self._sock
-                if sock is None or not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                if sock is None or not (queued or cast(int, get(sock, _EVENTS)) & _POLLIN):
                     return False
-                msg = sock.recv_multipart(_DONTWAIT, copy=False)
+                try:
+                    frame = recv(sock, _DONTWAIT, False)
+                except zmq.Again:  # pragma: no cover - only this thread receives
+                    return False
+                msg = [frame]
+                while frame.more:  # the parts of a message are queued together
+                    frame = recv(sock, _DONTWAIT, False)
+                    msg.append(frame)
+                # One look serves both the handler (input_waiting) and the next turn of this loop.
+                queued = bool(cast(int, get(sock, _EVENTS)) & _POLLIN)
+            self._queued = queued
             self.handled += 1
             try:
                 self._on_message(msg)

@@ -29,8 +29,8 @@ import zmq
 from edgeserve import __version__, metrics
 from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
-from edgeserve.frontends.shm.binding import ShmClient
-from edgeserve.frontends.zmq import codec, wire
+from edgeserve.frontends.shm.binding import PeerIdentity, ShmClient
+from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
@@ -45,6 +45,7 @@ log = logging.getLogger("edgeserve.zmq")
 
 PROBE_DELAYS_S = (0.0, 0.2)  # check region owners right after a disconnect, and once more
 SWEEP_S = 5.0  # forget idle clients that own nothing
+IDENTITIES_MAX = 1024  # peer identities remembered by address (the client cap is far above a box's users)
 BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait (as [http] inline_max_us)
 
 
@@ -81,6 +82,7 @@ class ZmqFrontend:
         self._last_drop_log = 0.0
         self._collector = ZmqCollector(self)
         self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
+        self._identities: dict[str, PeerIdentity] = {}  # by Peer-Address
 
     def apply_limits(self, settings: Settings) -> None:
         """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
@@ -145,13 +147,13 @@ class ZmqFrontend:
                     Status.RESOURCE_EXHAUSTED,
                     f"too many zmq clients (max {self.max_clients}, [zmq] max_clients); try again later",
                 )
-                self._reply(peer, codec.error_reply(None, error))
+                self._reply(peer, replies.error_reply(None, error))
                 return
             self._peers[ident] = peer
         try:
             header = wire.loads(msg[index].buffer)
         except ValueError:
-            self._reply(peer, codec.error_reply(None, invalid_arg("header frame is not valid JSON")))
+            self._reply(peer, replies.error_reply(None, invalid_arg("header frame is not valid JSON")))
             self._maybe_forget(peer)
             return
         req_id = header.get("id") if isinstance(header, dict) else None
@@ -171,19 +173,32 @@ class ZmqFrontend:
                 return
             self._control(peer, op, header, msg[index])
         except InferenceError as exc:
-            self._reply(peer, codec.error_reply(req_id, exc))
+            self._reply(peer, replies.error_reply(req_id, exc))
         except Exception as exc:
             log.exception("zmq request %r failed", req_id)
-            self._reply(peer, codec.error_reply(req_id, internal(f"internal error: {exc}")))
+            self._reply(peer, replies.error_reply(req_id, internal(f"internal error: {exc}")))
         self._maybe_forget(peer)
 
     def _shm_client(self, peer: _Peer, frame: Any) -> ShmClient:
         """Who names shm regions: this socket, as the user libzmq says sent `frame` (read per message:
         a routing id reused by another connection lends it nothing), looked up only when it does."""
-        return ShmClient(lambda: zmq_peer(frame, self._peer_credentials), owner=peer.owner)
+        return ShmClient(lambda: self._peer_of(frame), owner=peer.owner)
+
+    def _peer_of(self, frame: Any) -> PeerIdentity:
+        """`zmq_peer(frame)`, memoised by the Peer-Address libzmq reports for this very message: the
+        identity follows from that string alone, and a ring request names a region every time."""
+        try:
+            address = frame.get("Peer-Address")
+        except Exception:  # no metadata on this message: zmq_peer says what that means
+            return zmq_peer(frame, self._peer_credentials)
+        identity = self._identities.get(address) or zmq_peer(frame, self._peer_credentials)
+        if len(self._identities) >= IDENTITIES_MAX:  # any thread: single dict operations, bounded
+            self._identities.clear()
+        self._identities[address] = identity
+        return identity
 
     def _infer(self, peer: _Peer, header: dict[str, Any], head: Any, frames: list[Any]) -> None:
-        size = sum(len(frame) for frame in frames)
+        size = sum(len(frame) for frame in frames) if frames else 0
         if size > self.max_message_bytes:
             raise InferenceError(
                 Status.RESOURCE_EXHAUSTED,
@@ -213,20 +228,21 @@ class ZmqFrontend:
 
         def on_done(result: InferResponse | InferenceError) -> None:
             try:
-                if isinstance(result, InferenceError):
-                    reply = codec.error_reply(decoded.req_id, result)
-                else:
-                    reply = codec.infer_reply(decoded, result)
-            except InferenceError as exc:
-                reply = codec.error_reply(decoded.req_id, exc)
-            except Exception as exc:
-                log.exception("building the zmq reply for request %r failed", decoded.req_id)
-                reply = codec.error_reply(
-                    decoded.req_id, internal(f"internal error building the reply: {exc}")
-                )
+                try:
+                    if isinstance(result, InferenceError):
+                        reply = replies.error_reply(decoded.req_id, result)
+                    else:
+                        reply = replies.infer_reply(decoded, result)
+                except InferenceError as exc:
+                    reply = replies.error_reply(decoded.req_id, exc)
+                except Exception as exc:
+                    log.exception("building the zmq reply for request %r failed", decoded.req_id)
+                    reply = replies.error_reply(
+                        decoded.req_id, internal(f"internal error building the reply: {exc}")
+                    )
+                self._post(peer, reply)
             finally:
-                decoded.release()
-            self._post(peer, reply)
+                decoded.release()  # after the send: the slot guards are checked, the reply goes first
 
         # While other requests wait, only a tiny model runs here: for a longer one the workers (and the
         # batcher) do better, and those requests would wait for it; a tiny one costs less than the
@@ -300,15 +316,17 @@ class ZmqFrontend:
             )
             body = {"live": self.dataplane.live(), "ready": ready}
         elif op == wire.OP_BYE:
-            self._reply(peer, codec.ok_reply(req_id, {}))
+            # Release first, then reply (as the wire spec says): a client that got its answer may
+            # rely on its regions being gone (the test that lists them right after close() raced).
             self._forget(peer, "said bye")
+            self._reply(peer, replies.ok_reply(req_id, {}))
             return
         else:
             raise invalid_arg(
                 f"unknown op {op!r}; expected one of infer, ping, register, unregister, "
                 "status, metadata, ready, bye"
             )
-        self._reply(peer, codec.ok_reply(req_id, body))
+        self._reply(peer, replies.ok_reply(req_id, body))
 
     # -- send -----------------------------------------------------------------------------------
     def _post(self, peer: _Peer, frames: list[Any]) -> None:

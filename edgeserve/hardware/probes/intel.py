@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from edgeserve.hardware.probes._fs import FsRoot, key_values
@@ -37,35 +38,29 @@ def _driver(root: FsRoot, sysdev: str) -> str | None:
     )
 
 
-def probe_intel(root: FsRoot) -> IntelAccelInfo:
-    gpus: list[IntelDevice] = []
-    for name in root.listdir("sys/class/drm"):
-        if not name.startswith("renderD"):
+def _nodes(root: FsRoot, klass: str, dev_dir: str, prefix: str = "") -> Iterator[tuple[IntelDevice, str]]:
+    """(device, PCI vendor) for each sys/class/<klass> node named <prefix>..., any vendor."""
+    for name in root.listdir(f"sys/class/{klass}"):
+        if not name.startswith(prefix):
             continue
-        sysdev = f"sys/class/drm/{name}/device"
+        sysdev = f"sys/class/{klass}/{name}/device"
         vendor = (root.read_line(f"{sysdev}/vendor") or "").lower()
-        driver = _driver(root, sysdev)
-        if vendor == INTEL_VENDOR or driver in _GPU_DRIVERS:
-            gpus.append(
-                IntelDevice(
-                    f"/dev/dri/{name}",
-                    driver,
-                    root.read_line(f"{sysdev}/device"),
-                    root.exists(f"dev/dri/{name}"),
-                )
-            )
-    npus: list[IntelDevice] = []
-    for name in root.listdir("sys/class/accel"):
-        sysdev = f"sys/class/accel/{name}/device"
-        vendor = (root.read_line(f"{sysdev}/vendor") or "").lower()
-        driver = _driver(root, sysdev)
-        if driver in _NPU_DRIVERS or (vendor == INTEL_VENDOR and driver is None):
-            npus.append(
-                IntelDevice(
-                    f"/dev/accel/{name}",
-                    driver,
-                    root.read_line(f"{sysdev}/device"),
-                    root.exists(f"dev/accel/{name}"),
-                )
-            )
-    return IntelAccelInfo(tuple(gpus), tuple(npus))
+        node = f"dev/{dev_dir}/{name}"
+        device = IntelDevice(
+            f"/{node}", _driver(root, sysdev), root.read_line(f"{sysdev}/device"), root.exists(node)
+        )
+        yield device, vendor
+
+
+def probe_intel(root: FsRoot) -> IntelAccelInfo:
+    gpus = tuple(
+        gpu
+        for gpu, vendor in _nodes(root, "drm", "dri", "renderD")
+        if vendor == INTEL_VENDOR or gpu.driver in _GPU_DRIVERS
+    )
+    npus = tuple(
+        npu
+        for npu, vendor in _nodes(root, "accel", "accel")
+        if npu.driver in _NPU_DRIVERS or (vendor == INTEL_VENDOR and npu.driver is None)
+    )
+    return IntelAccelInfo(gpus, npus)

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ota"))
 from ota_fixtures import Fleet, make_fleet
 from pymodels import ADD_SUB, ADD_SUB_CONFIG
 
-from edgeserve.ota.activate import OfflineActivator, TrialRunner
 from edgeserve.ota.installer import Installer
 from edgeserve.ota.store import Store
+from edgeserve.supervisor.activate import OfflineActivator, TrialRunner
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,13 +9,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from es_server import RunningServer, start_server
 from pymodels import write_model
 from seqmodels import SEQ_SUM, SEQ_SUM_CONFIG, SEQ_SUM_OLDEST_CONFIG
+from sequence_steps import run_clients, send_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,11 +76,7 @@ def _run_together(client: Client, first_id: int) -> list[str]:
         finally:
             close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    run_clients(run, CLIENTS)
     return errors
 
 
@@ -88,36 +84,24 @@ def _values(result: Any) -> dict[str, float]:
     return {name: float(result.as_numpy(name)[0, 0]) for name in OUTPUTS}
 
 
-def _grpc(server: RunningServer, model: str) -> Client:
+def _over(module: Any, url: str, model: str) -> Client:
     def make(index: int) -> tuple[Step, Callable[[], None]]:
-        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client = module.InferenceServerClient(url)
 
         def step(seq: int, value: float, start: bool, end: bool) -> dict[str, float]:
-            tensor = grpcclient.InferInput("INPUT", [1, 1], "FP32")
-            tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
-            return _values(
-                client.infer(model, [tensor], sequence_id=seq, sequence_start=start, sequence_end=end)
-            )
+            return _values(send_step(client, model, seq, value, start, end))
 
         return step, client.close
 
     return make
+
+
+def _grpc(server: RunningServer, model: str) -> Client:
+    return _over(grpcclient, server.grpc_url, model)
 
 
 def _http(server: RunningServer, model: str) -> Client:
-    def make(index: int) -> tuple[Step, Callable[[], None]]:
-        client = httpclient.InferenceServerClient(server.http_url)
-
-        def step(seq: int, value: float, start: bool, end: bool) -> dict[str, float]:
-            tensor = httpclient.InferInput("INPUT", [1, 1], "FP32")
-            tensor.set_data_from_numpy(np.full((1, 1), value, np.float32))
-            return _values(
-                client.infer(model, [tensor], sequence_id=seq, sequence_start=start, sequence_end=end)
-            )
-
-        return step, client.close
-
-    return make
+    return _over(httpclient, server.http_url, model)
 
 
 @pytest.mark.parametrize("model", ["seq_sum", "seq_sum_oldest"])

@@ -123,3 +123,17 @@ def client_for(server: InProcessServer) -> Iterator[Any]:
 
 Client: TypeAlias = Any  # tritonclient.grpc.InferenceServerClient (untyped)
 Inproc: TypeAlias = tuple[InProcessServer, FakeRepository]
+
+
+def add_sub_inputs(a: np.ndarray, b: np.ndarray, client: Any = None) -> list[Any]:
+    """INPUT0 = a and INPUT1 = b (INT32) for the add_sub model; `client`: tritonclient.grpc (default) or
+    tritonclient.http."""
+    import tritonclient.grpc as grpcclient
+
+    module = client or grpcclient
+    inputs = []
+    for name, value in (("INPUT0", a), ("INPUT1", b)):
+        tensor = module.InferInput(name, list(value.shape), "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs

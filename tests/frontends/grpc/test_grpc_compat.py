@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from es_server import RunningServer, ServerFactory
+from grpc_fakes import add_sub_inputs
 from onnx_models import write_model
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
@@ -89,13 +90,7 @@ def module(flavour: str) -> Any:
 
 
 def simple_inputs(flavour: str, a: np.ndarray, b: np.ndarray) -> list[Any]:
-    mod = module(flavour)
-    inputs = []
-    for name, value in (("INPUT0", a), ("INPUT1", b)):
-        tensor = mod.InferInput(name, list(value.shape), "INT32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return add_sub_inputs(a, b, module(flavour))
 
 
 def example(datatype: str, rows: int = 2, cols: int = 5) -> np.ndarray:

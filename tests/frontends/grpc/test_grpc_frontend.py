@@ -11,7 +11,8 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_fakes import Client, Inproc, InProcessServer, make_plane
+from grpc_fakes import Client, Inproc, InProcessServer, add_sub_inputs, make_plane
+from tls_certs import self_signed
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -29,15 +30,6 @@ from edgeserve.protocol.errors import InferenceError, Status
 
 def status_of(exc: pytest.ExceptionInfo[InferenceServerException]) -> str:
     return str(exc.value.status())
-
-
-def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:
-    inputs = []
-    for name, value in (("INPUT0", a), ("INPUT1", b)):
-        tensor = grpcclient.InferInput(name, list(value.shape), "INT32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
 
 
 def test_health_and_metadata(client: Client) -> None:
@@ -385,41 +377,9 @@ def test_guarded_handler_maps_policy_errors(tmp_path: Path) -> None:
     assert aborted[-1][0] == grpc.StatusCode.UNAUTHENTICATED
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
-
-
 def test_tls(tmp_path: Path) -> None:
     pytest.importorskip("cryptography")
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path, "localhost", ["localhost"])
     settings = Settings()
     settings.grpc.tls_cert, settings.grpc.tls_key = cert, key
     plane, repo = make_plane(tmp_path)

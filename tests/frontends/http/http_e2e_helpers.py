@@ -7,18 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_models
 import requests
 import tritonclient.http as httpclient
 from es_server import RunningServer
 
-ORT = 'backend: "onnxruntime"\n'
-MLP_CONFIG = """
-backend: "onnxruntime"
-max_batch_size: 8
-input { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }
-output { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }
-dynamic_batching { max_queue_delay_microseconds: 20000 }
-"""
+MLP_CONFIG = onnx_models.MLP_CONFIG + "dynamic_batching { max_queue_delay_microseconds: 20000 }\n"
 
 
 def ort_run(model: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

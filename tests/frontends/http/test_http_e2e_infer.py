@@ -17,7 +17,6 @@ import tritonclient.http as httpclient
 from es_server import ROOT, RunningServer, ServerFactory
 from http_e2e_helpers import (
     MLP_CONFIG,
-    ORT,
     assert_good_request_works,
     client,
     json_mlp_request,
@@ -25,7 +24,7 @@ from http_e2e_helpers import (
     ort_run,
     post_infer,
 )
-from onnx_models import write_model
+from onnx_models import ORT, write_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,13 +19,12 @@ import requests
 import tritonclient.grpc as grpcclient
 from es_server import RunningServer, ServerFactory
 from http_e2e_helpers import MLP_CONFIG, assert_good_request_works, post_infer
-from onnx_models import write_model
+from onnx_models import ORT, write_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.timeout(180)
 
-ORT = 'backend: "onnxruntime"\n'
 LIMIT = 65536
 
 

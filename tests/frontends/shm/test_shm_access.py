@@ -3,15 +3,13 @@ objects of real owners and modes, with the client's identity given as the fronte
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import struct
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shm_objects import shm_object
 
 from edgeserve.config import ConfigError, load_settings
 from edgeserve.frontends.peer import PeerIdentity
@@ -32,24 +30,6 @@ def local(uid: int, groups: tuple[int, ...], tmp: Path) -> PeerIdentity:
     ids = f"\t{uid}" * 4
     status.write_text(f"Uid:{ids}\nGid:{ids}\nGroups:\t{' '.join(map(str, groups))}\n")
     return PeerIdentity("zmq-ipc", "ipc", uid, uid, 7, tmp / str(uid))
-
-
-@contextlib.contextmanager
-def shm_object(uid: int, gid: int, mode: int, name: str = "es_acc") -> Iterator[str]:
-    key = f"{name}_{uuid.uuid4().hex[:10]}"
-    path = Path("/dev/shm") / key
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, 8192)
-        os.pwrite(fd, b"payload!", 0)
-        os.fchown(fd, uid, gid)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    try:
-        yield key
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def refused(registry: SharedMemoryRegistry, key: str, peer: PeerIdentity | None) -> str:
@@ -155,7 +135,7 @@ def test_clients_of_unknown_user_get_only_the_servers_objects_or_prefixed_keys()
         assert writable(registry, group_readable, lan)
         refused(registry, group_not, lan)
     prefixed = SharedMemoryRegistry(key_prefixes=["cam_"])
-    with shm_object(ALICE, ALICE, 0o600, name="cam") as camera:
+    with shm_object(ALICE, ALICE, 0o600, prefix="cam") as camera:
         assert writable(prefixed, camera, lan)  # the operator vouched for these keys
 
 

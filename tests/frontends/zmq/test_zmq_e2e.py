@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from es_server import ROOT, RunningServer, start_server
-from onnx_models import ONNX_TYPES, write_model
+from es_server import ROOT, RunningServer, scrape, start_server
+from onnx_models import ONNX_TYPES, ORT, write_model
 from tritonclient.utils import InferenceServerException
 from zmq_harness import assert_same, sample
 
@@ -26,7 +26,6 @@ PRODUCER = Path(__file__).with_name("zmq_producer.py")
 E2E_TYPES = list(
     ONNX_TYPES
 )  # BF16 is not served by the ONNX Runtime backend; its wire path is in test_zmq_frontend
-ORT = 'backend: "onnxruntime"\n'
 QUEUED_CONV = (
     ORT
     + """max_batch_size: 1
@@ -244,13 +243,7 @@ def test_inline_runs_and_worker_hand_offs_answer_and_count_alike(tmp_path: Path,
 
 
 def zmq_metrics(server: RunningServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"{server.base}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for name, _, value in (line.partition(" ") for line in text.splitlines())
-        if name.startswith("edgeserve_zmq_")
-    }
+    return scrape(server.base, "edgeserve_zmq_")
 
 
 @pytest.mark.parametrize("spin_us", ["10000", "0"])

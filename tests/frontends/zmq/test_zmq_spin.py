@@ -16,7 +16,7 @@ import zmq
 from es_server import wait_until
 
 from edgeserve.frontends.zmq.router import Router
-from edgeserve.frontends.zmq.spin import SpinPolicy
+from edgeserve.frontends.zmq.spin import BACKOFF_WAITS, SHARE_RETRY, SHARE_SAMPLE_MIN_S, CoreShare, SpinPolicy
 
 WINDOW_US = 10_000
 
@@ -40,8 +40,8 @@ class FakeClock:
 
 
 def policy(spin_us: int = WINDOW_US, step: float = 0.001) -> tuple[SpinPolicy, FakeClock]:
-    clock = FakeClock(step)
-    return SpinPolicy(spin_us, clock, clock.pause), clock
+    clock = FakeClock(step)  # also the CPU clock: the spinner has its core all the time
+    return SpinPolicy(spin_us, clock, clock.pause, clock), clock
 
 
 def test_a_request_within_the_window_is_caught() -> None:
@@ -97,6 +97,57 @@ def test_spaced_requests_turn_it_off_and_close_ones_back_on() -> None:
     assert back <= 12  # forgotten after a few close requests
 
 
+def test_a_spinner_that_does_not_get_its_core_sleeps_for_a_while_then_tries_again() -> None:
+    """Other processes busy on the core: the spinning thread gets a fifth of it. Spinning stops after
+    a few such spins, the next BACKOFF_WAITS waits sleep at once, then it is tried again; while the
+    core is free again, it goes on."""
+    clock = FakeClock()
+    cpu = {"t": 0.0, "share": 0.2}
+
+    def pause() -> None:
+        clock.pause()
+        cpu["t"] += clock.step * cpu["share"]
+
+    spin = SpinPolicy(WINDOW_US, clock, pause, lambda: cpu["t"])
+
+    def one_wait() -> bool:
+        """One idle wait whose request comes 2 ms in; True when it spun."""
+        since = clock.now
+        if not spin.active():
+            return False
+        spin.wait(since, lambda: clock.now >= since + 0.002, lambda: False)
+        return True
+
+    spins = 0
+    while one_wait():
+        spins += 1
+        assert spins < 10, "kept spinning on a core it did not get"
+    assert spins >= 2 and spin.core.backoff == BACKOFF_WAITS - 1  # the wait that slept counts
+    assert [one_wait() for _ in range(BACKOFF_WAITS - 1)] == [False] * (BACKOFF_WAITS - 1)
+    retried = 0
+    while one_wait():  # tried again: the core is still busy, so a few spins end it again
+        retried += 1
+        assert retried < 10
+    assert 1 <= retried < spins
+    for _ in range(BACKOFF_WAITS - 1):
+        one_wait()
+    cpu["share"] = 0.9  # the other processes are gone
+    assert all(one_wait() for _ in range(200))
+
+
+def test_core_share_ignores_spins_too_short_to_tell() -> None:
+    cpu = [0.0]
+    core = CoreShare(lambda: cpu[0])
+    for _ in range(100):
+        core.record(SHARE_SAMPLE_MIN_S / 2, 0.0)  # no CPU at all, but each spin was very short
+    assert core.ready() and core.share == 1.0
+    core.record(0.001, 0.0)
+    core.record(0.001, 0.0)
+    assert core.share < 1.0 and core.backoff == 0  # two poor spins: not yet
+    core.record(0.001, 0.0)
+    assert core.backoff == BACKOFF_WAITS and core.share == SHARE_RETRY
+
+
 def test_zero_never_spins() -> None:
     spin, clock = policy(spin_us=0)
     for _ in range(10):
@@ -122,7 +173,7 @@ def _router(endpoint: str, spin: SpinPolicy, got: list[Any]) -> Router:
 
 def test_the_router_counts_a_request_that_arrives_while_it_spins(endpoint: str) -> None:
     clock = FakeClock(step=0.0)  # frozen: the spin lasts until the request is there
-    spin = SpinPolicy(WINDOW_US, clock, clock.pause)
+    spin = SpinPolicy(WINDOW_US, clock, clock.pause, clock)
     got: list[Any] = []
     ctx: zmq.Context[Any] = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -150,7 +201,7 @@ def test_the_router_counts_a_request_that_arrives_while_it_spins(endpoint: str) 
 
 def test_the_router_never_spins_with_zero(endpoint: str) -> None:
     clock = FakeClock()
-    spin = SpinPolicy(0, clock, clock.pause)
+    spin = SpinPolicy(0, clock, clock.pause, clock)
     got: list[Any] = []
     ctx: zmq.Context[Any] = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)

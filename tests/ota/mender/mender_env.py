@@ -64,6 +64,27 @@ def serving_v1() -> Any:
     return fleet
 
 
+def fleet_fixture() -> Any:
+    """A test file's `fleet` fixture (`fleet = fleet_fixture()`): a copy of `serving_v1()` per test."""
+    import pytest
+
+    @pytest.fixture
+    def fleet(tmp_path: Path) -> Any:
+        return copy_of_v1(tmp_path)
+
+    return fleet
+
+
+def copy_of_v1(tmp: Path) -> Any:
+    """A Fleet whose state folder is a copy of `serving_v1()`'s under `tmp`, for one test to change."""
+    from ota_fixtures import Fleet
+
+    template = serving_v1()
+    state = tmp / "state"
+    shutil.copytree(template.state, state, symlinks=True)  # the store's links are relative
+    return Fleet(tmp, template.key, template.public, state)
+
+
 class MenderEnv:
     def __init__(self, tmp: Path, state_dir: Path, *, device_type: str = "edge-x86") -> None:
         self.tmp = tmp

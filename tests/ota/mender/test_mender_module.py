@@ -6,7 +6,6 @@ in tests/security/test_fleet_engines_mender.py."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,24 +14,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "supervisor"))
-from mender_env import MenderEnv, kill_tree, raw_artifact, serving_v1, unavailable, wait_file, wrap
+from mender_env import MenderEnv, fleet_fixture, kill_tree, raw_artifact, unavailable, wait_file, wrap
 from ota_fixtures import Fleet, edgeserve, mlp_check, status
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
-@pytest.fixture(scope="module")
-def template() -> Fleet:
-    """A key and a state folder serving vision v1 (made once per run: installing costs a trial server)."""
-    fleet: Fleet = serving_v1()
-    return fleet
-
-
-@pytest.fixture
-def fleet(template: Fleet, tmp_path: Path) -> Fleet:
-    state = tmp_path / "state"
-    shutil.copytree(template.state, state, symlinks=True)  # the store's links are relative
-    return Fleet(tmp_path, template.key, template.public, state)
+fleet = fleet_fixture()  # serving vision v1: a copy per test of one install (it costs a trial server)
 
 
 @pytest.fixture

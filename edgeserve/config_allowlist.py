@@ -9,6 +9,8 @@ every setting is in one of the two tables and that the docs list ALLOWED).
 
 The same rule holds for the overlay the agent persisted (`<state_dir>/fleet/settings.toml`): a key
 outside ALLOWED in it (written by an older version, or by hand) is dropped at load with a warning.
+Loading enforces it (config.py), so it lives with the settings; the fleet agent and the supervisor
+ask it too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Any
+
+from edgeserve.logs import safe
 
 log = logging.getLogger("edgeserve.fleet")
 
@@ -110,8 +114,6 @@ def why_refused(name: str) -> str | None:
 
 def refused_keys(changes: Mapping[str, Any]) -> list[str]:
     """Every "section.key (why)" of `{section: {key: value}}` that a command may not set, sorted."""
-    from edgeserve.fleet.safe_text import safe
-
     refused: list[str] = []
     for section, values in changes.items():
         keys = values if isinstance(values, Mapping) else {"*": None}
@@ -124,8 +126,6 @@ def refused_keys(changes: Mapping[str, Any]) -> list[str]:
 
 def only_allowed(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The overlay without what a command may not set; what was dropped is logged."""
-    from edgeserve.fleet.safe_text import safe
-
     kept: dict[str, Any] = {}
     for section, values in data.items():
         if not isinstance(values, Mapping):

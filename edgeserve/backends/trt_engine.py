@@ -2,7 +2,7 @@
 
 Pure parts (shape specs, profile derivation, cache keys, manifest checks) run anywhere and are unit
 tested without a GPU. `build_engine` needs `tensorrt` and runs in a child process
-(`python -m edgeserve.hardware.trt_engine build ...`) so a long or crashing build never takes the
+(`python -m edgeserve.backends.trt_engine build ...`) so a long or crashing build never takes the
 server down; the parent relays the builder's progress lines and says "still building" meanwhile.
 
 Cache layout: <cache_dir>/<key>.plan + <key>.json (manifest). The key covers everything that makes an
@@ -144,14 +144,6 @@ class DeviceIdentity:
     l4t: str | None = None  # Jetson L4T release (JetPack upgrades change TensorRT)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def manifest_for(
     onnx_sha256: str, device: DeviceIdentity, trt_version: str, spec: EngineSpec
 ) -> dict[str, Any]:
@@ -208,7 +200,7 @@ class EngineCache:
 def build_in_subprocess(onnx: Path, out: Path, spec: EngineSpec, progress: Callable[[str], None],
                         timeout_s: float | None = None) -> None:  # fmt: skip
     """Build `out` from `onnx` in a child process, relaying its progress; raises RuntimeError on failure."""
-    cmd = [sys.executable, "-m", "edgeserve.hardware.trt_engine", "build", str(onnx), str(out),
+    cmd = [sys.executable, "-m", "edgeserve.backends.trt_engine", "build", str(onnx), str(out),
            json.dumps(spec.to_json())]  # fmt: skip
     started = time.monotonic()
     progress(f"building TensorRT engine for {onnx.name} ({spec.precision}); this can take minutes")
@@ -305,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the child 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 4 or args[0] != "build":
         print(
-            "usage: python -m edgeserve.hardware.trt_engine build MODEL.onnx OUT.plan SPEC_JSON",
+            "usage: python -m edgeserve.backends.trt_engine build MODEL.onnx OUT.plan SPEC_JSON",
             file=sys.stderr,
         )
         return 2

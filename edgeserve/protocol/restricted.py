@@ -4,7 +4,7 @@ A group `<category>[,<category>...]:<key>=<value>` makes every request of those 
 header `<key>: <value>` (HTTP) or the metadata `triton-grpc-protocol-<key>: <value>` (gRPC), whoever
 sends it, loopback peers included. Parsed as Triton's `command_line_parser.cc` does (the first ':' ends
 the categories, the first '=' after it ends the key; a category may sit in one group only), with the
-same messages. Light on imports: config.py uses it at load.
+same messages. Light on imports: config.py uses it at load, the frontends to check each request.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """How a verified bundle is tried and switched in: a trial server (a second `edgeserve serve` on a
 private socket) loads, warms up and checks the new models while the running server keeps serving the
-old ones; after the link switch the running server reloads them through its own repository API."""
+old ones; after the link switch the running server reloads them through its own repository API.
+
+The installer (ota/installer.py) sees these as its `Activator`; they run server processes, the
+supervisor's trade (child.py, control.py), both under the supervisor and offline (`edgeserve bundle
+install` with no appliance running)."""
 
 from __future__ import annotations
 
