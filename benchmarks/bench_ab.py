@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import Side
-from common import ROOT, WORKLOADS, Result, Workload, progress, run_async
+from common import ROOT, WORKLOADS, Result, Workload, progress, run_connected
 from es_server import RunningServer, start_server
 from peer_clients import CALLERS
 
@@ -51,9 +51,7 @@ def drive(
     address: str, transport: str, work: Workload, x: np.ndarray, clients: int, seconds: float
 ) -> Result:
     caller = CALLERS[transport](address, work, x, clients)
-    return run_async(
-        transport, caller, clients, work.max_requests, seconds, setup=caller.open, teardown=caller.close
-    )
+    return run_connected(transport, caller, clients, work.max_requests, seconds)
 
 
 def main() -> int:

@@ -433,6 +433,12 @@ def verdict(value: float, target: float) -> str:
     return f"{'met' if value < target else 'MISSED'} ({value / target:.2f}x of the target)"
 
 
+def target_row(label: str, value: str, measured: float, target: str) -> str:
+    """A table row showing `value`, with `measured` checked against the size TARGETS[target] (MB)."""
+    limit = TARGETS[target]
+    return f"| {label} | {value} | < {limit:.0f} MB | {verdict(measured, limit)} |"
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [
         f"Machine: {res['machine']}; edgeserve at {res.get('code', 'unknown')}",
@@ -458,9 +464,9 @@ def markdown(res: dict[str, Any]) -> str:
     idle = res.get("idle", {})
     if "empty" in idle:
         m = idle["empty"]
+        rss = m["supervisor_rss_mb"]
         lines.append(
-            f"| supervisor alone, RSS | {fmt(m['supervisor_rss_mb'], ' MB', 1)} | < 40 MB | "
-            f"{verdict(m['supervisor_rss_mb']['median'], TARGETS['supervisor_rss_mb'])} |"
+            target_row("supervisor alone, RSS", fmt(rss, " MB", 1), rss["median"], "supervisor_rss_mb")
         )
         for key in ("supervisor_uss_mb", "supervisor_pss_mb"):
             if key in m:
@@ -470,10 +476,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| server child, empty repository, RSS | {fmt(m['server_rss_mb'], ' MB', 1)} | | |")
     if "mlp" in idle:
         m = idle["mlp"]
-        lines.append(
-            f"| supervisor + server, mlp on ORT, idle RSS | {fmt(m['total_rss_mb'], ' MB', 1)} | "
-            f"< 150 MB | {verdict(m['total_rss_mb']['median'], TARGETS['mlp_rss_mb'])} |"
-        )
+        rss, label = m["total_rss_mb"], "supervisor + server, mlp on ORT, idle RSS"
+        lines.append(target_row(label, fmt(rss, " MB", 1), rss["median"], "mlp_rss_mb"))
         for key in ("total_uss_mb", "total_pss_mb", "supervisor_rss_mb", "server_rss_mb", "server_uss_mb"):
             if key in m:
                 lines.append(
@@ -481,12 +485,13 @@ def markdown(res: dict[str, Any]) -> str:
                 )
     if "load" in res:
         ld = res["load"]
-        lines.append(
-            f"| mlp under load ({ld['clients']} threads HTTP+gRPC, {ld['seconds']:.0f} s, "
-            f"{ld['req_per_s']:.0f} req/s): total RSS peak / end | {ld['peak_total_rss_mb']:.1f} / "
-            f"{ld['end_total_rss_mb']:.1f} MB (idle {ld['idle_total_rss_mb']:.1f}) | < 150 MB | "
-            f"{verdict(ld['peak_total_rss_mb'], TARGETS['mlp_rss_mb'])} |"
+        label = (
+            f"mlp under load ({ld['clients']} threads HTTP+gRPC, {ld['seconds']:.0f} s, "
+            f"{ld['req_per_s']:.0f} req/s): total RSS peak / end"
         )
+        peak = ld["peak_total_rss_mb"]
+        value = f"{peak:.1f} / {ld['end_total_rss_mb']:.1f} MB (idle {ld['idle_total_rss_mb']:.1f})"
+        lines.append(target_row(label, value, peak, "mlp_rss_mb"))
     if "full" in idle:
         m = idle["full"]
         r = m["total_rss_mb"]["median"]
@@ -498,10 +503,8 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| … total USS | {fmt(m['total_uss_mb'], ' MB', 1)} | | |")
     if "install" in res:
         ins = res["install"]
-        lines.append(
-            f"| pip install .[{ins['extra']}], venv minus empty venv | {ins['installed_mb']:.1f} MB | "
-            f"< 400 MB | {verdict(ins['installed_mb'], TARGETS['install_mb'])} |"
-        )
+        label = f"pip install .[{ins['extra']}], venv minus empty venv"
+        lines.append(target_row(label, f"{ins['installed_mb']:.1f} MB", ins["installed_mb"], "install_mb"))
         lines += [
             "",
             "Largest distributions in site-packages (MB; pip/setuptools of the empty venv left out):",

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import CONFIG, build_model
-from common import ROOT, machine_facts, percentile, progress
+from common import ROOT, PausedTree, machine_facts, percentile, progress
 from es_server import RunningServer, free_port, get_status, server_command
 
 CLIENT = Path(__file__).resolve().parent / "fastpath_client.py"
@@ -64,25 +65,44 @@ class Variant:
     server_env: dict[str, str] = field(default_factory=dict)
     spin_us: int = -1
     server: RunningServer | None = None
-    paused: list[psutil.Process] = field(default_factory=list)
+    paused: PausedTree = field(default_factory=PausedTree)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(self.src)}
 
     def pause(self) -> None:
-        if self.server is None or self.paused:
-            return
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self.server.process.pid)
-            for process in [root, *root.children(recursive=True)]:
-                process.suspend()
-                self.paused.append(process)
+        if self.server is not None:
+            self.paused.pause(self.server.process.pid)
 
     def resume(self) -> None:
-        for process in reversed(self.paused):
-            with contextlib.suppress(psutil.Error):
-                process.resume()
-        self.paused = []
+        self.paused.resume()
+
+
+def measure_only(variants: list[Variant], variant: Variant | None) -> None:
+    """Pause every variant's server but `variant`'s (None: the in-process phase), resume that one."""
+    for other in variants:
+        if other is not variant:
+            other.pause()
+    if variant is not None:
+        variant.resume()
+
+
+@contextlib.contextmanager
+def servers(
+    variants: list[Variant], repo: Path, tmp: Path, flags: Sequence[str] = (), timeout: float = 240.0
+) -> Iterator[None]:
+    """Every variant's server started (and paused); resumed and stopped on the way out."""
+    try:
+        for variant in variants:
+            progress(f"starting {variant.name}: {variant.src} {variant.server_env or ''}")
+            variant.server = start_server(variant, repo, tmp, flags, timeout)
+            variant.pause()
+        yield
+    finally:
+        for variant in variants:
+            variant.resume()
+            if variant.server is not None:
+                variant.server.stop()
 
 
 def parse_variant(text: str) -> Variant:
@@ -103,18 +123,20 @@ def parse_variant(text: str) -> Variant:
     return variant
 
 
-def start_server(variant: Variant, repo: Path, tmp: Path) -> RunningServer:
+def start_server(
+    variant: Variant, repo: Path, tmp: Path, flags: Sequence[str] = (), timeout: float = 240.0
+) -> RunningServer:
     """`python -m edgeserve serve` run from the variant's tree (its cwd and PYTHONPATH)."""
     http_port, grpc_port = free_port(), free_port()
     endpoint = f"ipc://{tmp}/{variant.name}.zmq"
     log_path = tmp / f"server-{variant.name}.log"
-    cmd = server_command("serve", repo, http_port, grpc_port, endpoint, ["--log-level", "WARNING"])
+    cmd = server_command("serve", repo, http_port, grpc_port, endpoint, ["--log-level", "WARNING", *flags])
     env = {**variant.env(), "EDGESERVE_SERVER_STATE_DIR": str(tmp / f"state-{variant.name}"),
            **variant.server_env}  # fmt: skip
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=variant.src)
     server = RunningServer(process, http_port, grpc_port, endpoint, log_path, repo, variant.server_env)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{variant.name}: edgeserve exited:\n{server.log()}")
@@ -122,7 +144,7 @@ def start_server(variant: Variant, repo: Path, tmp: Path) -> RunningServer:
             return server
         time.sleep(0.1)
     server.stop()
-    raise RuntimeError(f"{variant.name}: edgeserve not ready in 240 s:\n{server.log()}")
+    raise RuntimeError(f"{variant.name}: edgeserve not ready in {timeout:.0f} s:\n{server.log()}")
 
 
 def served_parameters(variants: list[Variant]) -> dict[str, str]:
@@ -190,11 +212,7 @@ def main() -> int:
     latencies["inproc"] = []
     cpu: dict[str, list[float]] = {name: [] for name in latencies}
     cpu_us: dict[str, list[tuple[float, float]]] = {name: [] for name in latencies}  # client, server
-    try:
-        for variant in variants:
-            progress(f"starting {variant.name}: {variant.src} {variant.server_env or ''}")
-            variant.server = start_server(variant, repo, tmp)
-            variant.pause()
+    with servers(variants, repo, tmp):
         tuned = served_parameters(variants)
         checksums: dict[str, float] = {}
         names = ["inproc", *(v.name for v in variants)]
@@ -202,14 +220,11 @@ def main() -> int:
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
                 variant = next((v for v in variants if v.name == name), None)
-                for other in variants:
-                    if other is not variant:
-                        other.pause()
+                measure_only(variants, variant)
                 if variant is None:
                     client = ["--mode", "inproc", "--repo", str(repo), "--params", json.dumps(tuned)]
                     result = run_client(client, {**os.environ, "PYTHONPATH": str(ROOT)}, args.seconds)
                 else:
-                    variant.resume()
                     assert variant.server is not None
                     client = ["--mode", args.mode, "--endpoint", variant.server.zmq_endpoint,
                               "--slots", str(args.slots), "--spin-us", str(variant.spin_us)]  # fmt: skip
@@ -229,11 +244,6 @@ def main() -> int:
             if abs(value - reference) > 1e-3 * max(1.0, abs(reference)):
                 raise SystemExit(f"{name}: output checksum {value} differs from in-process {reference}")
         report(args, variants, latencies, cpu, cpu_us, facts, tmp)
-    finally:
-        for variant in variants:
-            variant.resume()
-            if variant.server is not None:
-                variant.server.stop()
     return 0
 
 

@@ -40,6 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,48 +50,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytriton_peer
 from common import (
     ROOT,
-    WORKLOADS,
     CpuMeter,
     InProcess,
     Result,
     Workload,
     add_backend_argument,
     bench_repository,
+    chosen_workloads,
     free_port,
     machine_facts,
+    prepare_samples,
     progress,
-    run_async,
+    run_connected,
     run_threads,
     served_config,
+    workload_parser,
 )
-from es_server import terminate
+from es_server import Endpoints, terminate
 from peer_clients import Stream
 
 
 # -- processes ----------------------------------------------------------------------------------------
-class Service:
+@dataclass
+class Service(Endpoints):
     """A server process started here (edgeserve or PyTriton) on loopback ports."""
 
-    def __init__(
-        self, name: str, process: subprocess.Popen[bytes], http_port: int, grpc_port: int, log_path: Path
-    ) -> None:
-        self.name = name
-        self.process = process
-        self.http_port = http_port
-        self.grpc_port = grpc_port
-        self.log_path = log_path
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+    name: str
+    process: subprocess.Popen[bytes]
+    http_port: int
+    grpc_port: int
+    log_path: Path
 
     def _ok(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as response:
+            with urllib.request.urlopen(self.base + path, timeout=2) as response:
                 return int(response.status) == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
@@ -271,16 +264,7 @@ def remote_phase(
 ) -> Result:
     url = service.http_url if transport == "HTTP" else service.grpc_url
     caller = TRANSPORTS[transport](url, work, x, clients)
-    return run_async(
-        label,
-        caller,
-        clients,
-        work.max_requests,
-        seconds,
-        meter,
-        setup=caller.open,
-        teardown=caller.close,
-    )
+    return run_connected(label, caller, clients, work.max_requests, seconds, meter)
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -326,25 +310,18 @@ def ratio_line(tag: str, chosen: dict[str, Result]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
-    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser = workload_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=5.0, help="time limit per phase")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the median is kept")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
     add_backend_argument(parser)
     parser.add_argument("--no-pytriton", action="store_true", help="leave the PyTriton peer out")
     parser.add_argument("--no-pytriton-install", action="store_true", help="use the venv only if it exists")
     parser.add_argument("--pytriton-venv", type=Path, default=pytriton_peer.DEFAULT_VENV)
     args = parser.parse_args()
 
-    works = [WORKLOADS[m] for m in args.models.split(",")]
-    from edgeserve.samples import prepare
-
-    prepare(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+    works = chosen_workloads(args)
+    prepare_samples(args.model_repository, works)
     facts = machine_facts()
     with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
         report = run(args, works, repository)

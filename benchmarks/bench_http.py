@@ -28,20 +28,21 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import (  # noqa: E402
-    ROOT,
-    WORKLOADS,
     CpuMeter,
     InProcess,
     Result,
     Workload,
     add_backend_argument,
     bench_repository,
+    chosen_workloads,
     machine_facts,
     merge,
+    prepare_samples,
     progress,
-    run_async,
+    run_connected,
     run_threads,
     start_server,
+    workload_parser,
 )
 
 
@@ -111,10 +112,7 @@ def http_phase(
     seconds: float,
     meter: CpuMeter | None,
 ) -> Result:
-    caller = HttpCaller(base, work, x)
-    return run_async(
-        label, caller, clients, requests, seconds, meter, setup=caller.open, teardown=caller.close
-    )
+    return run_connected(label, HttpCaller(base, work, x), clients, requests, seconds, meter)
 
 
 def check_same_runtime(base: str, work: Workload, inproc: InProcess, x: np.ndarray) -> None:
@@ -146,25 +144,17 @@ def fmt_row(r: Result, ratio: str = "") -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
-    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser = workload_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=10.0, help="time per side and row (all slices)")
     parser.add_argument(
         "--slices", type=int, default=5, help="alternating in-process / edgeserve slices per row"
     )
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
     add_backend_argument(parser)
     args = parser.parse_args()
-    works = [WORKLOADS[m] for m in args.models.split(",")]
+    works = chosen_workloads(args)
     client_counts = [int(c) for c in args.clients.split(",")]
-
-    from edgeserve.samples import prepare
-
-    prepare(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+    prepare_samples(args.model_repository, works)
     facts = machine_facts()
     rows: list[str] = []
     runtimes: list[str] = []

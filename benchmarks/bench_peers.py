@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlserver_peer
@@ -53,18 +52,20 @@ import pytriton_peer
 import ray_peer
 from client_pool import ClientPool
 from common import (
-    ROOT,
-    WORKLOADS,
     CpuMeter,
     InProcess,
+    PausedTree,
     Result,
     Workload,
     bench_repository,
+    chosen_workloads,
     machine_facts,
+    prepare_samples,
     progress,
-    run_async,
+    run_connected,
     run_threads,
     served_config,
+    workload_parser,
 )
 from es_server import RunningServer, start_server
 from peer_clients import CALLERS, one_call
@@ -80,28 +81,13 @@ class Side:
 
     def __init__(self, name: str, pid: int, addresses: dict[str, str], stop: Any) -> None:
         self.name, self.pid, self.addresses, self.stop = name, pid, addresses, stop
-        self.paused: list[psutil.Process] = []
+        self.paused = PausedTree()
 
     def pause(self) -> None:
-        """SIGSTOP to its whole tree while another side is measured: an idle server's timers and
-        helper processes (Ray's above all) then take no CPU and cause no wake-ups in that phase."""
-        if self.paused:
-            return
-        try:
-            root = psutil.Process(self.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
-        for process in tree:
-            with contextlib.suppress(psutil.Error):
-                process.suspend()
-                self.paused.append(process)
+        self.paused.pause(self.pid)
 
     def resume(self) -> None:
-        for process in reversed(self.paused):
-            with contextlib.suppress(psutil.Error):
-                process.resume()
-        self.paused = []
+        self.paused.resume()
 
 
 def only_running(sides: list[Side], running: Side | None, enabled: bool) -> None:
@@ -236,16 +222,7 @@ def remote(
     if pool is not None:
         return pool.run(label, transport, side.addresses[transport], work, x, clients, seconds, meter)
     caller = CALLERS[transport](side.addresses[transport], work, x, clients)
-    return run_async(
-        label,
-        caller,
-        clients,
-        work.max_requests,
-        seconds,
-        meter,
-        setup=caller.open,
-        teardown=caller.close,
-    )
+    return run_connected(label, caller, clients, work.max_requests, seconds, meter)
 
 
 def measure(
@@ -321,11 +298,7 @@ def measure(
 
 # -- main -----------------------------------------------------------------------------------------------
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
-    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser = workload_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=3.0, help="time limit per phase")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the median is kept")
@@ -353,7 +326,6 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
     parser.add_argument("--render", type=Path, help="print the table of a saved --json run and exit")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -382,7 +354,7 @@ def main() -> int:
     if args.render:
         print(render(json.loads(args.render.read_text())))
         return 0
-    works = [WORKLOADS[m] for m in args.models.split(",")]
+    works = chosen_workloads(args)
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(PEERS)
     if unknown:
@@ -410,9 +382,7 @@ def main() -> int:
     if args.in_netns:
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=30)
         report["netns"] = "measured inside a new network namespace with only lo (unshare --net)"
-    from edgeserve.samples import prepare as prepare_samples
-
-    prepare_samples(args.model_repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+    prepare_samples(args.model_repository, works)
     report["machine"] = machine_facts()
     t0 = time.monotonic()
     with (

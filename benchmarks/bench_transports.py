@@ -34,38 +34,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fastpath_ab import Variant, cpu_flags, parse_variant
+from bench_fastpath_ab import Variant, cpu_flags, measure_only, parse_variant, servers
 from common import ROOT, machine_facts, progress
-from es_server import RunningServer, free_port, get_status, server_command
+from es_server import RunningServer
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")
 SHAPES = {"ppocr_det": ["x:1,3,320,320"], "ppocr_rec": ["x:3,48,320"], "ocr": ["IMAGE:480,640,3"]}
 DEFAULT_MODELS = ("mlp", "ppocr_det", "ppocr_cls", "ppocr_rec", "ocr")
-
-
-def start_server(variant: Variant, tmp: Path, models: list[str]) -> RunningServer:
-    http_port, grpc_port = free_port(), free_port()
-    endpoint = f"ipc://{tmp}/{variant.name}.zmq"
-    log_path = tmp / f"server-{variant.name}.log"
-    loads = [arg for model in models for arg in ("--load-model", model)]
-    flags = ["--host", "127.0.0.1", "--log-level", "WARNING", *loads]
-    cmd = server_command("serve", ROOT / "models", http_port, grpc_port, endpoint, flags)
-    env = {**variant.env(), "EDGESERVE_SERVER_STATE_DIR": str(tmp / f"state-{variant.name}"),
-           **variant.server_env}  # fmt: skip
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=variant.src)
-    server = RunningServer(
-        process, http_port, grpc_port, endpoint, log_path, ROOT / "models", variant.server_env
-    )
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{variant.name}: edgeserve exited:\n{server.log()}")
-        if get_status(server.base + "/v2/health/ready") == 200:
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"{variant.name}: edgeserve not ready in 600 s:\n{server.log()}")
 
 
 def bench(
@@ -110,32 +85,21 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="es-transports-"))
     facts = f"{machine_facts()}; {cpu_flags()}"
     results: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
-    try:
-        for variant in variants:
-            progress(f"starting {variant.name} ({variant.src}) with {', '.join(models)}")
-            variant.server = start_server(variant, tmp, models)
-            variant.pause()
+    loads = ["--host", "127.0.0.1", *(arg for model in models for arg in ("--load-model", model))]
+    with servers(variants, ROOT / "models", tmp, loads, timeout=600):
         cells = [(v, p) for v in variants for p in protocols]
         for model in models:
             for n in clients:
                 for rnd in range(args.rounds):
                     shift = rnd % len(cells)
                     for variant, protocol in cells[shift:] + cells[:shift]:
-                        for other in variants:
-                            if other is not variant:
-                                other.pause()
-                        variant.resume()
+                        measure_only(variants, variant)
                         assert variant.server is not None
                         point = bench(variant.server, model, protocol, n, args)
                         results.setdefault((model, n, variant.name, protocol), []).append(point)
                         rate = f"{point['throughput']:.1f} infer/s, p50 {point['p50_ms']:.2f} ms"
                         progress(f"{model} x{n} round {rnd + 1}: {variant.name} {protocol} {rate}")
         report(args, variants, models, clients, protocols, results, facts)
-    finally:
-        for variant in variants:
-            variant.resume()
-            if variant.server is not None:
-                variant.server.stop()
     return 0
 
 

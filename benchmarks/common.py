@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -41,10 +41,11 @@ from es_server import start_server as _start_server  # noqa: E402
 
 from edgeserve.bench.stats import percentile  # noqa: E402  (the same nearest-rank rule as `edgeserve bench`)
 
-__all__ = ["BACKENDS", "ROOT", "WORKLOADS", "CpuMeter", "InProcess", "Result", "RunningServer", "Workload",
-           "add_backend_argument", "bench_repository", "free_port", "machine_facts", "merge", "percentile",
-           "plan_selector", "progress", "read_config", "run_async", "run_threads", "served_config",
-           "start_server"]  # fmt: skip
+__all__ = ["BACKENDS", "ROOT", "WORKLOADS", "Connections", "CpuMeter", "InProcess", "PausedTree",
+           "Result", "RunningServer", "Workload", "add_backend_argument", "bench_repository",
+           "chosen_workloads", "free_port", "machine_facts", "merge", "percentile", "plan_selector",
+           "prepare_samples", "progress", "read_config", "run_async", "run_connected",
+           "run_threads", "served_config", "start_server", "workload_parser"]  # fmt: skip
 
 
 def progress(message: str) -> None:
@@ -236,6 +237,55 @@ def run_async(
     return result
 
 
+class Connections(Protocol):
+    """A load generator's client: one request per call, over connections it opens and closes itself."""
+
+    def __call__(self) -> Awaitable[Any]: ...
+    def open(self) -> Awaitable[None]: ...
+    def close(self) -> Awaitable[None]: ...
+
+
+def run_connected(
+    label: str,
+    caller: Connections,
+    clients: int,
+    max_requests: int,
+    max_seconds: float,
+    meter: CpuMeter | None = None,
+) -> Result:
+    """`run_async` with the caller's connections opened before the measurement and closed after it."""
+    return run_async(
+        label, caller, clients, max_requests, max_seconds, meter, setup=caller.open, teardown=caller.close
+    )
+
+
+class PausedTree:
+    """A process and its descendants stopped (SIGSTOP) while another server is measured: an idle
+    server's timers and helper processes then take no CPU and cause no wake-ups in that phase."""
+
+    def __init__(self) -> None:
+        self.processes: list[psutil.Process] = []
+
+    def pause(self, pid: int) -> None:
+        if self.processes:
+            return
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.suspend()
+                self.processes.append(process)
+
+    def resume(self) -> None:
+        for process in reversed(self.processes):
+            with contextlib.suppress(psutil.Error):
+                process.resume()
+        self.processes = []
+
+
 # -- the server process ------------------------------------------------------------------------------------
 def start_server(repository: Path, models: list[str], extra_args: list[str] | None = None,
                  timeout: float = 180.0) -> RunningServer:  # fmt: skip
@@ -285,6 +335,26 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def workload_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of every model-by-model bench: --models, --clients, --model-repository."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
+    parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
+    return parser
+
+
+def chosen_workloads(args: argparse.Namespace) -> list[Workload]:
+    return [WORKLOADS[m] for m in args.models.split(",")]
+
+
+def prepare_samples(repository: Path, works: list[Workload]) -> None:
+    """The sample models in `repository` (the PP-OCR ones only when a workload needs them)."""
+    from edgeserve.samples import prepare
+
+    prepare(repository, with_ppocr=any(w.model.startswith("ppocr") for w in works))
+
+
 def read_config(path: Path) -> Any:
     """A config.pbtxt as tritonclient's ModelConfig message (text format, as Triton reads it)."""
     from google.protobuf import text_format
@@ -311,10 +381,17 @@ def served_config(http_base: str, model: str, folder: Path) -> Path:
 _PIN = re.compile(r"^(backend|platform)\s*:")  # top-level fields only: they start a line in these configs
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 @contextlib.contextmanager
 def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[Path]:
     """The repository one run serves. `plan`: `source` itself. Otherwise a temporary one (removed
-    afterwards): per model, its version folders with the model files symlinked from `source` and its
+    afterwards): per model, its version folders with the model files linked from `source` and its
     config.pbtxt copied with any `backend:`/`platform:` line replaced by `backend: "<backend>"`, so the
     server runs the runtime the in-process baseline runs, whatever the plan would pick."""
     if backend == "plan":
@@ -328,8 +405,8 @@ def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[
             src, dst = source / model, root / model
             for version in sorted(p for p in src.iterdir() if p.is_dir() and p.name.isdigit()):
                 (dst / version.name).mkdir(parents=True)
-                for item in version.iterdir():
-                    (dst / version.name / item.name).symlink_to(item.resolve())
+                # hard links (copies across filesystems): the server refuses a symlink out of a version folder
+                shutil.copytree(version, dst / version.name, copy_function=_link_or_copy, dirs_exist_ok=True)
             config = src / "config.pbtxt"  # none: the server completes it from the model
             lines = config.read_text(encoding="utf-8").splitlines() if config.exists() else []
             text = "\n".join(line for line in lines if not _PIN.match(line))

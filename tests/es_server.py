@@ -43,6 +43,10 @@ class Endpoints:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -64,10 +68,6 @@ class RunningServer(Endpoints):
     log_path: Path
     repository: Path
     extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
 
     def alive(self) -> bool:
         return self.process.poll() is None

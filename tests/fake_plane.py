@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +30,24 @@ from edgeserve.server.dataplane import DataPlane
 Fn = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+@dataclass(eq=False)
 class FakeScheduler:
     """Runs `fn` on `pool`. `mode`: "" runs it, "full" refuses every job (UNAVAILABLE), "crash" fails
     every job in the backend. `max_queue` > 0 refuses jobs while that many are queued or running;
     `delay_s` sleeps before each job; a `gate` event set on the scheduler holds jobs until it is set."""
 
-    def __init__(
-        self,
-        fn: Fn,
-        stats: ModelStats,
-        pool: ThreadPoolExecutor,
-        *,
-        mode: str = "",
-        max_queue: int = 0,
-        delay_s: float = 0.0,
-        copy_inputs: bool = False,
-    ) -> None:
-        self.fn = fn
-        self.stats = stats
-        self.pool = pool
-        self.mode = mode
-        self.max_queue = max_queue
-        self.delay_s = delay_s
-        self.copy_inputs = copy_inputs
-        self.jobs: list[Job] = []  # what reached the scheduler (priority, timeout checks)
-        self.queued = 0
-        self.lock = threading.Lock()
-        self.gate: threading.Event | None = None  # when set, jobs wait for it before running
+    fn: Fn
+    stats: ModelStats
+    pool: ThreadPoolExecutor
+    _: KW_ONLY
+    mode: str = ""
+    max_queue: int = 0
+    delay_s: float = 0.0
+    copy_inputs: bool = False
+    jobs: list[Job] = field(default_factory=list, init=False)  # what reached the scheduler
+    queued: int = field(default=0, init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    gate: threading.Event | None = field(default=None, init=False)  # when set, jobs wait for it
 
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
         return False  # the frontend-layer tests exercise the queued path

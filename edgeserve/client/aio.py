@@ -10,47 +10,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
 from edgeserve.client import _core
+from edgeserve.client._base import ClientBase, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
-from edgeserve.client.zmq_client import _EVENTS, _LATE_MAX, _POLLIN, DEFAULT_ENDPOINT
+from edgeserve.client.zmq_client import _EVENTS, _POLLIN
 from edgeserve.frontends.zmq import wire
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 _SEND_RETRY_S = 0.001
 
 
-class AsyncZmqClient:
-    """The asyncio twin of `ZmqClient`; use it from one event loop."""
+class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]]):
+    """The asyncio twin of `ZmqClient`; use it from one event loop. The constructor's arguments:
+    see ClientBase."""
 
-    def __init__(
-        self,
-        endpoint: str = DEFAULT_ENDPOINT,
-        timeout: float = 10.0,
-        *,
-        copy_inputs: bool = True,
-        context: zmq.Context[Any] | None = None,
-        identity: bytes | None = None,
-    ) -> None:
-        """`context`: any zmq.Context (a zmq.asyncio one too: the socket made here is a plain one)."""
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.copy_inputs = copy_inputs
-        self.identity = identity or uuid.uuid4().bytes
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
-        self._loop: asyncio.AbstractEventLoop | None = None  # where the reader is installed
-        self._next_id = _core.first_request_id()
-        self._pending: dict[int, tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]] = {}
-        self._late: dict[int, Pending] = {}
-        self._rings: list[FrameRing] = []
-        self._registrations = _core.Registrations()
+    _loop: asyncio.AbstractEventLoop | None = None  # where the socket's reader is installed
 
     # -- inference ------------------------------------------------------------------------------
     async def submit(
@@ -59,29 +42,13 @@ class AsyncZmqClient:
         inputs: Mapping[str, InputValue],
         outputs: Outputs = None,
         *,
-        version: str = "",
-        ring: FrameRing | None = None,
         timeout: float | None = None,
-        priority: int = 0,
-        timeout_us: int = 0,
-        parameters: Mapping[str, Any] | None = None,
+        **options: Unpack[RequestOptions],
     ) -> asyncio.Future[InferResult]:
         """Send one request; returns a future of its result (same arguments as `ZmqClient.submit`)."""
         if self._registrations.lost:
             await self._register_again()
-        pending = Pending(self._take_id())
-        frames = _core.build_infer(
-            pending,
-            model,
-            inputs,
-            outputs,
-            version=version,
-            ring=ring,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            copy_inputs=self.copy_inputs,
-        )
+        pending, frames = self._request(model, inputs, outputs, options)
         return await self._send(pending, frames, timeout)
 
     async def infer(
@@ -129,25 +96,14 @@ class AsyncZmqClient:
 
     async def create_ring(self, slots: int, slot_size: int, name: str | None = None) -> FrameRing:
         ring = FrameRing(slots, slot_size, name=name)
-        try:
-            await self.register_ring(ring)
-        except ClientError as exc:
-            ring.close()
-            # A sealed memfd is reachable only from the server's user and PID namespace (a producer
-            # in another container is not): fall back to a /dev/shm ring, read with one copy.
-            if not ring.sealed or exc.status not in ("NOT_FOUND", "PERMISSION_DENIED", "INVALID_ARG"):
-                raise
-            ring = FrameRing(slots, slot_size, name=name, sealed=False)
+        while True:
             try:
                 await self.register_ring(ring)
-            except BaseException:
-                ring.close()
-                raise
-        except BaseException:
-            ring.close()
-            raise
-        self._rings.append(ring)
-        return ring
+            except BaseException as exc:
+                ring = self._ring_refused(ring, exc, slots, slot_size, name)
+                continue
+            self._rings.append(ring)
+            return ring
 
     async def close(self) -> None:
         if self._sock is None:
@@ -165,11 +121,7 @@ class AsyncZmqClient:
             with contextlib.suppress(Exception):  # a closed loop has nothing to remove
                 self._loop.remove_reader(cast(int, self._sock.getsockopt(zmq.FD)))
             self._loop = None
-        self._sock.close(linger=0)
-        self._sock = None
-        for ring in self._rings:
-            ring.close()
-        self._rings = []
+        self._close_socket()
 
     async def __aenter__(self) -> AsyncZmqClient:
         return self
@@ -178,11 +130,6 @@ class AsyncZmqClient:
         await self.close()
 
     # -- internals ------------------------------------------------------------------------------
-    def _take_id(self) -> int:
-        req_id = self._next_id
-        self._next_id += 1
-        return req_id
-
     async def _call(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
         future = await self._send(None, _core.build_control(self._take_id(), op, **fields), timeout)
         header: dict[str, Any] = await future
@@ -191,11 +138,7 @@ class AsyncZmqClient:
     async def _send(
         self, pending: Pending | None, frames: list[Any], timeout: float | None
     ) -> asyncio.Future[Any]:
-        sock = self._sock
-        if sock is None:
-            if pending is not None:
-                pending.release_slots()
-            raise ClientError("UNAVAILABLE", "the client is closed")
+        sock = self._open_socket(pending)
         loop = asyncio.get_running_loop()
         if self._loop is None:
             loop.add_reader(cast(int, sock.getsockopt(zmq.FD)), self._on_events)
@@ -216,12 +159,7 @@ class AsyncZmqClient:
                 future.exception()
             else:
                 future.cancel()
-            if pending is not None:
-                pending.release_slots()
-            raise ClientError(
-                "UNAVAILABLE",
-                f"cannot reach edgeserve at {self.endpoint} (is `edgeserve run` serving this endpoint?)",
-            ) from None
+            raise self._unreachable(pending) from None
         return future
 
     async def _send_frames(self, sock: zmq.Socket[Any], frames: list[Any], deadline: float) -> None:
@@ -255,35 +193,18 @@ class AsyncZmqClient:
             sock = self._sock
 
     def _dispatch(self, msg: list[Any]) -> None:
-        try:
-            header = wire.loads(msg[0].buffer)
-        except ValueError:
+        answered = self._answered(msg)
+        if answered is None:
             return
-        if not isinstance(header, dict) or header.get("op") == wire.OP_PROBE:
-            return
-        req_id = header.get("id")
-        entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
-        if entry is None:
-            late = self._late.pop(req_id, None) if isinstance(req_id, int) else None
-            if late is not None:
-                for slot in late.slots:
-                    slot.ring.release(slot)
-            return
-        future, pending, timer = entry
+        header, (future, pending, timer) = answered
         timer.cancel()
         try:
-            if pending is None:
-                _core.check_status(header)
-                result: Any = header
-            else:
-                result = _core.parse_infer(header, msg[1:], pending)
-        except ClientError as exc:
-            self._registrations.note(exc)
+            result, error = self._outcome(header, msg[1:], pending)
             if not future.done():
-                future.set_exception(exc)
-        else:
-            if not future.done():
-                future.set_result(result)
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
         finally:
             if pending is not None:
                 pending.release_slots()
@@ -293,13 +214,6 @@ class AsyncZmqClient:
         if entry is None:
             return
         future, pending, _ = entry
-        if pending is not None:
-            for slot in pending.slots:
-                slot.ring.quarantine(slot)
-            self._late[req_id] = pending
-            if len(self._late) > _LATE_MAX:
-                self._late.pop(next(iter(self._late)))
+        error = self._timed_out(req_id, pending)
         if not future.done():
-            future.set_exception(
-                ClientError("DEADLINE_EXCEEDED", f"no reply to request {req_id} from {self.endpoint} in time")
-            )
+            future.set_exception(error)

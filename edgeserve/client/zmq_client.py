@@ -9,13 +9,14 @@ from __future__ import annotations
 import heapq
 import os
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
 from edgeserve.client import _core
+from edgeserve.client._base import DEFAULT_ENDPOINT as DEFAULT_ENDPOINT
+from edgeserve.client._base import ClientBase, ConnectionOptions, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.future import ZmqFuture
@@ -23,22 +24,22 @@ from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.frontends.zmq import wire
 from edgeserve.frontends.zmq.spin import CoreShare
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 # Plain ints: pyzmq's enum constants make `events & POLLIN` an enum operation costing microseconds.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _DONTWAIT = int(zmq.DONTWAIT)
 _RCVTIMEO = int(zmq.RCVTIMEO)
 _SNDMORE = int(zmq.SNDMORE)
-DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
 DEFAULT_SPIN_US = 500  # covers a fast model's round trip here (0.2-0.3 ms); slower replies: no spinning
-_LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
 
 
-class ZmqClient:
+class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
     """Client for edgeserve's ZeroMQ frontend, numpy in and numpy out.
 
-    `timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
-    large inline inputs are sent without a copy: do not modify them until their future is done.
+    `timeout`, `copy_inputs`, `context` and `identity`: see ClientBase.
     `spin_us`: busy-wait up to that long for a reply before sleeping, while replies have recently
     come within it (a slow model, a busy server or a paced camera turns spinning off by itself),
     yielding the core between polls, and while this thread gets its core when it spins (other busy
@@ -52,26 +53,14 @@ class ZmqClient:
         endpoint: str = DEFAULT_ENDPOINT,
         timeout: float = 10.0,
         *,
-        copy_inputs: bool = True,
-        context: zmq.Context[Any] | None = None,
-        identity: bytes | None = None,
         spin_us: int = DEFAULT_SPIN_US,
+        **options: Unpack[ConnectionOptions],
     ) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint, timeout, **options)
         self.spin_s = max(0, spin_us) / 1e6
         self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
         self._core = CoreShare()  # whether this thread gets its core while it spins
-        self.timeout = timeout
-        self.copy_inputs = copy_inputs
-        self.identity = identity or uuid.uuid4().bytes
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = _core.dealer_socket(self._ctx, endpoint, self.identity, timeout)
-        self._next_id = _core.first_request_id()
-        self._pending: dict[int, tuple[ZmqFuture, Pending | None]] = {}
         self._deadlines: list[tuple[float, int]] = []
-        self._late: dict[int, Pending] = {}
-        self._rings: list[FrameRing] = []
-        self._registrations = _core.Registrations()
         self._rcvtimeo = -1
 
     # -- inference ------------------------------------------------------------------------------
@@ -81,31 +70,16 @@ class ZmqClient:
         inputs: Mapping[str, InputValue],
         outputs: Outputs = None,
         *,
-        version: str = "",
-        ring: FrameRing | None = None,
         timeout: float | None = None,
-        priority: int = 0,
-        timeout_us: int = 0,
-        parameters: Mapping[str, Any] | None = None,
+        **options: Unpack[RequestOptions],
     ) -> ZmqFuture:
         """Send one request and return at once. `inputs` maps names to numpy arrays (sent inline,
         or copied into a slot of `ring` when given) or to `ShmTensor`s (e.g. `slot.tensor(...)`).
-        `outputs`: None (all, inline), a list of names, or {name: None | FrameRing | Slot | ShmTensor}."""
+        `outputs`: None (all, inline), a list of names, or {name: None | FrameRing | Slot | ShmTensor}.
+        `options`: version, ring, priority, timeout_us, parameters (RequestOptions)."""
         if self._registrations.lost:
             self._register_again()
-        pending = Pending(self._take_id())
-        frames = _core.build_infer(
-            pending,
-            model,
-            inputs,
-            outputs,
-            version=version,
-            ring=ring,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            copy_inputs=self.copy_inputs,
-        )
+        pending, frames = self._request(model, inputs, outputs, options)
         return self._send(pending, frames, timeout)
 
     def infer(
@@ -204,25 +178,14 @@ class ZmqClient:
     def create_ring(self, slots: int, slot_size: int, name: str | None = None) -> FrameRing:
         """A new ring, registered with the server and closed (unlinked) with this client."""
         ring = FrameRing(slots, slot_size, name=name)
-        try:
-            self.register_ring(ring)
-        except ClientError as exc:
-            ring.close()
-            # A sealed memfd is reachable only from the server's user and PID namespace (a producer
-            # in another container is not): fall back to a /dev/shm ring, read with one copy.
-            if not ring.sealed or exc.status not in ("NOT_FOUND", "PERMISSION_DENIED", "INVALID_ARG"):
-                raise
-            ring = FrameRing(slots, slot_size, name=name, sealed=False)
+        while True:
             try:
                 self.register_ring(ring)
-            except BaseException:
-                ring.close()
-                raise
-        except BaseException:
-            ring.close()
-            raise
-        self._rings.append(ring)
-        return ring
+            except BaseException as exc:
+                ring = self._ring_refused(ring, exc, slots, slot_size, name)
+                continue
+            self._rings.append(ring)
+            return ring
 
     def close(self) -> None:
         """Say bye (the server releases this client's regions), fail what is in flight, unlink rings."""
@@ -240,11 +203,7 @@ class ZmqClient:
                 pending.release_slots()
             fut._set(None, ClientError("UNAVAILABLE", "the client was closed"))
         self._pending.clear()
-        self._sock.close(linger=0)
-        self._sock = None
-        for ring in self._rings:
-            ring.close()
-        self._rings = []
+        self._close_socket()
 
     def __enter__(self) -> ZmqClient:
         return self
@@ -253,11 +212,6 @@ class ZmqClient:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
-    def _take_id(self) -> int:
-        req_id = self._next_id
-        self._next_id += 1
-        return req_id
-
     def _call(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
         header: dict[str, Any] = self._send(
             None, _core.build_control(self._take_id(), op, **fields), timeout
@@ -265,11 +219,7 @@ class ZmqClient:
         return header
 
     def _send(self, pending: Pending | None, frames: list[Any], timeout: float | None) -> ZmqFuture:
-        sock = self._sock
-        if sock is None:
-            if pending is not None:
-                pending.release_slots()
-            raise ClientError("UNAVAILABLE", "the client is closed")
+        sock = self._open_socket(pending)
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         try:
             last = len(frames) - 1
@@ -277,12 +227,7 @@ class ZmqClient:
             for i, frame in enumerate(frames):
                 send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
         except zmq.Again:
-            if pending is not None:
-                pending.release_slots()
-            raise ClientError(
-                "UNAVAILABLE",
-                f"cannot reach edgeserve at {self.endpoint} (is `edgeserve run` serving this endpoint?)",
-            ) from None
+            raise self._unreachable(pending) from None
         now = time.monotonic()
         deadline = now + (self.timeout if timeout is None else timeout)
         if pending is not None:
@@ -344,32 +289,15 @@ class ZmqClient:
             self._expire(time.monotonic())
 
     def _dispatch(self, msg: list[Any]) -> None:
+        answered = self._answered(msg)
+        if answered is None:
+            return
+        header, (future, pending) = answered
         try:
-            header = wire.loads(msg[0].buffer)
-        except ValueError:
-            return
-        if not isinstance(header, dict) or header.get("op") == wire.OP_PROBE:
-            return
-        req_id = header.get("id")
-        entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
-        if entry is None:
-            late = self._late.pop(req_id, None) if isinstance(req_id, int) else None
-            if late is not None:  # the slots of a timed-out request are safe to reuse now
-                for slot in late.slots:
-                    slot.ring.release(slot)
-            return
-        future, pending = entry
-        try:
-            if pending is None:
-                _core.check_status(header)
-                future._set(header, None)
-            else:
-                result = _core.parse_infer(header, msg[1:], pending)
+            result, error = self._outcome(header, msg[1:], pending)
+            if error is None and pending is not None:
                 self._reply_s += (result.latency_s - self._reply_s) * 0.125
-                future._set(result, None)
-        except ClientError as exc:
-            self._registrations.note(exc)
-            future._set(None, exc)
+            future._set(result, error)
         finally:
             if pending is not None:
                 pending.release_slots()
@@ -382,15 +310,4 @@ class ZmqClient:
             if entry is None:
                 continue
             future, pending = entry
-            if pending is not None:
-                for slot in pending.slots:
-                    slot.ring.quarantine(slot)
-                self._late[req_id] = pending
-                if len(self._late) > _LATE_MAX:
-                    self._late.pop(next(iter(self._late)))
-            future._set(
-                None,
-                ClientError(
-                    "DEADLINE_EXCEEDED", f"no reply to request {req_id} from {self.endpoint} in time"
-                ),
-            )
+            future._set(None, self._timed_out(req_id, pending))

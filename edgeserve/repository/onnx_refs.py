@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from edgeserve.protocol.varint import read_varint
+
 # message kinds, and for each the fields (number -> kind) that can lead to a TensorProto
 _MODEL, _GRAPH, _NODE, _ATTR, _TENSOR, _SPARSE, _FUNCTION, _TRAINING, _ENTRY = range(9)
 _CHILDREN: dict[int, dict[int, int]] = {
@@ -32,16 +34,10 @@ class NotOnnx(ValueError):
 
 
 def _varint(data: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise NotOnnx("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
+    try:
+        return read_varint(data, pos, len(data))
+    except ValueError as exc:
+        raise NotOnnx(str(exc)) from None
 
 
 def _fields(data: memoryview) -> Iterator[tuple[int, memoryview | None]]:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edgeserve.client import ClientError, FrameRing, RingFull
+from edgeserve.client import AsyncZmqClient, ClientError, FrameRing, RingFull, ZmqClient
 from edgeserve.frontends.shm.ring import GEN
 
 
@@ -176,3 +178,65 @@ def test_client_error_repr() -> None:
     error = ClientError("NOT_FOUND", "no model")
     assert str(error) == "NOT_FOUND: no model" and error.status == "NOT_FOUND"
     assert repr(error) == "ClientError('NOT_FOUND', 'no model')"
+
+
+class _RefusingSealed:
+    """A server that refuses to register rings with `status` (sealed ones only, or every one)."""
+
+    def __init__(self, status: str, every: bool) -> None:
+        self.status, self.every, self.offered = status, every, []
+
+    def register(self, ring: FrameRing) -> FrameRing:
+        self.offered.append(ring)
+        if ring.sealed or self.every:
+            raise ClientError(self.status, f"region '{ring.name}' refused")
+        return ring
+
+
+@pytest.mark.parametrize(
+    ("status", "every", "falls_back"),
+    [("PERMISSION_DENIED", False, True), ("NOT_FOUND", True, False), ("UNAVAILABLE", False, False)],
+)
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_create_ring_falls_back_to_dev_shm_only_where_a_sealed_ring_is_refused(
+    tmp_path: Path, status: str, every: bool, falls_back: bool, flavour: str
+) -> None:
+    server = _RefusingSealed(status, every)
+    endpoint = f"ipc://{tmp_path}/none.zmq"  # nothing listens: only register_ring answers
+    if flavour == "sync":
+        client = ZmqClient(endpoint, timeout=0.2)
+        client.register_ring = server.register  # type: ignore[method-assign]
+
+        def create() -> FrameRing:
+            return client.create_ring(2, 64)
+
+        close = client.close
+    else:
+        aclient = AsyncZmqClient(endpoint, timeout=0.2)
+
+        async def register(ring: FrameRing) -> FrameRing:
+            return server.register(ring)
+
+        aclient.register_ring = register  # type: ignore[method-assign]
+
+        def create() -> FrameRing:
+            return asyncio.run(aclient.create_ring(2, 64))
+
+        def close() -> None:
+            asyncio.run(aclient.close())
+
+    try:
+        if falls_back:
+            ring = create()
+            assert not ring.sealed and not ring.closed
+            assert [r.sealed for r in server.offered] == [True, False]
+        else:
+            with pytest.raises(ClientError) as info:
+                create()
+            assert info.value.status == status
+        first = server.offered[0]
+        assert first.sealed and first.closed  # the refused ring is closed (unlinked) at once
+        assert all(r.closed for r in server.offered[: 1 if falls_back else None])
+    finally:
+        close()
+    assert all(r.closed for r in server.offered)  # what was registered goes with the client

@@ -433,18 +433,20 @@ def test_add_commands_registers_fleet_on_a_parser() -> None:
         parser.parse_args(["fleet", "deploy", URL_V2, "--canary", "150%"])
 
 
+@pytest.fixture
+def cli_env(mosquitto: Mosquitto, monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The fleet CLI pointed at the test broker and fleet through its environment."""
+    monkeypatch.setenv("EDGESERVE_FLEET_BROKER", mosquitto.url)
+    monkeypatch.setenv("EDGESERVE_FLEET_FLEET", FLEET)
+    return monkeypatch
+
+
 def test_cli_devices_send_deploy_end_to_end(
-    mosquitto: Mosquitto,
-    sims: SimFleet,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    cli_env: pytest.MonkeyPatch, sims: SimFleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     sims.add([f"cam-{i:02d}" for i in range(6)], config=SimConfig(install_s=0.2))
     sims.add(["cam-06"], config=SimConfig(install_s=0.2, fail=True))
-    monkeypatch.setenv("EDGESERVE_FLEET_BROKER", mosquitto.url)
-    monkeypatch.setenv("EDGESERVE_FLEET_FLEET", FLEET)
-    monkeypatch.setenv("EDGESERVE_FLEET_KEY", str(write_private(tmp_path / "keys" / "fleet-commands.key")))
+    cli_env.setenv("EDGESERVE_FLEET_KEY", str(write_private(tmp_path / "keys" / "fleet-commands.key")))
 
     assert main(["devices"]) == 0
     out = capsys.readouterr().out
@@ -484,16 +486,10 @@ def test_cli_devices_send_deploy_end_to_end(
 
 
 def test_cli_signing_key_flags(
-    mosquitto: Mosquitto,
-    sims: SimFleet,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
+    cli_env: pytest.MonkeyPatch, sims: SimFleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     sims.add(["cam-01"])
-    monkeypatch.setenv("EDGESERVE_FLEET_BROKER", mosquitto.url)
-    monkeypatch.setenv("EDGESERVE_FLEET_FLEET", FLEET)
-    monkeypatch.delenv("EDGESERVE_FLEET_KEY", raising=False)
+    cli_env.delenv("EDGESERVE_FLEET_KEY", raising=False)
     assert main(["send", "cam-01", "get_status"]) == 2  # no key: nothing is sent
     assert "no command key: give --key PATH or set EDGESERVE_FLEET_KEY" in capsys.readouterr().err
     good = write_private(tmp_path / "good.key")

@@ -49,6 +49,39 @@ def grpc_valid_request(rng: random.Random, model: str, use_raw: bool) -> service
     return msg
 
 
+REQUEST_PARAMS = [
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+    "priority",
+    "timeout",
+    "triton_enable_empty_final_response",
+    "triton_x",
+    "custom",
+    "",
+]
+INPUT_PARAMS = [
+    "shared_memory_region",
+    "shared_memory_byte_size",
+    "shared_memory_offset",
+    "binary_data_size",
+    "x",
+]
+OUTPUT_PARAMS = [
+    "classification",
+    "shared_memory_region",
+    "shared_memory_byte_size",
+    "shared_memory_offset",
+    "binary_data",
+]
+
+
+def _set_params(params: Any, keys: list[str], rng: random.Random, least: int, below: int) -> None:
+    """Between `least` and `below` - 1 random parameters named from `keys`, each given a random value."""
+    for _ in range(rng.randrange(least, below)):
+        _set_param(params[rng.choice(keys)], rng)
+
+
 def _set_param(p: service_pb2.InferParameter, rng: random.Random) -> None:
     kind = rng.randrange(5)
     if kind == 0:
@@ -127,48 +160,14 @@ def mutate_grpc_request(rng: random.Random, msg: service_pb2.ModelInferRequest) 
             del msg.raw_input_contents[:]
         return "contents"
     if op == 9:
-        for _ in range(rng.randrange(1, 4)):
-            key = rng.choice(
-                [
-                    "sequence_id",
-                    "sequence_start",
-                    "sequence_end",
-                    "priority",
-                    "timeout",
-                    "triton_enable_empty_final_response",
-                    "triton_x",
-                    "custom",
-                    "",
-                ]
-            )
-            _set_param(msg.parameters[key], rng)
+        _set_params(msg.parameters, REQUEST_PARAMS, rng, 1, 4)
         return "request_params"
     if op == 10:
-        for _ in range(rng.randrange(1, 4)):
-            key = rng.choice(
-                [
-                    "shared_memory_region",
-                    "shared_memory_byte_size",
-                    "shared_memory_offset",
-                    "binary_data_size",
-                    "x",
-                ]
-            )
-            _set_param(tensor.parameters[key], rng)
+        _set_params(tensor.parameters, INPUT_PARAMS, rng, 1, 4)
         return "input_params"
     if op == 11:
         out = msg.outputs.add(name=rng.choice(["OUTPUT0", "OUTPUT1", "features", "", "zz"]))
-        for _ in range(rng.randrange(0, 3)):
-            key = rng.choice(
-                [
-                    "classification",
-                    "shared_memory_region",
-                    "shared_memory_byte_size",
-                    "shared_memory_offset",
-                    "binary_data",
-                ]
-            )
-            _set_param(out.parameters[key], rng)
+        _set_params(out.parameters, OUTPUT_PARAMS, rng, 0, 3)
         if rng.random() < 0.3:
             msg.outputs.add(name=out.name)
         return "outputs"

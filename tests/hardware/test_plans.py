@@ -18,80 +18,29 @@ from edgeserve.repository.config import parse_pbtxt, parse_text
 
 ALL_BACKENDS = ("onnxruntime", "openvino", "tensorrt", "neuron", "python")
 
-# fixture -> (profile, {model: (backend, device, precision) or None})
+Choice = tuple[str, str, str] | None  # (backend, device, precision); None: nothing can run it
+ORT_CPU = ("onnxruntime", "CPU", "fp32")
+TRT_FP16 = ("tensorrt", "GPU", "fp16")
+ORT_FP16 = ("onnxruntime", "GPU", "fp16")
+
+
+def models(
+    big: Choice, tiny: Choice = ORT_CPU, engine: Choice = ORT_CPU, torch: Choice = None
+) -> dict[str, Choice]:
+    """The expected choice for each model of hw_helpers.make_repository."""
+    return {"big": big, "tiny": tiny, "engine": engine, "torch": torch}
+
+
+# fixture -> (profile, {model: choice})
 EXPECTED = {
-    "jetson-orin": (
-        "jetson-orin",
-        {
-            "big": ("tensorrt", "GPU", "fp16"),
-            "tiny": ("tensorrt", "GPU", "fp16"),
-            "engine": ("tensorrt", "GPU", "auto"),
-            "torch": None,
-        },
-    ),
-    "jetson-xavier-nano": (
-        "jetson-xavier-nano",
-        {
-            "big": ("onnxruntime", "GPU", "fp16"),
-            "tiny": ("onnxruntime", "GPU", "fp16"),
-            "engine": ("onnxruntime", "GPU", "fp16"),
-            "torch": None,
-        },
-    ),
-    "x86-cpu": (
-        "x86-cpu",
-        {
-            "big": ("openvino", "CPU", "bf16"),
-            "tiny": ("onnxruntime", "CPU", "fp32"),
-            "engine": ("onnxruntime", "CPU", "fp32"),
-            "torch": None,
-        },
-    ),
-    "x86-intel-gpu-npu": (
-        "x86-intel-gpu-npu",
-        {
-            "big": ("openvino", "GPU", "fp16"),
-            "tiny": ("onnxruntime", "CPU", "fp32"),
-            "engine": ("onnxruntime", "CPU", "fp32"),
-            "torch": None,
-        },
-    ),
-    "x86-nvidia-dgpu": (
-        "x86-nvidia-dgpu",
-        {
-            "big": ("tensorrt", "GPU", "fp16"),
-            "tiny": ("tensorrt", "GPU", "fp16"),
-            "engine": ("tensorrt", "GPU", "auto"),
-            "torch": None,
-        },
-    ),
-    "arm-cpu": (
-        "arm-cpu",
-        {
-            "big": ("openvino", "CPU", "fp16"),
-            "tiny": ("onnxruntime", "CPU", "fp32"),
-            "engine": ("onnxruntime", "CPU", "fp32"),
-            "torch": None,
-        },
-    ),
-    "arm-rk3588": (
-        "arm-cpu",
-        {
-            "big": ("onnxruntime", "CPU", "fp32"),
-            "tiny": ("onnxruntime", "CPU", "fp32"),
-            "engine": ("onnxruntime", "CPU", "fp32"),
-            "torch": None,
-        },
-    ),
-    "aws-inferentia": (
-        "aws-inferentia",
-        {
-            "big": ("onnxruntime", "CPU", "fp32"),
-            "tiny": ("onnxruntime", "CPU", "fp32"),
-            "engine": ("onnxruntime", "CPU", "fp32"),
-            "torch": ("neuron", "NEURON", "auto"),
-        },
-    ),
+    "jetson-orin": ("jetson-orin", models(TRT_FP16, TRT_FP16, ("tensorrt", "GPU", "auto"))),
+    "jetson-xavier-nano": ("jetson-xavier-nano", models(ORT_FP16, ORT_FP16, ORT_FP16)),
+    "x86-cpu": ("x86-cpu", models(("openvino", "CPU", "bf16"))),
+    "x86-intel-gpu-npu": ("x86-intel-gpu-npu", models(("openvino", "GPU", "fp16"))),
+    "x86-nvidia-dgpu": ("x86-nvidia-dgpu", models(TRT_FP16, TRT_FP16, ("tensorrt", "GPU", "auto"))),
+    "arm-cpu": ("arm-cpu", models(("openvino", "CPU", "fp16"))),
+    "arm-rk3588": ("arm-cpu", models(ORT_CPU)),
+    "aws-inferentia": ("aws-inferentia", models(ORT_CPU, torch=("neuron", "NEURON", "auto"))),
 }
 
 

@@ -123,26 +123,18 @@ def _(env: Env) -> Attack:
 
 
 # -- policy on a well-signed manifest
-@attack("downgrade")
-def _(env: Env) -> Attack:
-    return Attack(
-        env.manifest(version=4),
-        good_members(),
-        "downgrade",
-        r"v4.*older.*v5",
-        check={"installed": {"demo": 5}},
-    )
+def version_attack(name: str, version: int, pattern: str) -> None:
+    """Bundle `version` of demo offered to a device that has demo v5 installed: refused as `name`."""
+
+    @attack(name)
+    def _(env: Env) -> Attack:
+        return Attack(
+            env.manifest(version=version), good_members(), name, pattern, check={"installed": {"demo": 5}}
+        )
 
 
-@attack("replay")
-def _(env: Env) -> Attack:
-    return Attack(
-        env.manifest(version=5),
-        good_members(),
-        "replay",
-        r"v5.*already installed",
-        check={"installed": {"demo": 5}},
-    )
+version_attack("downgrade", 4, r"v4.*older.*v5")
+version_attack("replay", 5, r"v5.*already installed")
 
 
 @attack("expired")
@@ -333,12 +325,18 @@ def _(env: Env) -> Attack:
 
 
 # -- links, devices, odd types and modes
-@attack("symlink-member")
-def _(env: Env) -> Attack:
-    target = env.outside_path("symlink-target")
-    target.write_bytes(b"precious")
-    members = [*good_members(), symlink("models/m/1/model.link", str(target))]
-    return Attack(env.manifest(), members, "link", r"symlink", outside=[target])
+def link_out_attack(kind: str, link: Callable[[str, str], Member], name: str, words: str) -> None:
+    """A `kind` member `name` to a file outside the install folder, which must stay as it was."""
+
+    @attack(f"{kind}-member")
+    def _(env: Env) -> Attack:
+        target = env.outside_path(f"{kind}-target")
+        target.write_bytes(b"precious")
+        members = [*good_members(), link(name, str(target))]
+        return Attack(env.manifest(), members, "link", words, outside=[target])
+
+
+link_out_attack("symlink", symlink, "models/m/1/model.link", r"symlink")
 
 
 @attack("symlink-then-write-through-it")
@@ -358,12 +356,7 @@ def _(env: Env) -> Attack:
     return Attack(env.manifest(), members, "link", r"symlink")
 
 
-@attack("hardlink-member")
-def _(env: Env) -> Attack:
-    target = env.outside_path("hardlink-target")
-    target.write_bytes(b"precious")
-    members = [*good_members(), hardlink("models/m/1/model.hl", str(target))]
-    return Attack(env.manifest(), members, "link", r"hard link", outside=[target])
+link_out_attack("hardlink", hardlink, "models/m/1/model.hl", r"hard link")
 
 
 @attack("hardlink-to-listed-file")

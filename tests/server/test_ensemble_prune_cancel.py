@@ -71,28 +71,29 @@ instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 """
 
 
+def _ensemble(name: str, steps: list[tuple[str, str, str]]) -> str:
+    """An ensemble of steps (model, the tensor its X reads, the tensor its Y writes); every tensor a
+    step writes is an output of the ensemble."""
+    outputs = ", ".join(f'{{ name: "{out}" data_type: TYPE_FP32 dims: [ -1 ] }}' for _, _, out in steps)
+    maps = ",\n".join(
+        f'  {{ model_name: "{model}" input_map {{ key: "X" value: "{src}" }} '
+        f'output_map {{ key: "Y" value: "{out}" }} }}'
+        for model, src, out in steps
+    )
+    return f"""
+name: "{name}" platform: "ensemble" max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {outputs} ]
+ensemble_scheduling {{ step [
+{maps}
+] }}
+"""
+
+
 # X -> count_a -> FIRST -> count_b -> SECOND
-CHAIN = """
-name: "chain" platform: "ensemble" max_batch_size: 0
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "FIRST" data_type: TYPE_FP32 dims: [ -1 ] },
-         { name: "SECOND" data_type: TYPE_FP32 dims: [ -1 ] } ]
-ensemble_scheduling { step [
-  { model_name: "count_a" input_map { key: "X" value: "X" } output_map { key: "Y" value: "FIRST" } },
-  { model_name: "count_b" input_map { key: "X" value: "FIRST" } output_map { key: "Y" value: "SECOND" } }
-] }
-"""
+CHAIN = _ensemble("chain", [("count_a", "X", "FIRST"), ("count_b", "FIRST", "SECOND")])
 # X -> fails (step 0) and X -> count_c (step 1), side by side
-SIDE_BY_SIDE = """
-name: "side" platform: "ensemble" max_batch_size: 0
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "BAD" data_type: TYPE_FP32 dims: [ -1 ] },
-         { name: "GOOD" data_type: TYPE_FP32 dims: [ -1 ] } ]
-ensemble_scheduling { step [
-  { model_name: "fails" input_map { key: "X" value: "X" } output_map { key: "Y" value: "BAD" } },
-  { model_name: "count_c" input_map { key: "X" value: "X" } output_map { key: "Y" value: "GOOD" } }
-] }
-"""
+SIDE_BY_SIDE = _ensemble("side", [("fails", "X", "BAD"), ("count_c", "X", "GOOD")])
 
 
 @pytest.fixture

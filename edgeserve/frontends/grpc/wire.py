@@ -19,6 +19,8 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from edgeserve.protocol.varint import encode_varint, read_varint
+
 Buffer = bytes | bytearray | memoryview
 
 RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
@@ -46,35 +48,6 @@ class DecodedInfer:
     message: service_pb2.ModelInferRequest
     raw: list[Buffer]
     nbytes: int
-
-
-def encode_varint(value: int) -> bytes:
-    if value < 0:
-        raise ValueError("varint of a negative value")
-    if value < 0x80:
-        return bytes((value,))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def read_varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise ValueError("truncated varint")
-        byte = view[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 70:
-            raise ValueError("varint longer than 10 bytes")
 
 
 def split_raw_inputs(data: Buffer) -> tuple[Buffer, list[memoryview]]:

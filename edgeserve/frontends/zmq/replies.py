@@ -93,6 +93,12 @@ def infer_reply(decoded: Decoded, response: InferResponse) -> list[Any]:
             assert out.data is not None
             frames.append(datatypes.to_wire_bytes(out.data, out.datatype))
         outputs.append(desc)
+    frames[0] = infer_header(decoded.req_id, response, outputs)
+    return frames
+
+
+def infer_header(req_id: Any, response: InferResponse, outputs: list[dict[str, Any]]) -> Any:
+    """The header frame of an infer reply built field by field, `outputs` its outputs' descriptions."""
     body: dict[str, Any] = {
         "model": response.model_name,
         "version": response.model_version,
@@ -100,8 +106,7 @@ def infer_reply(decoded: Decoded, response: InferResponse) -> list[Any]:
     }
     if response.parameters:
         body["parameters"] = response.parameters
-    frames[0] = ok_reply(decoded.req_id, body)[0]
-    return frames
+    return ok_reply(req_id, body)[0]
 
 
 def _write_slot(slot: OutputSlot, array: Any, datatype: str) -> int:

@@ -7,6 +7,7 @@ import json
 import queue
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,18 @@ def grpc_client(server: RunningServer) -> grpcclient.InferenceServerClient:
     return grpcclient.InferenceServerClient(server.grpc_url)
 
 
+Served = tuple[RunningServer, grpcclient.InferenceServerClient]
+
+
+@pytest.fixture
+def served(server_factory: ServerFactory, tmp_path: Path) -> Iterator[Served]:
+    """The default repository served, and a gRPC client of it (closed afterwards)."""
+    server = server_factory(build_repository(tmp_path))
+    client = grpc_client(server)
+    yield server, client
+    client.close()
+
+
 def make_client(flavour: str, server: RunningServer) -> Any:
     if flavour == "grpc":
         return grpcclient.InferenceServerClient(server.grpc_url)
@@ -115,9 +128,8 @@ def status_of(info: pytest.ExceptionInfo[InferenceServerException]) -> str:
 
 
 # -- metadata, config, health ------------------------------------------------------------------------
-def test_every_read_only_rpc(server_factory: ServerFactory, tmp_path: Path) -> None:
-    server = server_factory(build_repository(tmp_path))
-    client = grpc_client(server)
+def test_every_read_only_rpc(served: Served) -> None:
+    server, client = served
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("simple") and client.is_model_ready("simple", "1")
     assert not client.is_model_ready("nope")
@@ -146,7 +158,6 @@ def test_every_read_only_rpc(server_factory: ServerFactory, tmp_path: Path) -> N
     with pytest.raises(InferenceServerException) as info:
         client.get_model_metadata("nope")
     assert status_of(info) == "StatusCode.NOT_FOUND"
-    client.close()
 
 
 # -- inference -------------------------------------------------------------------------------------------
@@ -199,9 +210,8 @@ def test_many_concurrent_async_infers(server_factory: ServerFactory, tmp_path: P
     client.close()
 
 
-def test_stream_of_500_with_interleaved_errors(server_factory: ServerFactory, tmp_path: Path) -> None:
-    server = server_factory(build_repository(tmp_path))
-    client = grpc_client(server)
+def test_stream_of_500_with_interleaved_errors(served: Served) -> None:
+    client = served[1]
     answers: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     expected: dict[str, np.ndarray] = {}
@@ -231,7 +241,6 @@ def test_stream_of_500_with_interleaved_errors(server_factory: ServerFactory, tm
             assert np.array_equal(result.as_numpy("OUTPUT0"), expected.pop(response.id))
     assert not expected
     client.stop_stream()
-    client.close()
 
 
 def test_four_k_frame_round_trip(server_factory: ServerFactory, tmp_path: Path) -> None:
@@ -245,11 +254,8 @@ def test_four_k_frame_round_trip(server_factory: ServerFactory, tmp_path: Path) 
     client.close()
 
 
-def test_scheduling_and_sequence_parameters_are_accepted(
-    server_factory: ServerFactory, tmp_path: Path
-) -> None:
-    server = server_factory(build_repository(tmp_path))
-    client = grpc_client(server)
+def test_scheduling_and_sequence_parameters_are_accepted(served: Served) -> None:
+    client = served[1]
     value = np.ones((1, 16), dtype=np.int32)
     for kwargs in (
         {"priority": 1, "timeout": 10_000_000},
@@ -259,7 +265,6 @@ def test_scheduling_and_sequence_parameters_are_accepted(
     ):
         result = client.infer("simple", simple_inputs("grpc", value, value), **kwargs)
         assert np.array_equal(result.as_numpy("OUTPUT0"), value * 2)
-    client.close()
 
 
 # -- statistics -----------------------------------------------------------------------------------------
@@ -329,9 +334,8 @@ def test_shared_memory_inputs_and_outputs(
     client.close()
 
 
-def test_shared_memory_errors(server_factory: ServerFactory, tmp_path: Path) -> None:
-    server = server_factory(build_repository(tmp_path))
-    client = grpc_client(server)
+def test_shared_memory_errors(served: Served) -> None:
+    client = served[1]
     key = f"/edgeserve_compat_{uuid.uuid4().hex[:10]}"
     handle = shm.create_shared_memory_region("io", key, 256)
     try:
@@ -370,7 +374,6 @@ def test_shared_memory_errors(server_factory: ServerFactory, tmp_path: Path) -> 
         assert client.is_server_ready()
     finally:
         shm.destroy_shared_memory_region(handle)
-    client.close()
 
 
 # -- repository -------------------------------------------------------------------------------------------
@@ -431,11 +434,8 @@ def test_load_unload_with_config_override_and_files(server_factory: ServerFactor
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
-def test_bad_input_gets_the_right_status_and_the_server_keeps_serving(
-    server_factory: ServerFactory, tmp_path: Path
-) -> None:
-    server = server_factory(build_repository(tmp_path))
-    client = grpc_client(server)
+def test_bad_input_gets_the_right_status_and_the_server_keeps_serving(served: Served) -> None:
+    server, client = served
 
     def raw(method: str, payload: bytes) -> grpc.StatusCode:
         with grpc.insecure_channel(server.grpc_url) as channel:
@@ -467,7 +467,6 @@ def test_bad_input_gets_the_right_status_and_the_server_keeps_serving(
         client.infer("simple", simple_inputs("grpc", value, value)).as_numpy("OUTPUT0"), value * 2
     )
     assert server.alive() and client.is_server_ready()
-    client.close()
 
 
 def test_admin_rpcs_from_loopback_with_token_set(server_factory: ServerFactory, tmp_path: Path) -> None:

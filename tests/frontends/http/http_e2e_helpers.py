@@ -46,6 +46,13 @@ def post_infer(
     )
 
 
+def mlp_repo(root: Path) -> Path:
+    """`root`/repo holding the mlp model (MLP_CONFIG: dynamic batching); tests add their own."""
+    repo = root / "repo"
+    onnx_models.write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    return repo
+
+
 def json_mlp_request(x: np.ndarray) -> dict[str, Any]:
     return {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": list(x.shape), "data": x.tolist()}]}
 

@@ -16,11 +16,11 @@ import requests
 import tritonclient.http as httpclient
 from es_server import ServerFactory
 from http_e2e_helpers import (
-    MLP_CONFIG,
     assert_good_request_works,
     client,
     json_mlp_request,
     mlp_infer,
+    mlp_repo,
     ort_run,
     post_infer,
 )
@@ -32,8 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 # -- zero-downtime reload ---------------------------------------------------------------------------
 def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     server = server_factory(repo)
     x = np.random.default_rng(4).standard_normal((1, 16)).astype(np.float32)
     body = json.dumps(json_mlp_request(x)).encode()
@@ -91,8 +90,7 @@ def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_p
 
 
 def test_load_with_file_overrides_and_unload(server_factory: ServerFactory, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     server = server_factory(repo)
     cli = client(server)
     staging = tmp_path / "staging"
@@ -120,8 +118,7 @@ def test_load_with_file_overrides_and_unload(server_factory: ServerFactory, tmp_
 
 # -- bad requests ----------------------------------------------------------------------------------
 def test_bad_requests_get_4xx_with_a_clear_message(server_factory: ServerFactory, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     server = server_factory(repo, env={"EDGESERVE_HTTP_MAX_INPUT_BYTES": str(1 << 20)})
     good = json_mlp_request(np.ones((1, 16), dtype=np.float32))
     x16 = np.ones((1, 16), dtype=np.float32)
@@ -194,8 +191,7 @@ def test_bad_requests_get_4xx_with_a_clear_message(server_factory: ServerFactory
 def test_tritonclient_admin_api(server_factory: ServerFactory, tmp_path: Path) -> None:
     from tritonclient.utils import shared_memory as shm
 
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     server = server_factory(repo)
     cli = client(server)
     assert cli.is_server_live() and cli.is_server_ready() and cli.is_model_ready("mlp")

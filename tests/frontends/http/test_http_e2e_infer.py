@@ -21,6 +21,7 @@ from http_e2e_helpers import (
     client,
     json_mlp_request,
     mlp_infer,
+    mlp_repo,
     ort_run,
     post_infer,
 )
@@ -31,8 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 # -- the outputs equal the runtimes called directly ------------------------------------------------
 def test_outputs_equal_onnxruntime_called_directly(server_factory: ServerFactory, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     write_model(repo, "add_sub", "add_sub", config=ORT)  # the rest of the config is auto-completed
     write_model(repo, "conv", "conv", config=ORT)  # dynamic H and W
     write_model(repo, "ids", "identity", datatype="INT64", config=ORT)
@@ -147,8 +147,7 @@ def test_sample_repository_serves_and_matches_onnxruntime(server_factory: Server
 def test_dynamic_batching_forms_batches_under_concurrency(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:
-    repo = tmp_path / "repo"
-    write_model(repo, "mlp", "mlp", config=MLP_CONFIG)
+    repo = mlp_repo(tmp_path)
     server = server_factory(repo)
     x = np.random.default_rng(1).standard_normal((16, 1, 16)).astype(np.float32)
     (want,) = ort_run(repo / "mlp/1/model.onnx", {"INPUT0": x.reshape(16, 16)})

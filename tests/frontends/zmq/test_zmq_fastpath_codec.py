@@ -30,14 +30,7 @@ def general_reply(req_id: object, response: InferResponse) -> list[bytes]:
     outputs = [
         {"name": o.name, "datatype": o.datatype, "shape": [int(d) for d in o.shape]} for o in response.outputs
     ]
-    body: dict[str, object] = {
-        "model": response.model_name,
-        "version": response.model_version,
-        "outputs": outputs,
-    }
-    if response.parameters:
-        body["parameters"] = response.parameters
-    header = replies.ok_reply(req_id, body)[0]
+    header = replies.infer_header(req_id, response, outputs)
     assert all(o.data is not None for o in response.outputs)
     return [header, *(bytes(datatypes.to_wire_bytes(o.data, o.datatype)) for o in response.outputs)]  # type: ignore[arg-type]
 

@@ -192,18 +192,17 @@ def test_async_client_created_before_the_server_binds_gets_its_answer(server: Ru
     asyncio.run(main())
 
 
+def uint8_request(size: int, **fields: Any) -> dict[str, Any]:
+    """The header of a raw infer request to id_uint8 with one [1, size] input (sent in the next frame)."""
+    inputs = [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, size]}]
+    return {"v": 1, "op": "infer", "model": "id_uint8", "inputs": inputs, **fields}
+
+
 def test_req_socket_works_one_at_a_time(server: RunningFrontend) -> None:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.connect(server.endpoint)
     try:
-        header = {
-            "v": 1,
-            "op": "infer",
-            "id": "r1",
-            "model": "id_uint8",
-            "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 3]}],
-        }
-        sock.send_multipart([wire.dumps(header), bytes([1, 2, 3])])
+        sock.send_multipart([wire.dumps(uint8_request(3, id="r1")), bytes([1, 2, 3])])
         assert sock.poll(5000)
         reply_header, payload = sock.recv_multipart()
         reply = wire.loads(reply_header)
@@ -425,15 +424,9 @@ def test_a_client_that_never_reads_does_not_block_others(server: RunningFrontend
     hog.setsockopt(zmq.RCVHWM, 10)
     hog.connect(server.endpoint)
     try:
-        header = {
-            "v": 1,
-            "op": "infer",
-            "model": "id_uint8",
-            "inputs": [{"name": "INPUT0", "datatype": "UINT8", "shape": [1, 65536]}],
-        }
         payload = bytes(65536)
         for i in range(600):
-            hog.send_multipart([wire.dumps({**header, "id": i}), payload])
+            hog.send_multipart([wire.dumps(uint8_request(len(payload), id=i)), payload])
         for _ in range(20):  # each within the client's own timeout, while the hog never reads
             client.infer("id_uint8", {"INPUT0": np.ones((1, 4), np.uint8)})
     finally:

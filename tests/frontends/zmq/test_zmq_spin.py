@@ -6,8 +6,9 @@ No assertion depends on how fast this box is (the measurement is benchmarks/benc
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,59 +162,48 @@ def endpoint(tmp_path: Path) -> str:
     return f"ipc://{tmp_path}/spin.zmq"
 
 
-def _router(endpoint: str, spin: SpinPolicy, got: list[Any]) -> Router:
-    def on_message(msg: list[Any]) -> None:
-        got.append(msg)
-
-    router = Router(on_message, lambda: None, sndhwm=100, spin=spin)
+@contextlib.contextmanager
+def _wired(endpoint: str, spin: SpinPolicy) -> Iterator[tuple[Router, zmq.Socket[Any], list[Any]]]:
+    """A real router with `spin` on `endpoint`, a DEALER connected to it, and what the router got."""
+    got: list[Any] = []
+    ctx: zmq.Context[Any] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    router = Router(got.append, lambda: None, sndhwm=100, spin=spin)
     router.bind([endpoint])
     router.start()
-    return router
+    try:
+        dealer.connect(endpoint)
+        yield router, dealer, got
+    finally:
+        router.close()
+        dealer.close()
+        ctx.term()
 
 
 def test_the_router_counts_a_request_that_arrives_while_it_spins(endpoint: str) -> None:
     clock = FakeClock(step=0.0)  # frozen: the spin lasts until the request is there
     spin = SpinPolicy(WINDOW_US, clock, clock.pause, clock)
-    got: list[Any] = []
-    ctx: zmq.Context[Any] = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
     sent = threading.Event()
+    with _wired(endpoint, spin) as (router, dealer, got):
 
-    def send_once(pauses: int) -> None:
-        if not sent.is_set():  # the router thread is spinning now: the request comes in meanwhile
-            sent.set()
-            dealer.send(b"ping")
-        elif pauses > 50_000_000:  # pragma: no cover - never arrived: end the spin, fail below
-            clock.now += 1.0
+        def send_once(pauses: int) -> None:
+            if not sent.is_set():  # the router thread is spinning now: the request comes in meanwhile
+                sent.set()
+                dealer.send(b"ping")
+            elif pauses > 50_000_000:  # pragma: no cover - never arrived: end the spin, fail below
+                clock.now += 1.0
 
-    router = _router(endpoint, spin, got)
-    try:
-        dealer.connect(endpoint)
         clock.on_pause = send_once
         assert wait_until(lambda: len(got) == 1, 30)
         assert router.spin_hits == 1 and router.handled == 1
-    finally:
-        router.close()
-        dealer.close()
-        ctx.term()
 
 
 def test_the_router_never_spins_with_zero(endpoint: str) -> None:
     clock = FakeClock()
     spin = SpinPolicy(0, clock, clock.pause, clock)
-    got: list[Any] = []
-    ctx: zmq.Context[Any] = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    router = _router(endpoint, spin, got)
-    try:
-        dealer.connect(endpoint)
+    with _wired(endpoint, spin) as (router, dealer, got):
         for n in range(20):
             dealer.send(b"%d" % n)
         assert wait_until(lambda: len(got) == 20, 30)
         assert router.spin_hits == 0 and clock.pauses == 0
-    finally:
-        router.close()
-        dealer.close()
-        ctx.term()
