@@ -5,9 +5,10 @@
                   WatchOptions(model="centerface"), on_result=lambda r: print(r.stream, r.boxes))
     watch.run()                     # until every source ends, or watch.stop() (any thread)
 
-Threads: one decoder per source (PyAV; FFmpeg decodes without the GIL) and one asyncio loop (the
-caller's thread) that owns the ZeroMQ client, converts each frame it sends into a ring slot (swscale
-and numpy release the GIL; a hand-off to a pool cost more CPU than it saved), and takes results.
+Threads: one decoder per source (PyAV; FFmpeg decodes without the GIL), which also converts the
+frames that will be sent straight into the stream's free ring slots (flow.py: while the pixels are
+in cache, and off the event loop), and one asyncio loop (the caller's thread) that owns the ZeroMQ
+client, hands free slots to the decoders, sends the converted frames and takes the results.
 Each stream has its own ring of `inflight` slots, which is its fair share: a fast camera cannot
 take the slots of a slow one, and frames of all streams meet in the model's dynamic batcher. A
 stream's failures (reconnects, corrupt data, rejected requests) stay in that stream.
@@ -28,14 +29,15 @@ from typing import Any
 
 from edgeserve.client.aio import AsyncZmqClient
 from edgeserve.client.errors import ClientError
-from edgeserve.client.ring import FrameRing
+from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
 from edgeserve.video.convert import InputError, InputSpec, write_input
-from edgeserve.video.flow import Mailbox
-from edgeserve.video.metrics import StreamStats, VideoCollector
+from edgeserve.video.flow import HOT_WAIT, Converter, Mailbox, Ready
+from edgeserve.video.metrics import VideoCollector
 from edgeserve.video.publish import CallbackSink, Sink
 from edgeserve.video.results import CENTERFACE_OUTPUTS, Result, interpret
 from edgeserve.video.sources import Decoded, SourceOptions, SourceSpec, SourceThread
+from edgeserve.video.stream import Place, Stream
 
 log = logging.getLogger("edgeserve.video")
 
@@ -62,26 +64,6 @@ class WatchOptions:
     timeout: float = 10.0
     max_frames: int = 0  # results per stream, then that stream stops (0 = no limit)
     source: SourceOptions = field(default_factory=SourceOptions)
-
-
-class Stream:
-    def __init__(self, spec: SourceSpec, policy: str) -> None:
-        self.spec, self.policy = spec, policy
-        self.stats = StreamStats()
-        self.mailbox: Mailbox
-        self.thread: SourceThread
-        self.wake = asyncio.Event()
-        self.rings: list[tuple[FrameRing, FrameRing | None]] = []
-        self.inflight = 0
-        self.ended = False
-        self.error: str | None = None
-        self.convert_cpu_s = 0.0
-        self.overlay: Any = None
-
-    def snapshot(self) -> tuple[str, int, dict[str, int], int, int, bool, StreamStats]:
-        c = self.thread.counters
-        dropped = {**self.mailbox.dropped, "server": self.stats.rejected, "failed": self.stats.failed}
-        return (self.spec.name, c.decoded, dropped, c.corrupt, c.reconnects, c.up, self.stats)
 
 
 class Watch:
@@ -112,6 +94,7 @@ class Watch:
         self._stopping = False
         self.collector = VideoCollector(lambda: [s.snapshot() for s in self.streams if hasattr(s, "thread")])
         self.input: InputSpec | None = None
+        self._convert: Converter | None = None
         self.started = threading.Event()
 
     # -- public ---------------------------------------------------------------------------------
@@ -134,6 +117,7 @@ class Watch:
         client = AsyncZmqClient(options.endpoint, timeout=options.timeout)
         try:
             self.input, outputs = await self._model(client)
+            self._convert = self._converter()
             for stream in self.streams:
                 self._start(stream)
             self.started.set()
@@ -143,6 +127,7 @@ class Watch:
                 if hasattr(stream, "thread"):
                     stream.thread.stop()
                     stream.mailbox.close()
+                    stream.release_held()
                 if stream.overlay is not None:
                     stream.overlay.close()
             await client.close()
@@ -178,7 +163,7 @@ class Watch:
             with _suppress_closed():
                 loop.call_soon_threadsafe(stream.wake.set)
 
-        stream.mailbox = Mailbox(stream.policy, self.options.fps, wake)
+        stream.mailbox = Mailbox(stream.policy, self.options.fps, wake, self._convert)
 
         def ended(error: str | None) -> None:
             with _suppress_closed():
@@ -188,6 +173,25 @@ class Watch:
         if self._overlay_factory is not None:
             stream.overlay = self._overlay_factory(stream.spec)
         stream.thread.start()
+
+    def _converter(self) -> Converter:
+        """Frame -> the model's input in a free slot (run by the decoder thread, or by the loop for
+        a frame that waited); None when the frame does not fit the slot's ring."""
+        spec, wanted = self.input, self.options.size
+        assert spec is not None
+
+        def convert(item: Decoded, slot: Slot) -> Ready | None:
+            width, height = spec.size_for(item.width, item.height, wanted)
+            if spec.byte_size(width, height) > slot.ring.slot_size:
+                return None
+            cpu = time.thread_time()
+            try:
+                tensor, error = write_input(item.frame, slot, spec, width, height), None
+            except Exception as exc:  # a frame swscale refuses fails alone
+                tensor, error = None, f"{type(exc).__name__}: {exc}"
+            return Ready(item, slot, tensor, (width, height), time.thread_time() - cpu, error)
+
+        return convert
 
     def _ended(self, stream: Stream, error: str | None) -> None:
         stream.ended = True
@@ -210,73 +214,129 @@ class Watch:
         stream: Stream,
         outputs: list[str] | None,
     ) -> None:
-        limit = self.options.max_frames
+        mailbox = stream.mailbox
         while True:
             stream.wake.clear()
-            while stream.inflight < self.options.inflight and not self._stopping:
-                if limit and stream.stats.inferred + stream.stats.failed + stream.inflight >= limit:
-                    stream.thread.stop()
-                    stream.mailbox.close()
-                    break
-                item = stream.mailbox.take()
-                if item is None:
-                    break
-                await self._send(client, stream, item, outputs)
+            for ready in mailbox.take_ready():
+                await self._send(client, stream, ready, outputs)
+            await self._fill(client, stream, outputs)
             stopped = self._stopping or stream.thread.stopping.is_set()
-            drained = stream.ended and not stream.mailbox.waiting
+            drained = stream.ended and not mailbox.waiting
             if (stopped or drained) and stream.inflight == 0:
+                stream.release_held()
                 return
+            mailbox.hush(stream.inflight >= self.options.inflight)
             await stream.wake.wait()
 
+    async def _fill(self, client: AsyncZmqClient, stream: Stream, outputs: list[str] | None) -> None:
+        """Use the stream's free slots: each goes to the decoder for the next frame, or takes the
+        frame that waited (see flow.py)."""
+        mailbox = stream.mailbox
+        while not self._stopping and not self._give(stream):
+            if self._at_limit(stream):
+                stream.thread.stop()
+                mailbox.close()
+                return
+            for slot in mailbox.reclaim():  # this frame goes first (it may also have outgrown them)
+                slot.release()
+            item = mailbox.take()
+            if item is None:
+                return
+            await self._send_waiting(client, stream, item, outputs)
+
+    def _give(self, stream: Stream) -> bool:
+        """Hand the stream's free slots to its decoder; False when the loop has to act: convert the
+        frame that waited, or stop the stream at its --max-frames."""
+        mailbox, inflight = stream.mailbox, self.options.inflight
+        if self._at_limit(stream):
+            return False
+        if mailbox.unconverted and not self._hot(stream):
+            return stream.inflight >= inflight
+        while stream.rings and stream.inflight + mailbox.held < inflight:
+            slot = stream.rings[-1][0].try_acquire()
+            if slot is None:
+                break
+            mailbox.give(slot)
+        return True
+
+    def _at_limit(self, stream: Stream) -> bool:
+        limit = self.options.max_frames
+        return bool(limit) and stream.stats.inferred + stream.stats.failed + stream.inflight >= limit
+
+    def _hot(self, stream: Stream) -> bool:
+        """Leave the frame that waited for the next one, converted by the decoder (flow.py)? Only
+        while another frame of the stream is at the server: the model is not kept waiting for it."""
+        mailbox = stream.mailbox
+        return (
+            stream.policy == "latest"
+            and stream.inflight > 0
+            and mailbox.feeding
+            and not stream.ended
+            and mailbox.due_in() <= HOT_WAIT
+        )
+
+    async def _send_waiting(
+        self, client: AsyncZmqClient, stream: Stream, item: Decoded, outputs: list[str] | None
+    ) -> None:
+        """A frame that waited unconverted: converted here (after new rings, if it outgrew them)."""
+        spec, convert = self.input, self._convert
+        assert spec is not None and convert is not None
+        width, height = spec.size_for(item.width, item.height, self.options.size)
+        ring = await self._rings(client, stream, spec.byte_size(width, height), outputs)
+        stream.mailbox.feed()
+        slot = ring.try_acquire()
+        ready = convert(item, slot) if slot is not None else None
+        if ready is None:
+            stream.stats.rejected += 1
+            return
+        await self._send(client, stream, ready, outputs)
+
     async def _send(
-        self,
-        client: AsyncZmqClient,
-        stream: Stream,
-        item: Decoded,
-        outputs: list[str] | None,
+        self, client: AsyncZmqClient, stream: Stream, ready: Ready, outputs: list[str] | None
     ) -> None:
         spec = self.input
         assert spec is not None
-        width, height = spec.size_for(item.width, item.height, self.options.size)
-        ring, out_ring = await self._rings(client, stream, spec.byte_size(width, height), outputs)
-        slot = ring.try_acquire()
-        if slot is None or (out_ring is not None and out_ring.free < len(outputs or ())):
-            if slot is not None:  # output slots of timed-out requests are still quarantined
-                slot.release()
+        stream.convert_cpu_s += ready.cpu_s
+        slot, item = ready.slot, ready.item
+        if ready.error is not None or self._stopping or stream.thread.stopping.is_set():
+            slot.release()
+            if ready.error is not None:
+                stream.stats.failed += 1
+                log.warning(
+                    "stream %s: frame %d not converted: %s", stream.spec.name, item.index, ready.error
+                )
+            return
+        out_ring = stream.out_ring(slot.ring)
+        if out_ring is not None and out_ring.free < len(outputs or ()):
+            slot.release()  # output slots of timed-out requests are still quarantined
             stream.stats.rejected += 1
             return
-        cpu = time.thread_time()
-        try:
-            tensor = write_input(item.frame, slot, spec, width, height)
-        except Exception as exc:
-            slot.release()
-            stream.stats.failed += 1
-            log.warning("stream %s: frame %d not converted: %s", stream.spec.name, item.index, exc)
-            return
-        finally:
-            stream.convert_cpu_s += time.thread_time() - cpu
         stream.inflight += 1
         wanted: Any = {name: out_ring for name in outputs or ()} if out_ring is not None else outputs
+        place = stream.sent()
         try:
             future = await client.submit(
-                self.options.model, {spec.name: tensor}, wanted, version=self.options.version
+                self.options.model, {spec.name: ready.tensor}, wanted, version=self.options.version
             )
         except ClientError as exc:
             stream.inflight -= 1
             self._failed(stream, exc)
+            self._publish(stream, stream.answered(place, None))
             return
-        future.add_done_callback(functools.partial(self._done, stream, item, (width, height)))
+        future.add_done_callback(functools.partial(self._done, stream, item, ready.size, place))
 
     async def _rings(
         self, client: AsyncZmqClient, stream: Stream, size: int, outputs: list[str] | None
-    ) -> tuple[FrameRing, FrameRing | None]:
-        """The stream's input ring, and an output ring when the outputs are named ones known to
-        be smaller than the input (CenterFace's maps: 5/16 of its size), so that they come back
-        through shared memory as well; other outputs come inline."""
+    ) -> FrameRing:
+        """The stream's input ring (with, when the outputs are named ones known to be smaller than
+        the input, CenterFace's maps: 5/16 of its size, an output ring, so that they come back
+        through shared memory as well; other outputs come inline)."""
         if stream.rings and stream.rings[-1][0].slot_size >= size:
-            return stream.rings[-1]
+            return stream.rings[-1][0]
         # The first frame, or a source that came back larger: new rings (the old ones are closed
         # with the client, once their slots are back).
+        for slot in stream.mailbox.reclaim():
+            slot.release()
         name = f"watch-{stream.spec.name}-{os.getpid()}-{len(stream.rings)}"
         inflight = self.options.inflight
         ring = await client.create_ring(inflight, size, name=name)
@@ -284,7 +344,7 @@ class Watch:
             await client.create_ring(inflight * len(outputs), size, name=f"{name}-out") if outputs else None
         )
         stream.rings.append((ring, out_ring))
-        return ring, out_ring
+        return ring
 
     def _failed(self, stream: Stream, exc: BaseException) -> None:
         if isinstance(exc, ClientError) and exc.status in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
@@ -295,36 +355,34 @@ class Watch:
             log.warning("stream %s: request failed: %s", stream.spec.name, exc)
 
     def _done(
-        self, stream: Stream, item: Decoded, sent: tuple[int, int], future: asyncio.Future[Any]
+        self, stream: Stream, item: Decoded, sent: tuple[int, int], place: Place, future: asyncio.Future[Any]
     ) -> None:
         stream.inflight -= 1
-        stream.wake.set()
-        if future.cancelled():
-            return
-        exc = future.exception()
-        if exc is not None:
+        stream.mailbox.hush(False)
+        # The freed slot goes straight to the decoder; the stream's task wakes only when it has to act.
+        if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
+            stream.wake.set()
+        answer = None
+        if not future.cancelled() and (exc := future.exception()) is not None:
             self._failed(stream, exc)
-            return
-        outputs = future.result().outputs
-        data = interpret(outputs, sent, (item.width, item.height), self.options.threshold)
-        latency = time.perf_counter() - item.t0
-        stream.stats.observe(latency)
-        result = Result(
-            stream.spec.name,
-            item.index,
-            item.pts,
-            item.wall,
-            latency * 1e3,
-            self.options.model,
-            item.width,
-            item.height,
-            data,
-        )
-        payload = result.to_json() if any(not isinstance(s, CallbackSink) for s in self.sinks) else b""
-        for sink in self.sinks:
-            sink.publish(result, payload)
-        if stream.overlay is not None:
-            stream.overlay.put(item.frame, result)
+        elif not future.cancelled():
+            data = interpret(future.result().outputs, sent, (item.width, item.height), self.options.threshold)
+            latency = time.perf_counter() - item.t0
+            stream.stats.observe(latency)
+            name, model = stream.spec.name, self.options.model
+            result = Result(
+                name, item.index, item.pts, item.wall, latency * 1e3, model, item.width, item.height, data
+            )
+            answer = (result, item.frame)
+        self._publish(stream, stream.answered(place, answer))
+
+    def _publish(self, stream: Stream, answers: list[tuple[Result, Any]]) -> None:
+        for result, frame in answers:
+            payload = result.to_json() if any(not isinstance(s, CallbackSink) for s in self.sinks) else b""
+            for sink in self.sinks:
+                sink.publish(result, payload)
+            if stream.overlay is not None:
+                stream.overlay.put(frame, result)
 
 
 class _suppress_closed:

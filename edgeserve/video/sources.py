@@ -27,6 +27,7 @@ log = logging.getLogger("edgeserve.video")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 NETWORK_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt", "rtp")
+PACE_STEP = 0.1  # s: longest sleep between stop checks while pacing a file in real time
 CONSECUTIVE_CORRUPT_MAX = 25  # packets in a row the decoder refused: reconnect (live) / give up (file)
 
 
@@ -238,6 +239,17 @@ class SourceThread(threading.Thread):
         self._index += 1
         return Decoded(frame, self._index - 1, pts, time.time(), time.perf_counter(), width, height)
 
+    def _sleep_until(self, deadline: float) -> bool:
+        """Wait for a frame's time (--realtime); False when stopped meanwhile. time.sleep, in
+        steps that keep stop() prompt: half the CPU of Event.wait's lock per frame."""
+        while True:
+            wait = deadline - time.perf_counter()
+            if self.stopping.is_set():
+                return False
+            if wait <= 0:
+                return True
+            time.sleep(min(wait, PACE_STEP))
+
     def _av_frames(self) -> Iterator[Decoded]:
         import av
 
@@ -257,6 +269,14 @@ class SourceThread(threading.Thread):
             for packet in container.demux(stream):
                 if self.stopping.is_set():
                     return
+                stamp = packet.dts if packet.dts is not None else packet.pts
+                if pace and stamp is not None and time_base:
+                    # a camera stand-in: each packet arrives at its time and is decoded at once
+                    first_pts = stamp * time_base if first_pts is None else first_pts
+                    self.counters.decode_cpu_s += time.thread_time() - cpu
+                    if not self._sleep_until(started + (stamp * time_base - first_pts)):
+                        return
+                    cpu = time.thread_time()
                 if packet.is_corrupt:  # the demuxer saw damage (e.g. MPEG-TS continuity errors)
                     self.counters.corrupt += 1
                 try:
@@ -275,11 +295,6 @@ class SourceThread(threading.Thread):
                     if frame.is_corrupt:  # decoded with concealment: still a picture, counted
                         self.counters.corrupt += 1
                     pts = frame.pts * time_base if frame.pts is not None and time_base else None
-                    if pace and pts is not None:
-                        first_pts = pts if first_pts is None else first_pts
-                        wait = started + (pts - first_pts) - time.perf_counter()
-                        if wait > 0 and self.stopping.wait(wait):
-                            return
                     yield self._decoded(frame, pts, frame.width, frame.height)
                 cpu = time.thread_time()  # not the time the frame's consumer took
         finally:

@@ -1,0 +1,69 @@
+"""One stream's state in the watch pipeline: its mailbox and decoder, its rings, what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+from edgeserve.client.ring import FrameRing
+from edgeserve.video.flow import Mailbox
+from edgeserve.video.metrics import StreamStats
+from edgeserve.video.sources import SourceSpec, SourceThread
+
+
+class Stream:
+    def __init__(self, spec: SourceSpec, policy: str) -> None:
+        self.spec, self.policy = spec, policy
+        self.stats = StreamStats()
+        self.mailbox: Mailbox
+        self.thread: SourceThread
+        self.wake = asyncio.Event()
+        self.rings: list[tuple[FrameRing, FrameRing | None]] = []
+        self.inflight = 0
+        self.ended = False
+        self.error: str | None = None
+        self.convert_cpu_s = 0.0
+        self.overlay: Any = None
+        self._order: collections.deque[Place] = collections.deque()
+
+    def snapshot(self) -> tuple[str, int, dict[str, int], int, int, bool, StreamStats]:
+        c = self.thread.counters
+        dropped = {**self.mailbox.dropped, "server": self.stats.rejected, "failed": self.stats.failed}
+        return (self.spec.name, c.decoded, dropped, c.corrupt, c.reconnects, c.up, self.stats)
+
+    def out_ring(self, ring: FrameRing) -> FrameRing | None:
+        return next((out for each, out in self.rings if each is ring), None)
+
+    def release_held(self) -> None:
+        """Slots handed to the decoder and not sent: back to their rings."""
+        for slot in self.mailbox.reclaim():
+            slot.release()
+        for ready in self.mailbox.take_ready():
+            ready.slot.release()
+
+    def sent(self) -> Place:
+        """A place in the stream's result order for the frame being sent."""
+        place = Place()
+        self._order.append(place)
+        return place
+
+    def answered(self, place: Place, answer: Any) -> list[Any]:
+        """The answers now due, in the order their frames were sent (None: the frame got no answer).
+        A model with several instances can answer a later frame first; it waits for the earlier
+        one, so that subscribers and the overlay see the stream's frames in order."""
+        place.done, place.answer = True, answer
+        due = []
+        while self._order and self._order[0].done:
+            first = self._order.popleft().answer
+            if first is not None:
+                due.append(first)
+        return due
+
+
+class Place:
+    __slots__ = ("answer", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.answer: Any = None
