@@ -60,9 +60,15 @@ else
     echo "warning: could not build PyGObject (needs root or sudo for its build packages); the GStreamer test will skip" >&2
 fi
 
-step "python -m pytest $*"
+# Most tests wait on real servers, brokers and cameras: test files run in parallel worker processes
+# (pytest-xdist), a file's tests in one worker so its module fixtures start once.
+# EDGESERVE_TEST_WORKERS=0 runs everything in this process.
+workers=${EDGESERVE_TEST_WORKERS:-auto}
+parallel=()
+[ "$workers" != "0" ] && parallel=(-n "$workers" --dist loadfile)
+step "python -m pytest ${parallel[*]} $*"
 set +e
-.venv/bin/python -m pytest -ra "$@"
+.venv/bin/python -m pytest -ra "${parallel[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
