@@ -335,9 +335,14 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench's command line: its module text, as written, is the description `--help` shows."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def workload_parser(doc: str | None) -> argparse.ArgumentParser:
     """The options of every model-by-model bench: --models, --clients, --model-repository."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(doc)
     parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
