@@ -425,6 +425,16 @@ def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def served_workloads(args: argparse.Namespace) -> Iterator[tuple[list[Workload], Path]]:
+    """The workloads of --models, their sample models prepared in --model-repository, and the
+    repository served for --backend (see bench_repository)."""
+    works = chosen_workloads(args)
+    prepare_samples(args.model_repository, works)
+    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+        yield works, repository
+
+
 @functools.lru_cache(maxsize=1)
 def plan_selector() -> Any:
     """The selector the server builds (edgeserve.hardware.selector.PlanSelector over load_settings():
