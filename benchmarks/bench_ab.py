@@ -15,7 +15,6 @@ AsyncZmqClient), one event loop in this process. Only the servers started here a
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import Side
-from common import ROOT, WORKLOADS, Result, Workload, progress, run_connected
+from common import ROOT, WORKLOADS, Result, Workload, bench_parser, progress, run_connected
 from es_server import RunningServer, start_server
 from peer_clients import CALLERS
 
@@ -55,9 +54,7 @@ def drive(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--variant", action="append", required=True, help="name:EDGESERVE_KEY=VALUE,...")
     parser.add_argument("--model", default="mlp", choices=("mlp", "ppocr_cls", "ppocr_det", "ppocr_rec"))
     parser.add_argument("--transports", default=",".join(DEFAULT_TRANSPORTS), help="comma list")

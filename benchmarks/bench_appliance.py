@@ -26,7 +26,6 @@ Only processes started here are stopped, by their process id; all traffic is on 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from common import ROOT, free_port, machine_facts, progress
+from common import ROOT, bench_parser, free_port, machine_facts, progress
 from es_server import server_command, terminate
 from notify_socket import NotifyListener
 
@@ -518,9 +517,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=5, help="starts per repository (default 5)")
     parser.add_argument("--memory-repeats", type=int, default=3, help="idle memory starts per repository")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds idle after READY before sampling")

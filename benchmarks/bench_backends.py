@@ -14,7 +14,6 @@ what the device profile + accuracy guard pick on their own; its own instance x t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from common import machine_facts  # noqa: E402
+from common import bench_parser, machine_facts  # noqa: E402
 
 from edgeserve.backends.base import BackendOptions, get_backend  # noqa: E402
 from edgeserve.config import load_settings  # noqa: E402
@@ -100,9 +99,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--repository", type=Path, default=ROOT / "models")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--seconds", type=float, default=3.0, help="time budget per option")

@@ -39,7 +39,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import CONFIG, build_model
-from common import ROOT, PausedTree, machine_facts, percentile, progress
+from common import ROOT, PausedTree, bench_parser, machine_facts, percentile, progress
 from es_server import RunningServer, free_port, get_status, server_command
 
 CLIENT = Path(__file__).resolve().parent / "fastpath_client.py"
@@ -191,9 +191,7 @@ def run_client(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--variant", action="append", help="name=SOURCE_TREE[:spin=N,EDGESERVE_KEY=VALUE]")
     parser.add_argument("--mode", choices=("write", "inplace"), default="write")
     parser.add_argument("--rounds", type=int, default=6)

@@ -55,15 +55,13 @@ from common import (
     Result,
     Workload,
     add_backend_argument,
-    bench_repository,
-    chosen_workloads,
     free_port,
     machine_facts,
-    prepare_samples,
     progress,
     run_connected,
     run_threads,
     served_config,
+    served_workloads,
     workload_parser,
 )
 from es_server import Endpoints, terminate
@@ -320,10 +318,8 @@ def main() -> int:
     parser.add_argument("--pytriton-venv", type=Path, default=pytriton_peer.DEFAULT_VENV)
     args = parser.parse_args()
 
-    works = chosen_workloads(args)
-    prepare_samples(args.model_repository, works)
     facts = machine_facts()
-    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+    with served_workloads(args) as (works, repository):
         report = run(args, works, repository)
 
     print(

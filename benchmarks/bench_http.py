@@ -33,14 +33,12 @@ from common import (  # noqa: E402
     Result,
     Workload,
     add_backend_argument,
-    bench_repository,
-    chosen_workloads,
     machine_facts,
     merge,
-    prepare_samples,
     progress,
     run_connected,
     run_threads,
+    served_workloads,
     start_server,
     workload_parser,
 )
@@ -152,13 +150,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured warm-up per phase")
     add_backend_argument(parser)
     args = parser.parse_args()
-    works = chosen_workloads(args)
     client_counts = [int(c) for c in args.clients.split(",")]
-    prepare_samples(args.model_repository, works)
     facts = machine_facts()
     rows: list[str] = []
     runtimes: list[str] = []
-    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+    with served_workloads(args) as (works, repository):
         progress(
             f"starting edgeserve on {repository} ({args.backend}) with {', '.join(w.model for w in works)}"
         )

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import psutil
 from bench_appliance import RESULTS, Appliance, code_version, start_appliance
-from common import ROOT, machine_facts, progress
+from common import ROOT, bench_parser, machine_facts, progress
 
 MB = 1024 * 1024
 TARGET_MB = 350.0
@@ -402,9 +402,7 @@ def breakdown(app: Appliance) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--minutes", type=float, default=10.0, help="traffic after warm-up (default 10)")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of warm-up traffic (default 60)")
     parser.add_argument("--sample", type=float, default=30.0, help="seconds between RSS samples (default 30)")

@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fastpath_ab import Variant, cpu_flags, measure_only, parse_variant, servers
-from common import ROOT, machine_facts, progress
+from common import ROOT, bench_parser, machine_facts, progress
 from es_server import RunningServer
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")
@@ -66,9 +66,7 @@ def bench(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--variant", action="append", help="name=SOURCE_TREE[:EDGESERVE_KEY=VALUE,...]")
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--clients", default="1,4,8")

@@ -425,8 +425,7 @@ def report(rows: list[dict[str, Any]], models: list[str], counts: list[int], ser
                 median = _median(ratios)
                 print(f"{model}, {streams} stream(s): watch / hand frames/s = {each} (median {median:.2f}x)")
         for name in ("watch", "hand"):
-            above = [r["convert_ms"] + r["other_ms"] for r in rows
-                     if r["model"] == model and r["streams"] == 1 and r["pipeline"] == name]  # fmt: skip
+            above = _one_stream(rows, model, name, lambda r: r["convert_ms"] + r["other_ms"])
             if above:
                 each = ", ".join(f"{x:.2f}" for x in above)
                 print(
@@ -436,14 +435,20 @@ def report(rows: list[dict[str, Any]], models: list[str], counts: list[int], ser
         if model == "ocr":  # an ensemble's steps overlap and include Python steps: no backend baseline
             continue
         for name in ("watch-1", "hand"):
-            extra = [r["mean_ms"] - r["model_ms"] for r in rows
-                     if r["model"] == model and r["streams"] == 1 and r["pipeline"] == name]  # fmt: skip
+            extra = _one_stream(rows, model, name, lambda r: r["mean_ms"] - r["model_ms"])
             if extra:
                 each = ", ".join(f"{x:.1f}" for x in extra)
                 print(
                     f"{model}, 1 stream, 1 frame in flight, {name}: decode-to-result latency above the "
                     f"model's backend time = {each} ms (mean)"
                 )
+
+
+def _one_stream(
+    rows: list[dict[str, Any]], model: str, pipeline: str, value: Callable[[dict[str, Any]], float]
+) -> list[float]:
+    """`value` of each round of `model` with one stream through `pipeline`."""
+    return [value(r) for r in rows if r["model"] == model and r["streams"] == 1 and r["pipeline"] == pipeline]
 
 
 def _median(values: list[float]) -> float:

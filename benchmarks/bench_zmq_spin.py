@@ -13,7 +13,6 @@ what this reports, with the request count next to it. Only the servers started h
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import progress  # puts tests/ on sys.path (es_server, onnx_models)
+from common import bench_parser, progress  # puts tests/ on sys.path (es_server, onnx_models)
 from es_server import scrape, start_server
 from onnx_models import write_model
 
@@ -54,9 +53,7 @@ def measure(spin_us: int, requests: int, spaced: int, gap_ms: float, tmp: Path) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--spin-us", default="10000,200,0", help="windows to measure, comma-separated")
     parser.add_argument("--requests", type=int, default=100, help="back-to-back requests per window")
     parser.add_argument("--spaced", type=int, default=30, help="requests --gap-ms apart afterwards")

@@ -335,9 +335,14 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A bench's command line: its module text, as written, is the description `--help` shows."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def workload_parser(doc: str | None) -> argparse.ArgumentParser:
     """The options of every model-by-model bench: --models, --clients, --model-repository."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(doc)
     parser.add_argument("--models", default="mlp,ppocr_det", help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "models")
@@ -418,6 +423,16 @@ def bench_repository(backend: str, models: list[str], source: Path) -> Iterator[
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def served_workloads(args: argparse.Namespace) -> Iterator[tuple[list[Workload], Path]]:
+    """The workloads of --models, their sample models prepared in --model-repository, and the
+    repository served for --backend (see bench_repository)."""
+    works = chosen_workloads(args)
+    prepare_samples(args.model_repository, works)
+    with bench_repository(args.backend, [w.model for w in works], args.model_repository) as repository:
+        yield works, repository
 
 
 @functools.lru_cache(maxsize=1)

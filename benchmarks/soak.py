@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import psutil
 from bench_appliance import RESULTS, Appliance, code_version, fds_threads, start_appliance, temp_repository
-from common import machine_facts, progress
+from common import bench_parser, machine_facts, progress
 
 MB = 1024 * 1024
 # growth beyond these, last 3 samples vs first 3 after warm-up, counts as "grew"
@@ -296,9 +296,7 @@ def judge(
 
 # -- the run --------------------------------------------------------------------------------------------
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=50.0, help="requests/s per client (default 50)")
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between samples (default 10)")

@@ -50,6 +50,9 @@ class Endpoints:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def model_ready(self, name: str) -> bool:
+        return get_status(f"{self.base}/v2/models/{name}/ready") == 200
+
     def shm_regions(self) -> set[str]:
         """The shm region names registered now, as the server logs them (a client's status lists only
         the regions it may name itself: edgeserve/frontends/shm/binding.py)."""

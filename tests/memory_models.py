@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.http as httpclient
+from python_models import as_pbtxt, python_config
 
 # What a Python model's worker must not import unless the model does: the runtimes and the server's
 # frontends (each costs the worker megabytes of RSS).
@@ -40,13 +41,7 @@ class TritonPythonModel:
         return out
 """
 
-CONFIG: dict[str, Any] = {
-    "backend": "python",
-    "max_batch_size": 0,
-    "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}],
-    "output": [{"name": "PID", "data_type": "TYPE_INT64", "dims": [2]}],
-    "instance_group": [{"kind": "KIND_CPU", "count": 1}],
-}
+CONFIG = python_config(("IN", "TYPE_FP32", [1]), ("PID", "TYPE_INT64", [2]))
 
 
 def source(marker: Path | None = None) -> str:
@@ -55,29 +50,21 @@ def source(marker: Path | None = None) -> str:
     return SOURCE.format(heavy=HEAVY, marker=line)
 
 
-def pbtxt(group: str | None = None) -> str:
-    text = (
-        'backend: "python"\nmax_batch_size: 0\n'
-        'input [{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }]\n'
-        'output [{ name: "PID" data_type: TYPE_INT64 dims: [ 2 ] }]\n'
-        "instance_group [{ kind: KIND_CPU, count: 1 }]\n"
-    )
-    if group is not None:
-        text += f'parameters [{{ key: "python_worker_group", value: {{ string_value: "{group}" }} }}]\n'
-    return text
+def _config(group: str | None) -> dict[str, Any]:
+    """CONFIG, in the worker group `group` when given."""
+    if group is None:
+        return CONFIG
+    return {**CONFIG, "parameters": {"python_worker_group": {"string_value": group}}}
 
 
 def json_config(group: str | None = None) -> str:
-    """The same config as load-API JSON (a config sent with a load request)."""
-    config = dict(CONFIG)
-    if group is not None:
-        config["parameters"] = {"python_worker_group": {"string_value": group}}
-    return json.dumps(config)
+    """The config as load-API JSON (a config sent with a load request)."""
+    return json.dumps(_config(group))
 
 
 def write(repo: Path, name: str, group: str | None = None, marker: Path | None = None) -> None:
     (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(pbtxt(group))
+    (repo / name / "config.pbtxt").write_text(as_pbtxt(_config(group)))
     (repo / name / "1" / "model.py").write_text(source(marker))
 
 

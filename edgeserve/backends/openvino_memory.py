@@ -13,9 +13,10 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
+
+from edgeserve.backends.watch_thread import WatchThread
 
 log = logging.getLogger("edgeserve.backends.openvino")
 
@@ -71,7 +72,7 @@ class IdleRelease:
         self.used_at = time.monotonic()
         if not self.dirty and self.idle_s > 0:
             self.dirty = True
-            _watcher.watch(self)
+            _watcher.add(self)
 
     def release_if_idle(self, now: float) -> bool:
         """True when this no longer needs watching (released, or closed)."""
@@ -99,25 +100,13 @@ class IdleRelease:
             self.dirty = False
 
 
-class _Watcher:
+class _Watcher(WatchThread["IdleRelease"]):
     """One daemon thread for the process, alive while some compiled model waits for its release."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: weakref.WeakSet[IdleRelease] = weakref.WeakSet()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, item: IdleRelease) -> None:
-        with self._lock:
-            self._waiting.add(item)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="edgeserve-ov-release", daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                items = list(self._waiting)
+                items = list(self._items)
                 if not items:
                     self._thread = None
                     return
@@ -128,7 +117,7 @@ class _Watcher:
                 if item.release_if_idle(now):
                     with self._lock:
                         if not item.dirty:
-                            self._waiting.discard(item)
+                            self._items.discard(item)
 
 
-_watcher = _Watcher()
+_watcher = _Watcher("edgeserve-ov-release")

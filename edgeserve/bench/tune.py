@@ -36,6 +36,7 @@ from edgeserve.bench.candidates import (
 from edgeserve.bench.errors import BenchError, RequestError
 from edgeserve.bench.inputs import ModelInfo, parse_shape_flags
 from edgeserve.bench.load import BenchConfig, Settings, run_bench
+from edgeserve.bench.options import from_args
 from edgeserve.bench.stats import Point
 from edgeserve.bench.tune_check import Reference, compare, outputs
 from edgeserve.bench.tune_int8 import (
@@ -97,23 +98,15 @@ class TuneOptions:
             raise BenchError("--latency-budget-ms is required (with --int8 it defaults to no limit)")
         if budget is not None and not budget > 0:
             raise BenchError("--latency-budget-ms must be above 0")
-        return cls(
-            model=args.model,
+        return from_args(
+            cls,
+            args,
             budget_ms=math.inf if budget is None else budget,
             repository=args.model_repository,
-            out_dir=args.out_dir,
-            output=args.output,
-            max_seconds=args.max_seconds,
-            protocol=args.protocol,
-            concurrency=args.concurrency,
             backends=names(args.backends),
             precisions=names(args.precisions),
-            max_candidates=args.max_candidates,
             tolerance=args.accuracy_tolerance,
-            fresh=args.fresh,
-            int8_model=args.int8_model,
             int8=int8,
-            batch_size=args.batch_size,
             shapes=args.shape,
             input_data=args.input_data or ["random"],
             settings=settings,

@@ -17,10 +17,10 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from edgeserve.backends.watch_thread import WatchThread
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import Job
 from edgeserve.scheduling.queue import TIMEOUT_MESSAGE
@@ -48,20 +48,8 @@ def load_replacement(
         return None
 
 
-class _Watchdog:
+class _Watchdog(WatchThread["HangWatch"]):
     """One daemon thread for every scheduler in the process: cheap checks of the running batches."""
-
-    def __init__(self) -> None:
-        self._schedulers: weakref.WeakSet[HangWatch] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def add(self, scheduler: HangWatch) -> None:
-        with self._lock:
-            self._schedulers.add(scheduler)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="edgeserve-watchdog", daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -69,17 +57,15 @@ class _Watchdog:
             self._check()  # its locals go with it: no strong reference to a retired scheduler stays
 
     def _check(self) -> None:
-        with self._lock:
-            schedulers = list(self._schedulers)
         now = time.monotonic_ns()
-        for scheduler in schedulers:
+        for scheduler in self.watched():
             try:
                 scheduler.check_running(now)
             except Exception:  # pragma: no cover - a bug here must not stop the watchdog
                 log.exception("watchdog check of %s failed", scheduler.model_name)
 
 
-_WATCHDOG = _Watchdog()
+_WATCHDOG = _Watchdog("edgeserve-watchdog")
 
 
 class HangWatch:

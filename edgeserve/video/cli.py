@@ -113,6 +113,7 @@ def watch_command(args: argparse.Namespace) -> int:
         import av  # noqa: F401
     except ImportError:
         return _fail("needs PyAV (FFmpeg): pip install 'edgeserve[video]'")
+    from edgeserve.bench.options import from_args
     from edgeserve.client.errors import ClientError
     from edgeserve.video.pipeline import Watch, WatchError, WatchOptions
     from edgeserve.video.publish import CallbackSink, Sink, open_sink
@@ -141,25 +142,13 @@ def watch_command(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.print:
         sinks.append(CallbackSink(lambda r: print(r.to_json().decode(), flush=True)))
-    options = WatchOptions(
-        model=args.model,
+    options = from_args(
+        WatchOptions,
+        args,
         version=args.model_version,
         endpoint=endpoint,
-        policy=args.policy,
-        fps=args.fps,
-        inflight=args.inflight,
         size=size,
-        scale=args.scale,
-        bgr=args.bgr,
-        threshold=args.threshold,
-        timeout=args.timeout,
-        max_frames=args.max_frames,
-        source=SourceOptions(
-            rtsp_transport=args.rtsp_transport,
-            read_timeout=args.read_timeout,
-            realtime=args.realtime,
-            loop=args.loop,
-        ),
+        source=from_args(SourceOptions, args),
     )
     overlay = None
     if args.overlay is not None:

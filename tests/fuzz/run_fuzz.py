@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fuzz_engine import FRONTENDS, Options, run
 
+from edgeserve.bench.options import from_args
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,14 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in frontends if f not in FRONTENDS]
     if unknown:
         parser.error(f"unknown frontend(s) {unknown}; choose from {', '.join(FRONTENDS)}")
-    options = Options(
-        seconds=args.seconds,
-        max_requests=args.max_requests,
-        seed=args.seed,
-        frontends=frontends,
-        batch=args.batch,
-        timeout=args.timeout,
-    )
+    options = from_args(Options, args, frontends=frontends)
     report = run(options)
     report["command"] = " ".join(
         ["python", "tests/fuzz/run_fuzz.py", *(argv if argv is not None else sys.argv[1:])]

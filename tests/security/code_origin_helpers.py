@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from es_server import RunningServer
 from onnx import TensorProto, helper, numpy_helper
+from python_models import as_pbtxt, python_config
 from tritonclient.utils import InferenceServerException
 
 # Any import of the file (the server's auto-complete worker or a model worker) writes the marker.
@@ -45,19 +46,8 @@ class TritonPythonModel:
         ]
 """
 
-PY_CONFIG: dict[str, Any] = {
-    "backend": "python",
-    "max_batch_size": 0,
-    "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}],
-    "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}],
-    "instance_group": [{"kind": "KIND_CPU", "count": 1}],
-}
-PY_PBTXT = """backend: "python"
-max_batch_size: 0
-input [{ name: "IN" data_type: TYPE_FP32 dims: [ 4 ] }]
-output [{ name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] }]
-instance_group [{ kind: KIND_CPU, count: 1 }]
-"""
+PY_CONFIG = python_config(("IN", "TYPE_FP32", [4]), ("OUT", "TYPE_FP32", [4]))
+PY_PBTXT = as_pbtxt(PY_CONFIG)
 
 
 def py_config(**changes: Any) -> str:

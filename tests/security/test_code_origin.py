@@ -50,11 +50,6 @@ class Appliance:
         folder = self.tmp / "state" / "overrides" / name
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
-    def ready(self, name: str) -> bool:
-        from es_server import get_status
-
-        return get_status(f"{self.server.base}/v2/models/{name}/ready") == 200
-
 
 @pytest.fixture(scope="module")
 def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
@@ -149,7 +144,7 @@ def test_code_sent_with_a_load_request_never_runs(
     got, message = load(protocol, appliance.server, name, config, files)
     assert (got, text in message) == (status, True), message
     assert name in message  # the refusal names the model
-    assert not appliance.ready(name)
+    assert not appliance.server.model_ready(name)
     _after_refusal(appliance, name)
 
 
@@ -215,7 +210,7 @@ def test_a_config_sent_over_the_api_does_not_choose_code_or_paths(
     # A failed reload keeps the model's own version serving.
     if model == "local_py":
         assert infer(protocol, appliance.server, "local_py", ("IN", "OUT")) == [1.0, 2.0, 3.0, 4.0]
-    assert appliance.ready(model)
+    assert appliance.server.model_ready(model)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -224,7 +219,7 @@ def test_a_link_out_of_the_version_folder_is_refused(appliance: Appliance, proto
     assert got == "PERMISSION_DENIED", message
     assert "model 'linked' version 1" in message and "outside the version folder" in message
     assert "copy the file into it" in message
-    assert not appliance.ready("linked")
+    assert not appliance.server.model_ready("linked")
     _after_refusal(appliance, "linked")
 
 
@@ -257,10 +252,8 @@ def test_model_files_sent_with_a_load_request_serve(
     assert load(protocol, appliance.server, name, json.dumps({"backend": backend}), files) == ("OK", "")
     assert infer(protocol, appliance.server, name, ("X", "Y")) == [0.0, 2.0, 4.0, 6.0]
     assert len(appliance.leftovers(name)) == 1  # its files, while it serves
-    from es_server import get_status
-
     unload = f"{appliance.server.base}/v2/repository/models/{name}/unload"
-    assert _post(unload) == 200 and get_status(f"{appliance.server.base}/v2/models/{name}/ready") != 200
+    assert _post(unload) == 200 and not appliance.server.model_ready(name)
     assert wait_until(lambda: appliance.leftovers(name) == [])
 
 

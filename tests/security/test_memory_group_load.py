@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from code_origin_helpers import load
-from es_server import RunningServer, get_status, start_server
+from es_server import RunningServer, start_server
 from memory_models import ask, json_config, worker_pids, write
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,9 +29,6 @@ pytestmark = pytest.mark.timeout(240)
 class Appliance:
     server: RunningServer
     marker: Path  # written when api_py's model.py is imported
-
-    def ready(self, name: str) -> bool:
-        return get_status(f"{self.server.base}/v2/models/{name}/ready") == 200
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +54,7 @@ def test_a_sent_config_may_not_choose_a_worker_group(appliance: Appliance, group
     assert "parameters['python_worker_group']" in message and "load request" in message, message
     assert "worker of its own" in message  # the fix
     assert not appliance.marker.exists(), "the model's code ran"
-    assert not appliance.ready("api_py")
+    assert not appliance.server.model_ready("api_py")
     assert sorted(worker_pids(server.process.pid)) == workers, "a worker process was started"
     assert ask(server.http_url, "ga")[0] == ask(server.http_url, "gb")[0] == shared
 
@@ -67,7 +64,7 @@ def test_a_reload_of_a_grouped_model_with_a_sent_group_is_refused(appliance: App
     shared, _ = ask(server.http_url, "gb")
     status, message = load("http", server, "gb", config=json_config("shared"))
     assert status == "PERMISSION_DENIED" and "python_worker_group" in message, message
-    assert appliance.ready("gb")  # the version on the device keeps serving, in its group
+    assert appliance.server.model_ready("gb")  # the version on the device keeps serving, in its group
     assert ask(server.http_url, "gb")[0] == ask(server.http_url, "ga")[0] == shared
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import video_clips
+from es_server import wait_until
 
 from edgeserve.client import FrameRing
 from edgeserve.video import pipeline, results
@@ -79,7 +80,7 @@ def test_every_waits_for_a_slot_once_fed_and_keeps_the_order() -> None:
     assert not done.wait(0.3) and convert.calls == []
     assert box.take().index == 0  # type: ignore[union-attr]
     box.give("slot-a")
-    assert wait_for(lambda: len(convert.calls) == 1)
+    assert wait_until(lambda: len(convert.calls) == 1)
     assert not done.wait(0.3)  # frame 2 has no slot yet: backpressure, nothing dropped
     box.give("slot-b")
     assert done.wait(10)
@@ -117,15 +118,6 @@ def test_the_next_frame_is_expected_at_the_stream_rate() -> None:
     for index in range(5):
         box.offer(_item(index, now - 0.2 + index * 0.05))  # 20 fps, the last one 0 s ago
     assert box.interval == pytest.approx(0.05) and box.due_in() == pytest.approx(0.05, abs=0.02)
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 def _yuv_frame(width: int = 320, height: int = 192) -> tuple[Any, np.ndarray]:

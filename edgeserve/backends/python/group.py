@@ -131,16 +131,7 @@ class GroupHost:
 
     def kill(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after `grace_s`: every member goes with it."""
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.process.terminate()
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(OSError):
-                    self.process.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.process.wait(10.0)
+        stop(self.process, grace_s)
 
     def close(self, grace_s: float) -> None:
         """The last member went: closing the channel ends the worker; killed if it does not."""
@@ -151,6 +142,20 @@ class GroupHost:
             self.process.wait(grace_s)
         except subprocess.TimeoutExpired:
             self.kill(1.0)
+
+
+def stop(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (a worker process, grouped or of its own)."""
+    if process.poll() is None:
+        with contextlib.suppress(OSError):
+            process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10.0)
 
 
 _hosts: dict[GroupKey, GroupHost] = {}

@@ -12,6 +12,7 @@ max_batch_size, set_dynamic_batching, set_model_transaction_policy). Not covered
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -195,30 +196,19 @@ def get_output_config_by_name(model_config: Any, name: str) -> dict[str, Any] | 
     return _config_entry(model_config, "output", name)
 
 
+def _log(message: str, level: str = "INFO") -> None:
+    print(f"[python model] {level}: {message}", file=sys.stderr, flush=True)
+
+
 class Logger:
     """pb_utils.Logger: lines go to the server's log (the worker's stderr)."""
 
     INFO, WARNING, ERROR, VERBOSE = "INFO", "WARNING", "ERROR", "VERBOSE"
-
-    @staticmethod
-    def log(message: str, level: str = "INFO") -> None:
-        print(f"[python model] {level}: {message}", file=sys.stderr, flush=True)
-
-    @staticmethod
-    def log_info(message: str) -> None:
-        Logger.log(message, "INFO")
-
-    @staticmethod
-    def log_warn(message: str) -> None:
-        Logger.log(message, "WARNING")
-
-    @staticmethod
-    def log_error(message: str) -> None:
-        Logger.log(message, "ERROR")
-
-    @staticmethod
-    def log_verbose(message: str) -> None:
-        Logger.log(message, "VERBOSE")
+    log = staticmethod(_log)
+    log_info = staticmethod(functools.partial(_log, level=INFO))
+    log_warn = staticmethod(functools.partial(_log, level=WARNING))
+    log_error = staticmethod(functools.partial(_log, level=ERROR))
+    log_verbose = staticmethod(functools.partial(_log, level=VERBOSE))
 
 
 class ModelConfig:

@@ -192,16 +192,8 @@ class Worker:
         with self._lock:
             if self.host is not None:
                 self.host.kill(grace_s)
-            elif self.process.poll() is None:
-                with contextlib.suppress(OSError):
-                    self.process.terminate()
-                try:
-                    self.process.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(OSError):
-                        self.process.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.process.wait(10.0)
+            else:
+                group.stop(self.process, grace_s)
             self._cleanup()
 
     def discard(self, grace_s: float) -> None:

@@ -313,6 +313,23 @@ def test_pb_utils_surface() -> None:
     assert auto.as_dict()["max_batch_size"] == 4 and len(auto.as_dict()["input"]) == 1
 
 
+def test_pb_utils_logger_writes_one_line_per_call_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    pb_utils.Logger.log("plain")
+    pb_utils.Logger.log_info("i")
+    pb_utils.Logger.log_warn("w")
+    pb_utils.Logger.log_error(message="e")
+    pb_utils.Logger.log_verbose("v")
+    pb_utils.Logger.log("x", pb_utils.Logger.ERROR)
+    assert capsys.readouterr().err.splitlines() == [
+        "[python model] INFO: plain",
+        "[python model] INFO: i",
+        "[python model] WARNING: w",
+        "[python model] ERROR: e",
+        "[python model] VERBOSE: v",
+        "[python model] ERROR: x",
+    ]
+
+
 def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tmp_path: Path) -> None:
     source = (
         "import numpy as np\nimport triton_python_backend_utils as pb_utils\n\n\n"

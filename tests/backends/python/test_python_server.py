@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
-from es_server import RunningServer, start_server
+from es_server import RunningServer, start_server, wait_until
 from pymodels import ADD_SUB_CONFIG, write_model, write_repo
 from tritonclient.utils import InferenceServerException
 
@@ -52,21 +51,6 @@ def _workers(server: RunningServer, model: str | None = None) -> list[int]:
     return found
 
 
-def _status(url: str) -> int | None:
-    from es_server import get_status
-
-    return get_status(url)
-
-
-def _wait_for(predicate: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     tmp = tmp_path_factory.mktemp("pyserver")
@@ -77,13 +61,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     )
     running = start_server(repo, tmp, wait_ready=False)  # never all ready: broken_init fails
     models = ("add_sub", "add_sub_batched", "strings", "faulty", "batch_probe")
-    ready = lambda: all(_status(f"{running.base}/v2/models/{m}/ready") == 200 for m in models)  # noqa: E731
-    assert _wait_for(ready, 120), running.log()
+    assert wait_until(lambda: all(running.model_ready(m) for m in models), 120), running.log()
     yield running
     pid = running.process.pid
     assert running.stop() == 0
     assert "Cleaning up..." in running.log()  # finalize() ran on the way out
-    assert _wait_for(lambda: not _workers(running), 10), f"workers of server {pid} outlived it"
+    assert wait_until(lambda: not _workers(running), 10), f"workers of server {pid} outlived it"
 
 
 def _add_sub_inputs(module: Any, a: np.ndarray, b: np.ndarray) -> list[Any]:
@@ -215,15 +198,15 @@ def test_user_errors_abort_and_hang_leave_the_server_up(server: RunningServer) -
         _faulty(client, 4)  # sleeps 1000 s; hang_timeout_s is 1
     assert raised.value.status() == "503"
     assert "did not answer in 1 s; it is being replaced" in str(raised.value)
-    assert _wait_for(lambda: second[0] not in _workers(server, "faulty"))  # the hung worker was killed
-    assert _wait_for(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]))
+    assert wait_until(lambda: second[0] not in _workers(server, "faulty"), 20)  # the hung worker was killed
+    assert wait_until(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]), 20)
 
     third = _workers(server, "faulty")
     with pytest.raises(InferenceServerException) as raised:
         _faulty(client, 4, timeout_us=200_000)  # the request's own timeout answers before the hang detector
     assert raised.value.status() == "503" and "Request timeout expired" in str(raised.value)
-    assert _wait_for(lambda: third[0] not in _workers(server, "faulty"))  # still replaced as hung
-    assert _wait_for(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]))
+    assert wait_until(lambda: third[0] not in _workers(server, "faulty"), 20)  # still replaced as hung
+    assert wait_until(lambda: _try(lambda: _faulty(client, 0).tolist() == [2.0, 4.0]), 20)
     assert server.alive()
     client.close()
 
@@ -257,12 +240,14 @@ def test_unload_and_reload_leave_no_workers(server: RunningServer) -> None:
     before = _workers(server, "strings")
     assert len(before) == 1
     client.unload_model("strings")
-    assert _wait_for(lambda: not _workers(server, "strings"))
+    assert wait_until(lambda: not _workers(server, "strings"), 20)
     client.load_model("strings")
     after = _workers(server, "strings")
     assert len(after) == 1 and after != before
     client.load_model("strings")  # a reload replaces the worker
-    assert _wait_for(lambda: len(_workers(server, "strings")) == 1 and _workers(server, "strings") != after)
+    assert wait_until(
+        lambda: len(_workers(server, "strings")) == 1 and _workers(server, "strings") != after, 20
+    )
     client.close()
 
 
@@ -287,7 +272,7 @@ def test_workers_die_with_a_killed_server(tmp_path: Path) -> None:
         assert Path(f"/proc/{workers[0]}/oom_score_adj").read_text().strip() == "500"
         running.process.kill()  # SIGKILL: no close(), no finalize()
         running.process.wait(10)
-        assert _wait_for(lambda: not Path(f"/proc/{workers[0]}").exists() or _zombie(workers[0]), 10)
+        assert wait_until(lambda: not Path(f"/proc/{workers[0]}").exists() or _zombie(workers[0]), 10)
     finally:
         running.stop()
 

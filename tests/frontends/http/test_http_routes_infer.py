@@ -148,49 +148,21 @@ async def test_oversized_bodies_get_413(api: Api) -> None:
     assert (await api.call("GET", "/v2/health/live"))[0] == 200
 
 
+def _inputs(*names: str, datatype: str = "FP32", shape: tuple[int, int] = (1, 4)) -> dict[str, Any]:
+    """A JSON request's inputs: each of `names` with `shape`, all ones."""
+    size = shape[0] * shape[1]
+    inputs = [{"name": n, "datatype": datatype, "shape": list(shape), "data": [1] * size} for n in names]
+    return {"inputs": inputs}
+
+
 @pytest.mark.parametrize(
     ("model", "change", "status", "needle"),
     [
-        (
-            "add_sub",
-            {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [2, 4], "data": [1] * 8}]},
-            400,
-            "INT32",
-        ),
-        (
-            "add_sub",
-            {
-                "inputs": [
-                    {"name": "INPUT0", "datatype": "FP32", "shape": [2, 5], "data": [1] * 10},
-                    {"name": "INPUT1", "datatype": "FP32", "shape": [2, 5], "data": [1] * 10},
-                ]
-            },
-            400,
-            "shape",
-        ),
-        (
-            "add_sub",
-            {"inputs": [{"name": "NOPE", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]},
-            400,
-            "NOPE",
-        ),
-        (
-            "add_sub",
-            {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]},
-            400,
-            "INPUT1",
-        ),
-        (
-            "add_sub",
-            {
-                "inputs": [
-                    {"name": "INPUT0", "datatype": "FP32", "shape": [9, 4], "data": [1] * 36},
-                    {"name": "INPUT1", "datatype": "FP32", "shape": [9, 4], "data": [1] * 36},
-                ]
-            },
-            400,
-            "batch",
-        ),
+        ("add_sub", _inputs("INPUT0", datatype="INT32", shape=(2, 4)), 400, "INT32"),
+        ("add_sub", _inputs("INPUT0", "INPUT1", shape=(2, 5)), 400, "shape"),
+        ("add_sub", _inputs("NOPE"), 400, "NOPE"),
+        ("add_sub", _inputs("INPUT0"), 400, "INPUT1"),
+        ("add_sub", _inputs("INPUT0", "INPUT1", shape=(9, 4)), 400, "batch"),
         ("add_sub", {"outputs": [{"name": "OUTPUT9"}]}, 400, "OUTPUT9"),
         ("nope", {}, 404, "unknown model"),
         ("full", {}, 503, "Exceeds maximum queue size"),
