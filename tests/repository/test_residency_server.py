@@ -94,7 +94,8 @@ def test_round_robin_over_more_models_than_fit_stays_under_the_budget(tmp_path: 
 
         command = [sys.executable, "-m", "edgeserve", "models", "list", "--url", server.base]
         listing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
-        lines = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+        models_table = listing.stdout.split("\n\n")[0]  # the memory tables follow after a blank line
+        lines = {line.split()[0]: line for line in models_table.splitlines()[1:]}
         assert EVICTED_REASON in lines["d"] and "READY" in lines["e"], listing.stdout
         assert "MiB" in lines["e"], listing.stdout
     finally:
