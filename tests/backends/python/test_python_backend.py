@@ -54,12 +54,14 @@ def load(backend: PythonBackend, tmp_path: Path) -> Iterator[Any]:
 def _exited(pid: int) -> bool:
     """Reaped, or a zombie its parent can reap now. Not an empty cmdline: a SIGKILLed process drops
     its memory (and with it the cmdline) before it finishes exiting, and `Popen.poll()` says "still
-    running" until it does."""
+    running" until it does. Nor a zombie main thread alone: waitpid reports a process only once
+    all its threads have exited, which on a busy box comes later."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        threads = len(os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X") and threads <= 1
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
