@@ -39,23 +39,13 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import CONFIG, build_model
-from common import ROOT, PausedTree, bench_parser, machine_facts, percentile, progress
+from common import ROOT, PausedTree, bench_parser, cpu_flags, machine_facts, percentile, progress
 from es_server import RunningServer, free_port, get_status, server_command
 
 CLIENT = Path(__file__).resolve().parent / "fastpath_client.py"
 MODEL = "frame_pool"
 TARGET_MS = 0.25
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
-
-
-def cpu_flags() -> str:
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
-                break
-    return "CPU flags: " + (", ".join(f for f in FLAGS if f in flags) or "none of " + ", ".join(FLAGS))
 
 
 @dataclass
@@ -205,7 +195,7 @@ def main() -> int:
     repo = tmp / "models"
     build_model(repo / MODEL / "1" / "model.onnx")
     (repo / MODEL / "config.pbtxt").write_text('backend: "onnxruntime"\n' + CONFIG)
-    facts = f"{machine_facts()}; {cpu_flags()}"
+    facts = f"{machine_facts()}; CPU flags: {cpu_flags(FLAGS)}"
     latencies: dict[str, list[list[float]]] = {v.name: [] for v in variants}
     latencies["inproc"] = []
     cpu: dict[str, list[float]] = {name: [] for name in latencies}

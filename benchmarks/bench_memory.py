@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import psutil
 from bench_appliance import RESULTS, Appliance, code_version, start_appliance
-from common import ROOT, bench_parser, machine_facts, progress
+from common import ROOT, bench_parser, cpu_flags, machine_facts, progress
 
 MB = 1024 * 1024
 TARGET_MB = 350.0
@@ -113,17 +113,6 @@ def process_table(app: Appliance) -> list[dict[str, Any]]:
 
 
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "asimddp")
-
-
-def cpu_flags() -> str:
-    """The instruction sets the runtimes' kernels (and so their buffers) depend on; "-x": absent."""
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                flags.update(value.split())
-    return " ".join(f if f in flags else f"-{f}" for f in FLAGS)
 
 
 def total(rows: list[dict[str, Any]], key: str) -> float:
@@ -419,7 +408,7 @@ def main() -> int:
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="es-mem-state-"))
     state.mkdir(parents=True, exist_ok=True)
     env["EDGESERVE_SERVER_STATE_DIR"] = str(state)
-    facts = f"{machine_facts()}; CPU flags: {cpu_flags()}"
+    facts = f"{machine_facts()}; CPU flags: {cpu_flags(FLAGS)}"
     progress(f"{facts}; edgeserve at {code_version()}; env {args.env or 'default'}")
     pool = frames(12)
     if not args.no_prime:

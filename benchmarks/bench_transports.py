@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fastpath_ab import Variant, cpu_flags, measure_only, parse_variant, servers
-from common import ROOT, bench_parser, machine_facts, progress
+from bench_fastpath_ab import FLAGS, Variant, measure_only, parse_variant, servers
+from common import ROOT, bench_parser, cpu_flags, machine_facts, progress
 from es_server import RunningServer
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")
@@ -81,7 +81,7 @@ def main() -> int:
     clients = [int(c) for c in args.clients.split(",") if c]
     protocols = [p for p in args.protocols.split(",") if p]
     tmp = Path(tempfile.mkdtemp(prefix="es-transports-"))
-    facts = f"{machine_facts()}; {cpu_flags()}"
+    facts = f"{machine_facts()}; CPU flags: {cpu_flags(FLAGS)}"
     results: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
     loads = ["--host", "127.0.0.1", *(arg for model in models for arg in ("--load-model", model))]
     with servers(variants, ROOT / "models", tmp, loads, timeout=600):

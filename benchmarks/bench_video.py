@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine_facts, percentile, progress
+from common import ROOT, cpu_flags, machine_facts, percentile, progress
 
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "video"))
@@ -315,15 +315,8 @@ def _measure(
     }
 
 
-def cpu_flags() -> str:
-    """The SIMD flags that matter to decoding, swscale and the model runtimes."""
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            break
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
-    return "CPU flags: " + " ".join(f for f in wanted if f in flags)
+# the SIMD flags that matter to decoding, swscale and the model runtimes
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
 
 
 def served_by(server: Any) -> str:
@@ -346,7 +339,7 @@ def main() -> int:
     counts = [int(n) for n in args.streams.split(",")]
     models = args.models.split(",")
     print(machine_facts())
-    print(cpu_flags())
+    print(f"CPU flags: {cpu_flags(FLAGS)}")
     from es_server import start_server
 
     rows: list[dict[str, Any]] = []

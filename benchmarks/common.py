@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -538,6 +538,14 @@ class InProcess:
     def close(self) -> None:
         for instance in self.instances:
             instance.close()
+
+
+def cpu_flags(wanted: Sequence[str]) -> str:
+    """`wanted` as this CPU has them: "avx2 -amx_tile ..." ("-x": absent; x86 flags, ARM Features)."""
+    from edgeserve.bench.int8 import cpu_flags as flag_set
+
+    have = flag_set()
+    return " ".join(f if f in have else f"-{f}" for f in wanted)
 
 
 def machine_facts() -> str:
