@@ -39,6 +39,7 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     write(repo, "gb", group="shared")
     marker = tmp / "api_py.ran"
     write(repo, "api_py", group="shared", marker=marker)  # its own config names the group too
+    write(repo, "bad_group", group="../../shared;x")  # a hostile name in a device config (a bundle's)
     server = start_server(repo, tmp, args=["--load-model", "ga", "--load-model", "gb"])
     yield Appliance(server, marker)
     server.stop()
@@ -76,3 +77,13 @@ def test_a_model_loaded_with_a_sent_config_never_shares_the_group_worker(applian
     own, heavy = ask(server.http_url, "api_py")
     assert own != shared and own != server.process.pid and heavy == 0
     assert ask(server.http_url, "ga")[0] == ask(server.http_url, "gb")[0] == shared
+
+
+def test_a_hostile_group_name_fails_its_load_with_the_field_and_the_fix(appliance: Appliance) -> None:
+    server = appliance.server
+    workers = sorted(worker_pids(server.process.pid))
+    status, message = load("http", server, "bad_group")
+    assert status != "OK" and "python_worker_group" in message and "use 1-64" in message, message
+    assert not server.model_ready("bad_group")
+    assert sorted(worker_pids(server.process.pid)) == workers, "a worker process was started"
+    assert server.model_ready("ga") and server.alive()
