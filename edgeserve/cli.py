@@ -111,6 +111,8 @@ def _run(args: argparse.Namespace) -> int:
 # model, gRPC unary): ~10% less server CPU per RPC and 6-10% more RPCs/s. Set before gRPC starts;
 # a GRPC_EXPERIMENTS already in the environment wins.
 GRPC_EXPERIMENTS = "-event_engine_listener,-event_engine_for_all_other_endpoints"
+# The pid of a process this server must not outlive (`edgeserve tune` sets it for its own server).
+DIE_WITH_PARENT = "EDGESERVE_DIE_WITH_PARENT"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,11 +127,13 @@ def _serve(args: argparse.Namespace) -> int:
     log = settings.logging
     supervised = args.control_socket is not None
     if supervised:
-        _die_with_supervisor()
+        _die_with_parent("EDGESERVE_SUPERVISED_BY", "the supervisor")
     else:  # alone, the server is the one to finish or undo an interrupted bundle install
         if _log_file_refused(args, settings):
             return 2
         _recover_bundles(settings.server.state_dir)
+        if os.environ.get(DIE_WITH_PARENT):  # a server started by `edgeserve tune`
+            _die_with_parent(DIE_WITH_PARENT, "its parent")
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
     tune_server_process(settings)  # memory settings: before any runtime is imported or a thread started
@@ -177,17 +181,19 @@ def _recover_bundles(state_dir: Path) -> None:
         print(f"edgeserve: bundle install {done}", file=sys.stderr)
 
 
-def _die_with_supervisor() -> None:
-    """SIGTERM this process when the supervisor dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(variable: str, parent: str) -> None:
+    """SIGTERM this process when its parent (whose pid `variable` holds) dies, even by SIGKILL (Linux
+    prctl PR_SET_PDEATHSIG). Set here, not in a preexec_fn: a fork that runs Python before exec runs
+    grpc's fork handlers, whose poller thread then dies on the fds close_fds closed (SIGABRT)."""
     import ctypes
     import signal
 
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    expected = os.environ.get("EDGESERVE_SUPERVISED_BY", "")
+    expected = os.environ.get(variable, "")
     if expected and str(os.getppid()) != expected:  # it died before prctl took effect
-        raise SystemExit("edgeserve serve: the supervisor is gone")
+        raise SystemExit(f"edgeserve serve: {parent} is gone")
 
 
 def _config(args: argparse.Namespace) -> int:

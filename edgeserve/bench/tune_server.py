@@ -44,14 +44,6 @@ def resolve_model(model: str, repository: Path) -> Path:
     return folder.resolve()
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when `tune` dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-
-
 class TuneServer:
     def __init__(self, model_dir: Path, name: str) -> None:
         self.name = name
@@ -106,12 +98,12 @@ class TuneServer:
             "--log-level",
             "WARNING",
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The server sets its own PDEATHSIG from this pid (edgeserve/cli.py): no preexec_fn, which
+        # would run grpc's fork handlers in the child of a process that uses grpc (SIGABRT).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "EDGESERVE_DIE_WITH_PARENT": str(os.getpid())}
         env.pop("CONFIGURATION_DIRECTORY", None)  # the appliance's settings file is not this server's
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-            )
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
