@@ -17,6 +17,7 @@ Loopback only; every phase is bounded in time; only the processes started here a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -177,7 +178,7 @@ def main() -> int:
 
 
 def report(
-    args: object,
+    args: argparse.Namespace,
     lane_counts: list[int],
     rates: dict[tuple[str, int], list[float]],
     cpu: dict[tuple[str, int], list[float]],

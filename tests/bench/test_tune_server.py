@@ -22,6 +22,7 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from concurrent import futures
+    from pathlib import Path
     import grpc
     from edgeserve.bench.tune_server import TuneServer
 
@@ -29,12 +30,9 @@ PARENT = textwrap.dedent(
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=10)
-    except grpc.FutureTimeoutError:
-        pass
+    grpc.channel_ready_future(channel).result(timeout=10)  # grpc's poller has run in this process
     for attempt in range(5):  # each start forks from this grpc-using process
-        tune = TuneServer(__import__("pathlib").Path(sys.argv[1]), "mlp")
+        tune = TuneServer(Path(sys.argv[1]), "mlp")
         tune.start()
         if attempt < 4:
             tune.stop()
