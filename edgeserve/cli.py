@@ -192,8 +192,13 @@ def _die_with_parent(variable: str, parent: str) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     expected = os.environ.get(variable, "")
-    if expected and str(os.getppid()) != expected:  # it died before prctl took effect
-        raise SystemExit(f"edgeserve serve: {parent} is gone")
+    if expected and str(os.getppid()) != expected:  # it died before prctl took effect, or a stale value
+        from edgeserve.logs import safe
+
+        raise SystemExit(
+            f"edgeserve serve: {parent} is gone ({variable} names {safe(expected, 40)}, "
+            f"the parent is pid {os.getppid()})"
+        )
 
 
 def _config(args: argparse.Namespace) -> int:
