@@ -124,7 +124,7 @@ class ClientBase(Generic[Entry]):
         return header, entry
 
     def _outcome(
-        self, header: dict[str, Any], frames: Sequence[Any], pending: Pending | None
+        self, header: dict[str, Any], frames: Sequence[Any], pending: Pending | None, copy: bool = True
     ) -> tuple[Any, ClientError | None]:
         """(result, None) or (None, error) of a reply: the header of a control reply, else the
         InferResult (the caller gives the request's slots back once its future is done)."""
@@ -132,7 +132,7 @@ class ClientBase(Generic[Entry]):
             if pending is None:
                 _core.check_status(header)
                 return header, None
-            return _core.parse_infer(header, frames, pending), None
+            return _core.parse_infer(header, frames, pending, copy), None
         except ClientError as exc:
             self._registrations.note(exc)
             return None, exc

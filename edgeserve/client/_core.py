@@ -63,6 +63,17 @@ class Pending:
         self.sent_at = 0.0
         self.deadline = 0.0
 
+    def release_inputs(self) -> None:
+        """Give back the input slots only (the outputs' are still being read)."""
+        outs = {id(slot) for slot in self.out_slots.values()}
+        kept = []
+        for slot in self.slots:
+            if id(slot) in outs:
+                kept.append(slot)
+            else:
+                slot.ring.release(slot)
+        self.slots = kept
+
     def release_slots(self, timed_out: bool = False) -> None:
         for slot in self.slots:
             if timed_out:
@@ -255,8 +266,11 @@ def _view(buffer: Any, datatype: str, shape: tuple[Any, ...], name: str) -> npt.
     return array
 
 
-def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending) -> InferResult:
-    """The result of a reply (outputs copied out of ring slots); raises ClientError for an error reply."""
+def parse_infer(
+    header: dict[str, Any], frames: Sequence[Any], pending: Pending, copy: bool = True
+) -> InferResult:
+    """The result of a reply (outputs copied out of ring slots, or views of them with `copy=False`);
+    raises ClientError for an error reply."""
     if header.get("status") != wire.STATUS_OK:
         check_status(header)
     outputs: dict[str, npt.NDArray[Any]] = {}
@@ -279,7 +293,7 @@ def parse_infer(header: dict[str, Any], frames: Sequence[Any], pending: Pending)
                 if slot is None:
                     shm_outputs[name] = desc
                 else:
-                    outputs[name] = slot.ring.read(slot, datatype, shape, int(desc["shm"]["byte_size"]))
+                    outputs[name] = slot.ring.read(slot, datatype, shape, int(desc["shm"]["byte_size"]), copy)
                 continue
             outputs[name] = _view(frames[index], datatype, shape, name)
             index += 1

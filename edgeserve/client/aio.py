@@ -3,14 +3,19 @@
 The socket is a plain (non-asyncio) DEALER watched with `loop.add_reader` on its ZMQ_FD: sends are
 non-blocking calls and replies are drained by one callback, with none of zmq.asyncio's per-message
 futures (a quarter of the client's CPU on a small model's round trip). ZMQ_FD is edge-triggered:
-after every send the socket's EVENTS are checked for replies that arrived meanwhile."""
+after every send the socket's EVENTS are checked for replies that arrived meanwhile.
+
+`submit_now` / `submit_to` take a callback instead of returning a future, for a caller that acts on
+every reply at once (a camera pipeline): it runs inside the socket's reader callback with the ring
+outputs as views (no copy), which saves the future, a turn of the event loop and a copy per reply."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -27,9 +32,16 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 _SEND_RETRY_S = 0.001
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+log = logging.getLogger("edgeserve.client")
+
+# (result, None) or (None, error); the result's ring outputs are views, valid during the call only
+Reply = Callable[[InferResult | None, ClientError | None], object]
+Target = asyncio.Future[Any] | Reply  # what a reply completes
 
 
-class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, asyncio.TimerHandle]]):
+class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandle]]):
     """The asyncio twin of `ZmqClient`; use it from one event loop. The constructor's arguments:
     see ClientBase."""
 
@@ -50,6 +62,60 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
             await self._register_again()
         pending, frames = self._request(model, inputs, outputs, options)
         return await self._send(pending, frames, timeout)
+
+    def submit_now(
+        self,
+        on_reply: Reply,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Outputs = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> bool:
+        """Send one request without waiting, its reply to `on_reply` (see the module's docstring);
+        False, with nothing sent or taken, when that needs a wait (no server connected, the send
+        queue full, regions to register again): `submit_to` then waits for it."""
+        sock = self._sock
+        if sock is None or not self.submit_ready():
+            return False
+        pending, frames = self._request(model, inputs, outputs, options)
+        seconds = self.timeout if timeout is None else timeout
+        self._track(pending, on_reply, seconds)
+        try:
+            sock.send_multipart(frames, flags=_NOBLOCK, copy=False)  # POLLOUT: it cannot block
+        except zmq.ZMQError:
+            self._untrack(pending.id)
+            raise self._unreachable(pending) from None
+        if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:  # the send may have eaten the FD's edge
+            cast(asyncio.AbstractEventLoop, self._loop).call_soon(self._on_events)
+        return True
+
+    def submit_ready(self) -> bool:
+        """Whether `submit_now` would send now."""
+        sock = self._sock
+        return (
+            sock is not None
+            and self._loop is not None
+            and not self._registrations.lost
+            and bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLOUT)
+        )
+
+    async def submit_to(
+        self,
+        on_reply: Reply,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Outputs = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> None:
+        """`submit_now` that waits for the socket (as `submit` does) instead of returning False."""
+        if self._registrations.lost:
+            await self._register_again()
+        pending, frames = self._request(model, inputs, outputs, options)
+        await self._send(pending, frames, timeout, on_reply)
 
     async def infer(
         self, model: str, inputs: Mapping[str, InputValue], outputs: Outputs = None, **kwargs: Any
@@ -110,13 +176,11 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
             return
         with contextlib.suppress(ClientError, asyncio.TimeoutError):
             await self._call(wire.OP_BYE, min(self.timeout, 1.0))
-        for future, pending, timer in list(self._pending.values()):
-            timer.cancel()
-            if pending is not None:
-                pending.release_slots()
-            if not future.done():
-                future.set_exception(ClientError("UNAVAILABLE", "the client was closed"))
+        entries = list(self._pending.values())
         self._pending.clear()
+        for target, pending, timer in entries:
+            timer.cancel()
+            self._complete(target, pending, None, ClientError("UNAVAILABLE", "the client was closed"))
         if self._loop is not None:
             with contextlib.suppress(Exception):  # a closed loop has nothing to remove
                 self._loop.remove_reader(cast(int, self._sock.getsockopt(zmq.FD)))
@@ -136,7 +200,7 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
         return header
 
     async def _send(
-        self, pending: Pending | None, frames: list[Any], timeout: float | None
+        self, pending: Pending | None, frames: list[Any], timeout: float | None, on_reply: Reply | None = None
     ) -> asyncio.Future[Any]:
         sock = self._open_socket(pending)
         loop = asyncio.get_running_loop()
@@ -146,21 +210,36 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         future: asyncio.Future[Any] = loop.create_future()
         seconds = self.timeout if timeout is None else timeout
-        timer = loop.call_later(seconds, self._expire, req_id)
-        self._pending[req_id] = (future, pending, timer)
-        if pending is not None:
-            pending.sent_at = time.perf_counter()
+        self._track(pending, on_reply if on_reply is not None else future, seconds, req_id)
         try:
             await self._send_frames(sock, frames, time.monotonic() + seconds)
         except zmq.Again:
-            self._pending.pop(req_id, None)
-            timer.cancel()
+            if not self._untrack(req_id) and on_reply is not None:
+                return future  # expired while the send waited: on_reply has the error
             if future.done():  # expired while the send waited: the error below says it, not asyncio
                 future.exception()
             else:
                 future.cancel()
             raise self._unreachable(pending) from None
         return future
+
+    def _track(
+        self, pending: Pending | None, target: Target, seconds: float, req_id: int | None = None
+    ) -> None:
+        assert self._loop is not None
+        req_id = pending.id if req_id is None and pending is not None else req_id
+        assert req_id is not None
+        timer = self._loop.call_later(seconds, self._expire, req_id)
+        self._pending[req_id] = (target, pending, timer)
+        if pending is not None:
+            pending.sent_at = time.perf_counter()
+
+    def _untrack(self, req_id: int) -> bool:
+        """Forget a request that was not sent; False when it had expired meanwhile."""
+        entry = self._pending.pop(req_id, None)
+        if entry is not None:
+            entry[2].cancel()
+        return entry is not None
 
     async def _send_frames(self, sock: zmq.Socket[Any], frames: list[Any], deadline: float) -> None:
         """Non-blocking send; while the socket cannot take it (no server yet: IMMEDIATE, or its
@@ -184,7 +263,7 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
             try:
                 if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                     return
-                msg = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                msg = sock.recv_multipart(flags=_NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError:  # closed meanwhile
@@ -196,15 +275,30 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
         answered = self._answered(msg)
         if answered is None:
             return
-        header, (future, pending, timer) = answered
+        header, (target, pending, timer) = answered
         timer.cancel()
-        try:
+        if isinstance(target, asyncio.Future):
             result, error = self._outcome(header, msg[1:], pending)
-            if not future.done():
+        else:  # ring outputs as views: read by the callback before their slots go back
+            result, error = self._outcome(header, msg[1:], pending, copy=False)
+            if pending is not None:
+                pending.release_inputs()
+        self._complete(target, pending, result, error)
+
+    def _complete(
+        self, target: Target, pending: Pending | None, result: Any, error: ClientError | None
+    ) -> None:
+        """Hand a request's outcome to its future or callback, then give its slots back."""
+        try:
+            if not isinstance(target, asyncio.Future):
+                target(result, error)
+            elif not target.done():
                 if error is None:
-                    future.set_result(result)
+                    target.set_result(result)
                 else:
-                    future.set_exception(error)
+                    target.set_exception(error)
+        except Exception:  # a failing callback must not stop the replies behind it (edge-triggered FD)
+            log.exception("reply callback failed")
         finally:
             if pending is not None:
                 pending.release_slots()
@@ -213,7 +307,13 @@ class AsyncZmqClient(ClientBase[tuple[asyncio.Future[Any], Pending | None, async
         entry = self._pending.pop(req_id, None)
         if entry is None:
             return
-        future, pending, _ = entry
+        target, pending, _ = entry
         error = self._timed_out(req_id, pending)
-        if not future.done():
-            future.set_exception(error)
+        if isinstance(target, asyncio.Future):
+            if not target.done():
+                target.set_exception(error)
+            return
+        try:
+            target(None, error)
+        except Exception:
+            log.exception("reply callback failed")

@@ -305,15 +305,19 @@ class FrameRing:
                 self._taken.discard(slot.index)
                 self._stale[slot.index] = None
 
-    def read(self, slot: Slot, datatype: str, shape: tuple[int, ...], byte_size: int) -> npt.NDArray[Any]:
-        """A copy of a tensor the server wrote into `slot`."""
+    def read(
+        self, slot: Slot, datatype: str, shape: tuple[int, ...], byte_size: int, copy: bool = True
+    ) -> npt.NDArray[Any]:
+        """A tensor the server wrote into `slot`: a copy, or (`copy=False`) a view that is valid
+        only while the slot is held."""
         start = self.layout.slot_offset(slot.index)
         if byte_size > self.slot_size:
             raise ClientError(
                 "INTERNAL", f"server reported {byte_size} bytes in a {self.slot_size}-byte slot"
             )
         view = self.buf[start : start + byte_size]
-        return np.array(datatypes.from_buffer(view, datatype, shape, f"ring '{self.name}' slot {slot.index}"))
+        array = datatypes.from_buffer(view, datatype, shape, f"ring '{self.name}' slot {slot.index}")
+        return np.array(array) if copy else array
 
     def close(self) -> None:
         """Let the memory go: close the memfd / unlink the segment (the server keeps its own

@@ -8,7 +8,9 @@
 Threads: one decoder per source (PyAV; FFmpeg decodes without the GIL), which also converts the
 frames that will be sent straight into the stream's free ring slots (flow.py: while the pixels are
 in cache, and off the event loop), and one asyncio loop (the caller's thread) that owns the ZeroMQ
-client, hands free slots to the decoders, sends the converted frames and takes the results.
+client, hands free slots to the decoders, sends the converted frames and takes the results. In the
+steady state a frame costs the loop two turns: the decoder's call sends it (`_pump`, while the
+stream's task is parked) and the reply's callback reads the outputs in place and frees the slot.
 Each stream has its own ring of `inflight` slots, which is its fair share: a fast camera cannot
 take the slots of a slow one, and frames of all streams meet in the model's dynamic batcher. A
 stream's failures (reconnects, corrupt data, rejected requests) stay in that stream.
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeserve.client._core import InferResult
 from edgeserve.client.aio import AsyncZmqClient
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing, Slot
@@ -95,6 +98,8 @@ class Watch:
         self.collector = VideoCollector(lambda: [s.snapshot() for s in self.streams if hasattr(s, "thread")])
         self.input: InputSpec | None = None
         self._convert: Converter | None = None
+        self._client: AsyncZmqClient | None = None
+        self._outputs: list[str] | None = None
         self.started = threading.Event()
 
     # -- public ---------------------------------------------------------------------------------
@@ -117,6 +122,7 @@ class Watch:
         client = AsyncZmqClient(options.endpoint, timeout=options.timeout)
         try:
             self.input, outputs = await self._model(client)
+            self._client, self._outputs = client, outputs
             self._convert = self._converter()
             for stream in self.streams:
                 self._start(stream)
@@ -130,6 +136,7 @@ class Watch:
                     stream.release_held()
                 if stream.overlay is not None:
                     stream.overlay.close()
+            self._client = None
             await client.close()
             for sink in self.sinks:
                 sink.close()
@@ -161,7 +168,7 @@ class Watch:
 
         def wake() -> None:
             with _suppress_closed():
-                loop.call_soon_threadsafe(stream.wake.set)
+                loop.call_soon_threadsafe(self._pump, stream)
 
         stream.mailbox = Mailbox(stream.policy, self.options.fps, wake, self._convert)
 
@@ -217,7 +224,8 @@ class Watch:
         mailbox = stream.mailbox
         while True:
             stream.wake.clear()
-            for ready in mailbox.take_ready():
+            deferred, stream.deferred = stream.deferred, []
+            for ready in deferred + mailbox.take_ready():
                 await self._send(client, stream, ready, outputs)
             await self._fill(client, stream, outputs)
             stopped = self._stopping or stream.thread.stopping.is_set()
@@ -226,7 +234,31 @@ class Watch:
                 stream.release_held()
                 return
             mailbox.hush(stream.inflight >= self.options.inflight)
-            await stream.wake.wait()
+            stream.parked = True
+            try:
+                await stream.wake.wait()
+            finally:
+                stream.parked = False
+
+    def _pump(self, stream: Stream) -> None:
+        """The decoder has news (a converted frame, or one kept unconverted). While the stream's
+        task is parked, converted frames are sent from here, which saves a turn of the event loop
+        to wake the task; anything else (a frame to convert here, the client has to wait, the
+        stream stops) is the task's."""
+        client = self._client
+        if not stream.parked or client is None:
+            stream.wake.set()
+            return
+        ready = stream.mailbox.take_ready()
+        for index, each in enumerate(ready):
+            if not self._send_now(client, stream, each):
+                stream.deferred.extend(ready[index:])
+                stream.wake.set()
+                return
+        if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
+            stream.wake.set()
+            return
+        stream.mailbox.hush(stream.inflight >= self.options.inflight)
 
     async def _fill(self, client: AsyncZmqClient, stream: Stream, outputs: list[str] | None) -> None:
         """Use the stream's free slots: each goes to the decoder for the next frame, or takes the
@@ -291,12 +323,15 @@ class Watch:
             return
         await self._send(client, stream, ready, outputs)
 
-    async def _send(
-        self, client: AsyncZmqClient, stream: Stream, ready: Ready, outputs: list[str] | None
-    ) -> None:
+    def _request(
+        self, stream: Stream, ready: Ready, outputs: list[str] | None
+    ) -> tuple[dict[str, Any], Any] | None:
+        """The inputs and outputs of the request for a converted frame; None (its slot given
+        back) when it is not to be sent."""
         spec = self.input
         assert spec is not None
         stream.convert_cpu_s += ready.cpu_s
+        ready.cpu_s = 0.0  # counted once, if it waits for a second try
         slot, item = ready.slot, ready.item
         if ready.error is not None or self._stopping or stream.thread.stopping.is_set():
             slot.release()
@@ -305,25 +340,52 @@ class Watch:
                 log.warning(
                     "stream %s: frame %d not converted: %s", stream.spec.name, item.index, ready.error
                 )
-            return
+            return None
         out_ring = stream.out_ring(slot.ring)
         if out_ring is not None and out_ring.free < len(outputs or ()):
             slot.release()  # output slots of timed-out requests are still quarantined
             stream.stats.rejected += 1
+            return None
+        wanted: Any = {name: out_ring for name in outputs or ()} if out_ring is not None else outputs
+        return {spec.name: ready.tensor}, wanted
+
+    async def _send(
+        self, client: AsyncZmqClient, stream: Stream, ready: Ready, outputs: list[str] | None
+    ) -> None:
+        request = self._request(stream, ready, outputs)
+        if request is None:
             return
         stream.inflight += 1
-        wanted: Any = {name: out_ring for name in outputs or ()} if out_ring is not None else outputs
         place = stream.sent()
+        reply = functools.partial(self._done, stream, ready.item, ready.size, place)
         try:
-            future = await client.submit(
-                self.options.model, {spec.name: ready.tensor}, wanted, version=self.options.version
-            )
+            await client.submit_to(reply, self.options.model, *request, version=self.options.version)
         except ClientError as exc:
+            self._unsent(stream, place, exc)
+
+    def _send_now(self, client: AsyncZmqClient, stream: Stream, ready: Ready) -> bool:
+        """`_send` without waiting; False (the frame not sent, its slot kept) when the client
+        would have to wait."""
+        request = self._request(stream, ready, self._outputs)
+        if request is None:
+            return True
+        stream.inflight += 1
+        place = stream.sent()
+        reply = functools.partial(self._done, stream, ready.item, ready.size, place)
+        try:
+            sent = client.submit_now(reply, self.options.model, *request, version=self.options.version)
+        except ClientError as exc:
+            self._unsent(stream, place, exc)
+            return True
+        if not sent:
             stream.inflight -= 1
-            self._failed(stream, exc)
-            self._publish(stream, stream.answered(place, None))
-            return
-        future.add_done_callback(functools.partial(self._done, stream, item, ready.size, place))
+            stream.unsent(place)
+        return sent
+
+    def _unsent(self, stream: Stream, place: Place, exc: ClientError) -> None:
+        stream.inflight -= 1
+        self._failed(stream, exc)
+        self._publish(stream, stream.answered(place, None))
 
     async def _rings(
         self, client: AsyncZmqClient, stream: Stream, size: int, outputs: list[str] | None
@@ -355,18 +417,26 @@ class Watch:
             log.warning("stream %s: request failed: %s", stream.spec.name, exc)
 
     def _done(
-        self, stream: Stream, item: Decoded, sent: tuple[int, int], place: Place, future: asyncio.Future[Any]
+        self,
+        stream: Stream,
+        item: Decoded,
+        sent: tuple[int, int],
+        place: Place,
+        reply: InferResult | None,
+        error: ClientError | None,
     ) -> None:
+        """A frame's reply (from the client's reader callback: the outputs are views of their ring
+        slots, read here and given back after)."""
         stream.inflight -= 1
         stream.mailbox.hush(False)
         # The freed slot goes straight to the decoder; the stream's task wakes only when it has to act.
         if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
             stream.wake.set()
         answer = None
-        if not future.cancelled() and (exc := future.exception()) is not None:
-            self._failed(stream, exc)
-        elif not future.cancelled():
-            data = interpret(future.result().outputs, sent, (item.width, item.height), self.options.threshold)
+        if error is not None:
+            self._failed(stream, error)
+        elif reply is not None:
+            data = interpret(reply.outputs, sent, (item.width, item.height), self.options.threshold)
             latency = time.perf_counter() - item.t0
             stream.stats.observe(latency)
             name, model = stream.spec.name, self.options.model

@@ -25,6 +25,8 @@ class Stream:
         self.error: str | None = None
         self.convert_cpu_s = 0.0
         self.overlay: Any = None
+        self.parked = False  # the stream's task waits for `wake`: the loop may send for it (Watch._pump)
+        self.deferred: list[Any] = []  # converted frames the loop could not send without waiting
         self._order: collections.deque[Place] = collections.deque()
 
     def snapshot(self) -> tuple[str, int, dict[str, int], int, int, bool, StreamStats]:
@@ -39,14 +41,20 @@ class Stream:
         """Slots handed to the decoder and not sent: back to their rings."""
         for slot in self.mailbox.reclaim():
             slot.release()
-        for ready in self.mailbox.take_ready():
+        for ready in self.deferred + self.mailbox.take_ready():
             ready.slot.release()
+        self.deferred = []
 
     def sent(self) -> Place:
         """A place in the stream's result order for the frame being sent."""
         place = Place()
         self._order.append(place)
         return place
+
+    def unsent(self, place: Place) -> None:
+        """The frame just given `place` was not sent after all."""
+        if self._order and self._order[-1] is place:
+            self._order.pop()
 
     def answered(self, place: Place, answer: Any) -> list[Any]:
         """The answers now due, in the order their frames were sent (None: the frame got no answer).
