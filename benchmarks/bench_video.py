@@ -13,7 +13,7 @@ pipelines decode every frame of every stream (a live stream must be read) with t
 inference lags (the latest-frame policy) and talk to the same `edgeserve serve` on loopback:
 
     watch   edgeserve.video.Watch, latest-frame policy: decoder threads convert the frame to be
-            sent into a shared-memory ring slot (CenterFace: 640x384 FP32; OCR: 1280x720 UINT8),
+            sent into a shared-memory ring slot (CenterFace: 640x384 CHW UINT8; OCR: 1280x720 HWC UINT8),
             ZeroMQ, its default requests in flight (2 for one stream, 1 per stream for several),
             results decoded to boxes/text
     watch-1 the same with 1 request in flight (for the latency it adds above the model's time)
@@ -196,6 +196,7 @@ def run_hand(
         grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
     )
     counters = [{"decoded": 0, "cpu": 0.0, "convert": 0.0} for _ in range(streams)]
+    dtypes = {"UINT8": np.uint8, "FP32": np.float32, "FP16": np.float16}
 
     def grabber(index: int, latest: list[Any], ready: threading.Condition) -> None:
         """The usual live-stream grabber, paced like the watch's sources: each packet at its time."""
@@ -237,10 +238,9 @@ def run_hand(
             cpu = time.thread_time()
             width, height = spec.size_for(frame.width, frame.height)
             rgb = frame.to_ndarray(format="rgb24", width=width, height=height)  # what PyAV's docs show
-            if spec.datatype == "UINT8":
-                tensor = rgb
-            else:
-                tensor = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], dtype=np.float32)
+            # the layout and type the model's metadata asks for (CenterFace: [1,3,H,W] UINT8)
+            image = rgb.transpose(2, 0, 1) if spec.layout == "CHW" else rgb
+            tensor = np.ascontiguousarray(image[None] if spec.batch else image, dtype=dtypes[spec.datatype])
             counters[index]["convert"] += time.thread_time() - cpu
             request = grpcclient.InferInput(spec.name, list(tensor.shape), spec.datatype)
             request.set_data_from_numpy(tensor)

@@ -88,10 +88,11 @@ class InputSpec:
 
     def size_for(self, width: int, height: int, wanted: tuple[int, int] | None = None) -> tuple[int, int]:
         """The (width, height) a `width` x `height` frame is resized to: fixed dims win, then `wanted`
-        (--size), then the frame's own size (UINT8 inputs: the model resizes itself, e.g. the OCR
-        pipeline) or, for float inputs, the frame fitted into DEFAULT_LONG_SIDE, rounded up to ALIGN."""
+        (--size), then the frame's own size (an HWC UINT8 input is a picture the model resizes
+        itself, e.g. the OCR pipeline) or, for a network's tensor (CHW, or float), the frame fitted
+        into DEFAULT_LONG_SIDE, rounded up to ALIGN."""
         w, h = wanted if wanted is not None else (width, height)
-        if wanted is None and self.datatype != "UINT8":
+        if wanted is None and (self.datatype != "UINT8" or self.layout == "CHW"):
             factor = min(1.0, DEFAULT_LONG_SIDE / max(width, height))
             w, h = _align(width * factor), _align(height * factor)
         return (self.width or w, self.height or h)

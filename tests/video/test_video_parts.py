@@ -99,7 +99,7 @@ def test_fixed_fps_keeps_frames_by_pts() -> None:
 
 CENTERFACE_META = {
     "name": "centerface",
-    "inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, -1, -1]}],
+    "inputs": [{"name": "image", "datatype": "UINT8", "shape": [-1, 3, -1, -1]}],
 }
 OCR_META = {"name": "ocr", "inputs": [{"name": "IMAGE", "datatype": "UINT8", "shape": [-1, -1, 3]}]}
 
@@ -111,8 +111,10 @@ def test_input_spec_from_metadata() -> None:
     assert face.size_for(320, 192) == (320, 192)
     assert face.size_for(1280, 720, (320, 160)) == (320, 160)
     assert face.shape(320, 192) == (1, 3, 192, 320)
-    ocr = InputSpec.from_metadata(OCR_META)
+    ocr = InputSpec.from_metadata(OCR_META)  # an HWC UINT8 picture: the model resizes it itself
     assert (ocr.layout, ocr.batch, ocr.size_for(1280, 720)) == ("HWC", False, (1280, 720))
+    floats = InputSpec.from_metadata({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1, 3]}]})
+    assert floats.size_for(1280, 720) == (640, 384)  # a float tensor is fitted, whatever its layout
     fixed = InputSpec.from_metadata(
         {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 224, 224, 3]}]}
     )
@@ -133,10 +135,16 @@ def test_frames_are_converted_into_the_slot() -> None:
         spec = InputSpec.from_metadata(CENTERFACE_META)
         slot = ring.acquire()
         ref = write_input(frame, slot, spec, 320, 192)
+        assert (ref.datatype, ref.shape) == ("UINT8", (1, 3, 192, 320))
+        np.testing.assert_array_equal(
+            ring.read(slot, "UINT8", ref.shape, ref.byte_size)[0], rgb.transpose(2, 0, 1)
+        )
+        float_meta = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, -1, -1]}]}
+        ref = write_input(frame, slot, InputSpec.from_metadata(float_meta), 320, 192)
         assert (ref.datatype, ref.shape) == ("FP32", (1, 3, 192, 320))
         sent = ring.read(slot, "FP32", ref.shape, ref.byte_size)
         np.testing.assert_array_equal(sent[0], rgb.transpose(2, 0, 1).astype(np.float32))
-        scaled = InputSpec.from_metadata(CENTERFACE_META, scale=1 / 255, bgr=True)
+        scaled = InputSpec.from_metadata(float_meta, scale=1 / 255, bgr=True)
         ref = write_input(rgb, slot, scaled, 160, 96)  # an ndarray (GStreamer) resized by nearest pixel
         small = ring.read(slot, "FP32", ref.shape, ref.byte_size)[0]
         np.testing.assert_allclose(small, rgb[::2, ::2, ::-1].transpose(2, 0, 1) / 255, atol=1e-6)
