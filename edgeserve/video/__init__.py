@@ -15,14 +15,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from edgeserve.video.pipeline import Watch, WatchError, WatchOptions
+    from edgeserve.video.options import WatchError, WatchOptions
+    from edgeserve.video.pipeline import Watch
     from edgeserve.video.publish import CallbackSink, MqttSink, Sink, ZmqPubSink, open_sink
     from edgeserve.video.results import SCHEMA, Result
     from edgeserve.video.sources import SourceError, SourceOptions, SourceSpec, parse_source, parse_sources
 
 # Imported on first use: `edgeserve.video.cli` is imported by every `edgeserve` command's parser.
 _HOME = {
-    **dict.fromkeys(("Watch", "WatchError", "WatchOptions"), "pipeline"),
+    "Watch": "pipeline",
+    **dict.fromkeys(("WatchError", "WatchOptions"), "options"),
     **dict.fromkeys(("CallbackSink", "MqttSink", "Sink", "ZmqPubSink", "open_sink"), "publish"),
     **dict.fromkeys(("SCHEMA", "Result"), "results"),
     **dict.fromkeys(

@@ -115,7 +115,8 @@ def watch_command(args: argparse.Namespace) -> int:
         return _fail("needs PyAV (FFmpeg): pip install 'edgeserve[video]'")
     from edgeserve.bench.options import from_args
     from edgeserve.client.errors import ClientError
-    from edgeserve.video.pipeline import Watch, WatchError, WatchOptions
+    from edgeserve.video.options import WatchError, WatchOptions
+    from edgeserve.video.pipeline import Watch
     from edgeserve.video.publish import CallbackSink, Sink, open_sink
     from edgeserve.video.sources import SourceError, SourceOptions, parse_sources
 

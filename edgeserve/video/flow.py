@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from edgeserve.video.convert import InputSpec, write_input
 from edgeserve.video.sources import Decoded
 
 POLICIES = ("latest", "every")
@@ -52,6 +53,24 @@ class Ready:
 
 # (frame, free slot) -> the frame converted into the slot, or None when it does not fit the slot
 Converter = Callable[[Decoded, Any], "Ready | None"]
+
+
+def converter(spec: InputSpec, wanted: tuple[int, int] | None) -> Converter:
+    """Frame -> the model's input in a free slot (run by the decoder thread, or by the dispatcher
+    for a frame that waited); None when the frame does not fit the slot's ring."""
+
+    def convert(item: Decoded, slot: Any) -> Ready | None:
+        width, height = spec.size_for(item.width, item.height, wanted)
+        if spec.byte_size(width, height) > slot.ring.slot_size:
+            return None
+        cpu = time.thread_time()
+        try:
+            tensor, error = write_input(item.frame, slot, spec, width, height), None
+        except Exception as exc:  # a frame swscale refuses fails alone
+            tensor, error = None, f"{type(exc).__name__}: {exc}"
+        return Ready(item, slot, tensor, (width, height), time.thread_time() - cpu, error)
+
+    return convert
 
 
 class Mailbox:

@@ -26,47 +26,22 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from edgeserve.client._core import InferResult
 from edgeserve.client.aio import AsyncZmqClient
 from edgeserve.client.errors import ClientError
-from edgeserve.client.ring import FrameRing, Slot
-from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
-from edgeserve.video.convert import InputError, InputSpec, write_input
-from edgeserve.video.flow import HOT_WAIT, Converter, Mailbox, Ready
+from edgeserve.client.ring import FrameRing
+from edgeserve.video.convert import InputError, InputSpec
+from edgeserve.video.flow import HOT_WAIT, Converter, Mailbox, Ready, converter
 from edgeserve.video.metrics import VideoCollector
+from edgeserve.video.options import WatchError, WatchOptions
 from edgeserve.video.publish import CallbackSink, Sink
 from edgeserve.video.results import CENTERFACE_OUTPUTS, Result, interpret
-from edgeserve.video.sources import Decoded, SourceOptions, SourceSpec, SourceThread
+from edgeserve.video.sources import Decoded, SourceSpec, SourceThread
 from edgeserve.video.stream import Place, Stream
 
 log = logging.getLogger("edgeserve.video")
-
-
-class WatchError(Exception):
-    """The model cannot be watched as asked (unknown model, not an image model): exit 2."""
-
-
-@dataclass
-class WatchOptions:
-    model: str
-    version: str = ""
-    endpoint: str = DEFAULT_ENDPOINT
-    policy: str | None = None  # None: latest for live sources, every for files
-    fps: float | None = None
-    # Requests in flight per stream (its ring's slots). 0: 2 for a single stream (the next frame
-    # waits at the server while one runs), 1 for several (the other streams keep the model busy,
-    # and a frame queued behind its own stream's is a stale one).
-    inflight: int = 0
-    size: tuple[int, int] | None = None  # (width, height) for dynamic model inputs
-    scale: float = 1.0
-    bgr: bool = False
-    threshold: float = 0.5
-    timeout: float = 10.0
-    max_frames: int = 0  # results per stream, then that stream stops (0 = no limit)
-    source: SourceOptions = field(default_factory=SourceOptions)
 
 
 class Watch:
@@ -182,23 +157,8 @@ class Watch:
         stream.thread.start()
 
     def _converter(self) -> Converter:
-        """Frame -> the model's input in a free slot (run by the decoder thread, or by the loop for
-        a frame that waited); None when the frame does not fit the slot's ring."""
-        spec, wanted = self.input, self.options.size
-        assert spec is not None
-
-        def convert(item: Decoded, slot: Slot) -> Ready | None:
-            width, height = spec.size_for(item.width, item.height, wanted)
-            if spec.byte_size(width, height) > slot.ring.slot_size:
-                return None
-            cpu = time.thread_time()
-            try:
-                tensor, error = write_input(item.frame, slot, spec, width, height), None
-            except Exception as exc:  # a frame swscale refuses fails alone
-                tensor, error = None, f"{type(exc).__name__}: {exc}"
-            return Ready(item, slot, tensor, (width, height), time.thread_time() - cpu, error)
-
-        return convert
+        assert self.input is not None
+        return converter(self.input, self.options.size)
 
     def _ended(self, stream: Stream, error: str | None) -> None:
         stream.ended = True
@@ -384,7 +344,7 @@ class Watch:
 
     def _unsent(self, stream: Stream, place: Place, exc: ClientError) -> None:
         stream.inflight -= 1
-        self._failed(stream, exc)
+        stream.failed(exc)
         self._publish(stream, stream.answered(place, None))
 
     async def _rings(
@@ -408,14 +368,6 @@ class Watch:
         stream.rings.append((ring, out_ring))
         return ring
 
-    def _failed(self, stream: Stream, exc: BaseException) -> None:
-        if isinstance(exc, ClientError) and exc.status in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
-            stream.stats.rejected += 1
-        else:
-            stream.stats.failed += 1
-        if stream.stats.failed + stream.stats.rejected <= 3 or log.isEnabledFor(logging.DEBUG):
-            log.warning("stream %s: request failed: %s", stream.spec.name, exc)
-
     def _done(
         self,
         stream: Stream,
@@ -434,7 +386,7 @@ class Watch:
             stream.wake.set()
         answer = None
         if error is not None:
-            self._failed(stream, error)
+            stream.failed(error)
         elif reply is not None:
             data = interpret(reply.outputs, sent, (item.width, item.height), self.options.threshold)
             latency = time.perf_counter() - item.t0

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from typing import Any
 
+from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
 from edgeserve.video.flow import Mailbox
 from edgeserve.video.metrics import StreamStats
 from edgeserve.video.sources import SourceSpec, SourceThread
+
+log = logging.getLogger("edgeserve.video")
 
 
 class Stream:
@@ -36,6 +40,15 @@ class Stream:
 
     def out_ring(self, ring: FrameRing) -> FrameRing | None:
         return next((out for each, out in self.rings if each is ring), None)
+
+    def failed(self, exc: BaseException) -> None:
+        """A request of this stream failed: refused by a busy or gone server, or failed there."""
+        if isinstance(exc, ClientError) and exc.status in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+            self.stats.rejected += 1
+        else:
+            self.stats.failed += 1
+        if self.stats.failed + self.stats.rejected <= 3 or log.isEnabledFor(logging.DEBUG):
+            log.warning("stream %s: request failed: %s", self.spec.name, exc)
 
     def release_held(self) -> None:
         """Slots handed to the decoder and not sent: back to their rings."""

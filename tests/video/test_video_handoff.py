@@ -16,7 +16,7 @@ import video_clips
 from es_server import wait_until
 
 from edgeserve.client import FrameRing
-from edgeserve.video import pipeline, results
+from edgeserve.video import flow, results
 from edgeserve.video.convert import InputSpec, planes_of, rgb_of, to_array, write_input
 from edgeserve.video.flow import Mailbox, Ready
 from edgeserve.video.sources import Decoded, parse_sources
@@ -173,13 +173,13 @@ def test_centerface_decoders_agree(cells: int, monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_decoder_threads_convert_a_files_frames(clips, watching, monkeypatch) -> None:
     threads: list[str] = []
-    real = pipeline.write_input
+    real = flow.write_input
 
     def spy(*args: Any) -> Any:
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    monkeypatch.setattr(pipeline, "write_input", spy)
+    monkeypatch.setattr(flow, "write_input", spy)
     run = watching([f"clip={clips['h264']}"], inflight=2)
     run.join()
     assert [r.frame for r in run.of("clip")] == list(range(60))
