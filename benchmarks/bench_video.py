@@ -187,6 +187,7 @@ def run_hand(
     import av
     import tritonclient.grpc as grpcclient
 
+    from edgeserve.protocol.datatypes import numpy_dtype
     from edgeserve.video.convert import InputSpec
     from edgeserve.video.results import interpret
 
@@ -196,7 +197,6 @@ def run_hand(
         grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
     )
     counters = [{"decoded": 0, "cpu": 0.0, "convert": 0.0} for _ in range(streams)]
-    dtypes = {"UINT8": np.uint8, "FP32": np.float32, "FP16": np.float16}
 
     def grabber(index: int, latest: list[Any], ready: threading.Condition) -> None:
         """The usual live-stream grabber, paced like the watch's sources: each packet at its time."""
@@ -240,7 +240,8 @@ def run_hand(
             rgb = frame.to_ndarray(format="rgb24", width=width, height=height)  # what PyAV's docs show
             # the layout and type the model's metadata asks for (CenterFace: [1,3,H,W] UINT8)
             image = rgb.transpose(2, 0, 1) if spec.layout == "CHW" else rgb
-            tensor = np.ascontiguousarray(image[None] if spec.batch else image, dtype=dtypes[spec.datatype])
+            dtype = numpy_dtype(spec.datatype)
+            tensor = np.ascontiguousarray(image[None] if spec.batch else image, dtype=dtype)
             counters[index]["convert"] += time.thread_time() - cpu
             request = grpcclient.InferInput(spec.name, list(tensor.shape), spec.datatype)
             request.set_data_from_numpy(tensor)

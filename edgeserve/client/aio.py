@@ -80,15 +80,13 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
         if sock is None or not self.submit_ready():
             return False
         pending, frames = self._request(model, inputs, outputs, options)
-        seconds = self.timeout if timeout is None else timeout
-        self._track(pending, on_reply, seconds)
+        self._track(pending.id, pending, on_reply, self.timeout if timeout is None else timeout)
         try:
             sock.send_multipart(frames, flags=_NOBLOCK, copy=False)  # POLLOUT: it cannot block
         except zmq.ZMQError:
             self._untrack(pending.id)
             raise self._unreachable(pending) from None
-        if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:  # the send may have eaten the FD's edge
-            cast(asyncio.AbstractEventLoop, self._loop).call_soon(self._on_events)
+        self._after_send(sock)
         return True
 
     def submit_ready(self) -> bool:
@@ -210,7 +208,7 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         future: asyncio.Future[Any] = loop.create_future()
         seconds = self.timeout if timeout is None else timeout
-        self._track(pending, on_reply if on_reply is not None else future, seconds, req_id)
+        self._track(req_id, pending, on_reply if on_reply is not None else future, seconds)
         try:
             await self._send_frames(sock, frames, time.monotonic() + seconds)
         except zmq.Again:
@@ -223,12 +221,8 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
             raise self._unreachable(pending) from None
         return future
 
-    def _track(
-        self, pending: Pending | None, target: Target, seconds: float, req_id: int | None = None
-    ) -> None:
+    def _track(self, req_id: int, pending: Pending | None, target: Target, seconds: float) -> None:
         assert self._loop is not None
-        req_id = pending.id if req_id is None and pending is not None else req_id
-        assert req_id is not None
         timer = self._loop.call_later(seconds, self._expire, req_id)
         self._pending[req_id] = (target, pending, timer)
         if pending is not None:
@@ -252,9 +246,13 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
                     raise
                 await asyncio.sleep(_SEND_RETRY_S)
                 continue
-            if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:  # the send may have eaten the FD's edge
-                asyncio.get_running_loop().call_soon(self._on_events)
+            self._after_send(sock)
             return
+
+    def _after_send(self, sock: zmq.Socket[Any]) -> None:
+        """A send may have eaten the ZMQ_FD edge of a reply that came meanwhile: look now."""
+        if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+            cast(asyncio.AbstractEventLoop, self._loop).call_soon(self._on_events)
 
     def _on_events(self) -> None:
         """Every reply waiting on the socket, dispatched (the reader callback of ZMQ_FD)."""

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from edgeserve.client._core import InferResult
-from edgeserve.client.aio import AsyncZmqClient
+from edgeserve.client.aio import AsyncZmqClient, Reply
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
 from edgeserve.video.convert import InputError, InputSpec
@@ -98,7 +98,7 @@ class Watch:
         try:
             self.input, outputs = await self._model(client)
             self._client, self._outputs = client, outputs
-            self._convert = self._converter()
+            self._convert = converter(self.input, options.size)
             for stream in self.streams:
                 self._start(stream)
             self.started.set()
@@ -156,10 +156,6 @@ class Watch:
             stream.overlay = self._overlay_factory(stream.spec)
         stream.thread.start()
 
-    def _converter(self) -> Converter:
-        assert self.input is not None
-        return converter(self.input, self.options.size)
-
     def _ended(self, stream: Stream, error: str | None) -> None:
         stream.ended = True
         stream.error = error
@@ -215,10 +211,15 @@ class Watch:
                 stream.deferred.extend(ready[index:])
                 stream.wake.set()
                 return
-        if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
+        if not self._handed_on(stream):
             stream.wake.set()
             return
         stream.mailbox.hush(stream.inflight >= self.options.inflight)
+
+    def _handed_on(self, stream: Stream) -> bool:
+        """The stream's free slots went to its decoder and its task has nothing to do (not
+        stopping, nothing waiting to be converted here)."""
+        return not (self._stopping or stream.ended or stream.thread.stopping.is_set()) and self._give(stream)
 
     async def _fill(self, client: AsyncZmqClient, stream: Stream, outputs: list[str] | None) -> None:
         """Use the stream's free slots: each goes to the decoder for the next frame, or takes the
@@ -317,11 +318,14 @@ class Watch:
             return
         stream.inflight += 1
         place = stream.sent()
-        reply = functools.partial(self._done, stream, ready.item, ready.size, place)
         try:
-            await client.submit_to(reply, self.options.model, *request, version=self.options.version)
+            await client.submit_to(
+                self._reply(stream, ready, place), self.options.model, *request, version=self.options.version
+            )
         except ClientError as exc:
-            self._unsent(stream, place, exc)
+            stream.inflight -= 1
+            stream.failed(exc)
+            self._publish(stream, stream.answered(place, None))
 
     def _send_now(self, client: AsyncZmqClient, stream: Stream, ready: Ready) -> bool:
         """`_send` without waiting; False (the frame not sent, its slot kept) when the client
@@ -329,23 +333,20 @@ class Watch:
         request = self._request(stream, ready, self._outputs)
         if request is None:
             return True
-        stream.inflight += 1
-        place = stream.sent()
-        reply = functools.partial(self._done, stream, ready.item, ready.size, place)
+        place = Place()  # in the stream's order once sent (its reply cannot come before)
+        reply = self._reply(stream, ready, place)
         try:
             sent = client.submit_now(reply, self.options.model, *request, version=self.options.version)
         except ClientError as exc:
-            self._unsent(stream, place, exc)
+            stream.failed(exc)
             return True
-        if not sent:
-            stream.inflight -= 1
-            stream.unsent(place)
+        if sent:
+            stream.inflight += 1
+            stream.sent(place)
         return sent
 
-    def _unsent(self, stream: Stream, place: Place, exc: ClientError) -> None:
-        stream.inflight -= 1
-        stream.failed(exc)
-        self._publish(stream, stream.answered(place, None))
+    def _reply(self, stream: Stream, ready: Ready, place: Place) -> Reply:
+        return functools.partial(self._done, stream, ready.item, ready.size, place)
 
     async def _rings(
         self, client: AsyncZmqClient, stream: Stream, size: int, outputs: list[str] | None
@@ -382,7 +383,7 @@ class Watch:
         stream.inflight -= 1
         stream.mailbox.hush(False)
         # The freed slot goes straight to the decoder; the stream's task wakes only when it has to act.
-        if self._stopping or stream.ended or stream.thread.stopping.is_set() or not self._give(stream):
+        if not self._handed_on(stream):
             stream.wake.set()
         answer = None
         if error is not None:

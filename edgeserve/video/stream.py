@@ -9,7 +9,7 @@ from typing import Any
 
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
-from edgeserve.video.flow import Mailbox
+from edgeserve.video.flow import Mailbox, Ready
 from edgeserve.video.metrics import StreamStats
 from edgeserve.video.sources import SourceSpec, SourceThread
 
@@ -30,7 +30,7 @@ class Stream:
         self.convert_cpu_s = 0.0
         self.overlay: Any = None
         self.parked = False  # the stream's task waits for `wake`: the loop may send for it (Watch._pump)
-        self.deferred: list[Any] = []  # converted frames the loop could not send without waiting
+        self.deferred: list[Ready] = []  # converted frames the loop could not send without waiting
         self._order: collections.deque[Place] = collections.deque()
 
     def snapshot(self) -> tuple[str, int, dict[str, int], int, int, bool, StreamStats]:
@@ -58,16 +58,11 @@ class Stream:
             ready.slot.release()
         self.deferred = []
 
-    def sent(self) -> Place:
-        """A place in the stream's result order for the frame being sent."""
-        place = Place()
+    def sent(self, place: Place | None = None) -> Place:
+        """A place (a new one, or `place`) in the stream's result order for the frame being sent."""
+        place = Place() if place is None else place
         self._order.append(place)
         return place
-
-    def unsent(self, place: Place) -> None:
-        """The frame just given `place` was not sent after all."""
-        if self._order and self._order[-1] is place:
-            self._order.pop()
 
     def answered(self, place: Place, answer: Any) -> list[Any]:
         """The answers now due, in the order their frames were sent (None: the frame got no answer).

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MODELS, ROOT
-from es_server import RunningServer, get_status, server_command, start_server, wait_until
+from es_server import ROOT, RunningServer, get_status, server_command, start_server, wait_until
 from video_clips import quick_sources
 
 from edgeserve.video import Result, Watch, WatchOptions, parse_sources
+
+MODELS = ROOT / "models"  # not imported from conftest: another folder's conftest may hold that name
 
 
 def _again(old: RunningServer, tmp: Path) -> subprocess.Popen[bytes]:
