@@ -15,9 +15,11 @@ import zmq
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing, ShmTensor, Slot
 from edgeserve.frontends.zmq import wire
+from edgeserve.logs import safe
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError
 
+STATUS_MAX, MESSAGE_MAX = 64, 1000  # characters of a server's status and message kept in a ClientError
 InputValue: TypeAlias = "npt.NDArray[Any] | ShmTensor"
 OutputTarget: TypeAlias = "FrameRing | Slot | ShmTensor | None"
 Outputs: TypeAlias = "Sequence[str] | Mapping[str, OutputTarget] | None"
@@ -236,8 +238,8 @@ def check_status(header: Any) -> None:
     if not isinstance(header, dict):
         raise ClientError("INTERNAL", "reply header is not a JSON object")
     status = header.get("status")
-    if status != wire.STATUS_OK:
-        raise ClientError(str(status), str(header.get("message", "")))
+    if status != wire.STATUS_OK:  # the server's words, escaped and capped: they reach logs and terminals
+        raise ClientError(safe(status, STATUS_MAX), safe(header.get("message", ""), MESSAGE_MAX))
 
 
 # (datatype, shape) -> (numpy dtype, byte size) of fixed-size reply tensors
@@ -298,9 +300,9 @@ def parse_infer(
             outputs[name] = _view(frames[index], datatype, shape, name)
             index += 1
     except InferenceError as exc:
-        raise ClientError("INTERNAL", f"malformed reply: {exc.message}") from None
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ClientError("INTERNAL", f"malformed reply: {exc!r}") from None
+        raise ClientError("INTERNAL", f"malformed reply: {safe(exc.message, MESSAGE_MAX)}") from None
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        raise ClientError("INTERNAL", f"malformed reply: {safe(repr(exc), MESSAGE_MAX)}") from None
     return result
 
 
