@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -130,7 +131,10 @@ class SupervisorServices:
         overlay_path = self.sup.state_dir / OVERLAY
         current: dict[str, dict[str, Any]] = {}
         if overlay_path.is_file():
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # Python 3.10 (JetPack 6): the tomli backport, a dependency there
+                import tomli as tomllib
 
             current = only_allowed(tomllib.loads(overlay_path.read_text()), str(overlay_path))
         merged = {section: dict(values) for section, values in current.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,10 @@ def test_effective_settings_say_where_each_value_came_from(tmp_path: Path) -> No
     assert "environment (EDGESERVE_*)" in next(ln for ln in text.splitlines() if ln.startswith("port = 9001"))
     assert lines["level"].endswith("# command line, live on reload")
     assert lines["max_rss_mb"].endswith("# default, live on reload")
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the tomli backport
+        import tomli as tomllib
 
     assert tomllib.loads(text)["http"]["port"] == 9000  # the output is itself a valid settings file
 
