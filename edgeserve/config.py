@@ -221,9 +221,14 @@ class Settings:
         fleet = self.fleet
         if fleet.broker and not re.match(r"^mqtts?://[^/:]+(:\d+)?/?$", fleet.broker):
             fail("fleet.broker", f"'{fleet.broker}' is not mqtt://host[:port] or mqtts://host[:port]")
+        aws = fleet.protocol == "aws-iot-jobs"
         for name in ("fleet", "device_id"):
             value = getattr(fleet, name)
-            if value and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
+            if name == "device_id" and aws:  # the AWS IoT thing name (as edgeserve.fleet.aws_jobs.THING_RE)
+                if value and not re.match(r"^[A-Za-z0-9:_-]{1,128}$", value):
+                    fail("fleet.device_id", f"'{value}' is not an AWS IoT thing name: 1-128 letters, digits, "
+                         "':', '_', '-' (no '.')")  # fmt: skip
+            elif value and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
                 fail(f"fleet.{name}", f"'{value}' must be letters, digits, '.', '_', '-' (one topic level)")
         if fleet.device_id == "manager":  # es/v1/{fleet}/manager/... is the fleet tools' inbox namespace
             fail("fleet.device_id", "'manager' is reserved for the fleet tools' inboxes; name the device")

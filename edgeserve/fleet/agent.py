@@ -9,13 +9,12 @@ command at a time, the others queued up to a bound), `fleet-short` (get_status, 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -26,12 +25,15 @@ from edgeserve.fleet.connection import connect, payload, publish_properties
 from edgeserve.fleet.desired import DesiredRefused, parse_desired
 from edgeserve.fleet.gate import CommandGate
 from edgeserve.fleet.gate import Reply as _Reply
-from edgeserve.fleet.persist import RUNNING, Generation, Outbox, hex_or_none
+from edgeserve.fleet.jsonlimits import JsonRefused, loads
+from edgeserve.fleet.ledger import RUNNING, LedgerFull, hex_or_none
+from edgeserve.fleet.persist import Generation, Outbox
 from edgeserve.fleet.protocol import (
     ACCEPTED,
     FAILED,
     IN_PROGRESS,
     LONG_VERBS,
+    MAX_PAYLOAD_BYTES,
     REJECTED,
     SUCCEEDED,
     Command,
@@ -156,9 +158,9 @@ class FleetAgent(AgentBase):
     def _on_command(self, message: mqtt.MQTTMessage) -> None:
         verb = message.topic[len(self.topics.cmd("")) :]
         try:
-            raw = json.loads(message.payload)
+            raw = loads(message.payload, max_bytes=MAX_PAYLOAD_BYTES)
             raw_id = raw.get("cmd_id") if isinstance(raw, dict) else None
-        except ValueError:
+        except JsonRefused:  # parse_command below says why
             raw, raw_id = None, None
         cmd_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= 128 else None
         reply = self._reply_to(message, cmd_id)
@@ -209,9 +211,15 @@ class FleetAgent(AgentBase):
                 self._answer(job.reply, cmd_id, REJECTED,
                              error=f"busy: {running} runs and {waiting} command(s) wait")  # fmt: skip
                 return
-            # Recorded before the worker can see it: the final outcome is always written after this.
-            self.ledger.record(cmd_id, {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
-                                        "correlation": hex_or_none(job.reply.correlation)})  # fmt: skip
+            # Recorded before the worker can see it: the final outcome is always written after this. Kept
+            # until the command expires; at the ledger's cap it is refused, never a live one forgotten.
+            entry = {"verb": job.command.verb, "status": RUNNING, "reply": job.reply.topic,
+                     "correlation": hex_or_none(job.reply.correlation)}  # fmt: skip
+            try:
+                self.ledger.accept({cmd_id: entry}, job.command.expires_at.timestamp())
+            except LedgerFull as exc:
+                self._answer(job.reply, cmd_id, REJECTED, error=str(exc))
+                return
             ahead = len(self._jobs)
             self._jobs[cmd_id] = job
             self._answer(job.reply, cmd_id, ACCEPTED, queued_behind=ahead)
@@ -237,7 +245,10 @@ class FleetAgent(AgentBase):
             return
         now = datetime.now(timezone.utc)
         args = {"url": desired.url, "sha256": desired.sha256, "generation": generation}
-        command = Command(f"desired-{generation}", "deploy_bundle", now, now, args)
+        # Remembered as long as a command could be (a generation that failed is not retried at every
+        # reconnect meanwhile; the applied generation guards it after that).
+        until = now + timedelta(seconds=self.settings.max_command_lifetime_s)
+        command = Command(f"desired-{generation}", "deploy_bundle", now, until, args)
         if self.ledger.get(command.cmd_id) is None:
             self._enqueue_long(_Job(command, _Reply(self.topics.resp(command.cmd_id))))
 

@@ -16,7 +16,7 @@ import paho.mqtt.client as mqtt
 
 from edgeserve.config import FleetSection
 from edgeserve.fleet.connection import device_id, make_client, payload
-from edgeserve.fleet.persist import CommandLedger
+from edgeserve.fleet.ledger import CommandLedger
 from edgeserve.fleet.protocol import utc
 from edgeserve.fleet.services import DeviceServices
 from edgeserve.ota.trust import TrustStore, default_trust_dir
@@ -44,7 +44,7 @@ class AgentBase:
         self.trust = trust or TrustStore(default_trust_dir(state_dir), state_dir)
         self.folder = state_dir / "fleet"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.ledger = CommandLedger(self.folder / "commands.json")
+        self.ledger = CommandLedger(self.folder / "commands.json", settings.max_command_lifetime_s)
         self.boot_id = uuid.uuid4().hex[:12]
         self.connected = threading.Event()
         self._stop = threading.Event()

@@ -32,6 +32,7 @@ from datetime import datetime
 from typing import Any
 
 from edgeserve.fleet.gate import UNSIGNED, check_self_revocation
+from edgeserve.fleet.jsonlimits import JsonRefused, check_shape, loads
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, VERBS, Command, CommandError, Topics, parse_command
 from edgeserve.fleet.signed import CommandKeys, check_lifetime, is_envelope, open_command
 from edgeserve.logs import safe
@@ -43,6 +44,11 @@ QUEUED, IN_PROGRESS, SUCCEEDED, FAILED = "QUEUED", "IN_PROGRESS", "SUCCEEDED", "
 REJECTED, TIMED_OUT, CANCELED, REMOVED = "REJECTED", "TIMED_OUT", "CANCELED", "REMOVED"
 TERMINAL = frozenset({SUCCEEDED, FAILED, REJECTED, TIMED_OUT, CANCELED, REMOVED})
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # AWS's own rule for job ids: safe as a topic level
+THING_RE = re.compile(r"^[A-Za-z0-9:_-]{1,128}$")  # AWS's rule for thing names (as config.py checks it)
+MAX_DOCUMENT_BYTES = 32 * 1024  # AWS IoT's limit for a job document; the device holds a document to it too
+DOCUMENT_DEPTH = 8  # an edgeserve document nests 4 deep ({edgeserve: {commands: {thing: envelope}}})
+DOCUMENT_KEYS = 1024  # object keys in all: a 32 KB document has room for some 150 things' commands
+MESSAGE_DEPTH = 24  # a Jobs message around its document: values nested deeper are cut before parsing
 DEFAULT_STEP_TIMEOUT_MIN = 60  # each step (download, verify, load, trial) must report within this
 MAX_STEP_TIMEOUT_MIN = 10080  # AWS's limit (7 days)
 MAX_DETAIL_CHARS = 1000  # AWS caps a statusDetails value at 1024 characters
@@ -106,6 +112,31 @@ def job_id_of(execution: dict[str, Any]) -> str:
     return job_id
 
 
+def check_thing(thing: str) -> str:
+    """A thing name as AWS IoT allows it (it is also the device id: one topic level, never a '.')."""
+    if not THING_RE.match(thing):
+        raise ValueError(
+            f"thing name {safe(thing, 140)} is not 1-128 letters, digits, ':', '_', '-' (AWS IoT's rule, "
+            "no '.'): set [fleet] device_id to the device's thing name"
+        )
+    return thing
+
+
+def bounded_document(document: Any) -> Any:
+    """The job document (an object, or its JSON text) within limits; CommandError says which it is over."""
+    try:
+        if isinstance(document, str):
+            return loads(document, max_bytes=MAX_DOCUMENT_BYTES, max_depth=DOCUMENT_DEPTH,
+                         max_keys=DOCUMENT_KEYS)  # fmt: skip
+        check_shape(document, max_depth=DOCUMENT_DEPTH, max_keys=DOCUMENT_KEYS)
+    except JsonRefused as exc:
+        raise CommandError(f"the job document is refused: {exc}") from None
+    size = len(json.dumps(document, separators=(",", ":")).encode())
+    if size > MAX_DOCUMENT_BYTES:
+        raise CommandError(f"the job document is refused: {size} bytes, over {MAX_DOCUMENT_BYTES}")
+    return document
+
+
 def open_job(
     document: Any,
     *,
@@ -117,6 +148,7 @@ def open_job(
     max_lifetime_s: float,
 ) -> JobCommand:
     """The verified command a job document carries for this thing; CommandError says why not (REJECTED)."""
+    document = bounded_document(document)
     section = document.get("edgeserve") if isinstance(document, dict) else None
     if not isinstance(section, dict):
         raise CommandError("the job document has no 'edgeserve' object: not an edgeserve job")
@@ -140,13 +172,13 @@ def open_job(
     if is_envelope(body):
         command = open_command(topic, payload, keys.current(), now, max_lifetime_s)
         key: str | None = str(body.get("key_id")) if body else None
-        raw = json.loads(str(body.get("command"))) if body else {}
+        raw = loads(str(body.get("command")), max_bytes=MAX_PAYLOAD_BYTES) if body else {}
     elif require_signed:
         raise CommandError(UNSIGNED.format(what="job command"))
     else:
         command = parse_command(str(verb), payload, now)
         check_lifetime(command, now, max_lifetime_s)
-        key, raw = None, json.loads(payload)
+        key, raw = None, loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
     check_self_revocation(command, key)  # as on the es/v1 surface: a key revokes only itself
     named = raw.get("device") if isinstance(raw, dict) else None
     if named not in (None, thing):
@@ -191,6 +223,8 @@ class Execution:
     state: str = ""  # the install state last reported
     reported_at: float = 0.0
     command: Command | None = None
+    accepted: bool = False  # its command was accepted (in the ledger until it expires), not refused
+    finished: bool = False  # its final status is decided: nothing more is asked or said about it
 
 
 @dataclass
@@ -222,8 +256,11 @@ class Updates:
     def update(self, run: Execution, status: str, status_details: dict[str, str], *,
                step: bool = False) -> bool | None:  # fmt: skip
         """True accepted, False rejected, None no answer in time. A VersionMismatch is retried once with
-        the version the service holds; a new step restarts the step timer."""
+        the version the service holds; a new step restarts the step timer. Nothing is sent for an execution
+        the service ended (cancelled, timed out): AWS refuses it, and each refusal is a billed message."""
         for _ in range(2):
+            if run.gone:
+                return False
             body: dict[str, Any] = {"status": status, "statusDetails": status_details}
             body.update(expectedVersion=run.version, includeJobExecutionState=True)
             if step and status == IN_PROGRESS:

@@ -13,7 +13,6 @@ stops the work: the install is cancelled, and a bundle switched in after the job
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
@@ -28,12 +27,14 @@ from edgeserve.fleet.aws_jobs import (
     DEFAULT_STEP_TIMEOUT_MIN,
     FAILED,
     IN_PROGRESS,
+    MESSAGE_DEPTH,
     REJECTED,
     SUCCEEDED,
     TERMINAL,
     Execution,
     JobTopics,
     Updates,
+    check_thing,
     details,
     execution_of,
     job_id_of,
@@ -42,7 +43,8 @@ from edgeserve.fleet.aws_jobs import (
 )
 from edgeserve.fleet.connection import connect, payload
 from edgeserve.fleet.gate import command_keys
-from edgeserve.fleet.persist import RUNNING
+from edgeserve.fleet.jsonlimits import JsonRefused, loads_pruned
+from edgeserve.fleet.ledger import INTERRUPTED, RUNNING, LedgerFull
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, Topics
 from edgeserve.fleet.services import FleetCommandFailed, execute
 from edgeserve.logs import safe
@@ -50,13 +52,12 @@ from edgeserve.logs import safe
 log = logging.getLogger("edgeserve.fleet")
 
 PROGRESS_EVERY_S = 2.0  # progress within one step, at most this often (AWS throttles updates per thing)
-INTERRUPTED = "interrupted: the device restarted while it ran; what was under way was undone"
 
 
 class JobsAgent(AgentBase):
     def _init_agent(self) -> None:
         settings = self.settings
-        self.thing = self.device  # AWS IoT's name for it
+        self.thing = check_thing(self.device)  # AWS IoT's name for it (a host name may not be one)
         self.topics = JobTopics(self.thing)
         self.presence = Topics(settings.fleet, self.thing).state
         self.keys = command_keys(settings, self.trust)
@@ -115,11 +116,16 @@ class JobsAgent(AgentBase):
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:  # a bad message must never stop the network loop
             where = self.topics.parse(message.topic)
-            if where is None or len(message.payload or b"") > MAX_PAYLOAD_BYTES:
+            if where is None:
                 return
-            body = json.loads(message.payload or b"{}")
+            # A document nested too deep is cut here, never parsed (json recurses): the execution still
+            # reads, and its document is REJECTED with the reason, so the next job is not held behind it.
+            data = message.payload or b"{}"
+            body = loads_pruned(data, max_bytes=MAX_PAYLOAD_BYTES, max_depth=MESSAGE_DEPTH)
             if isinstance(body, dict):
                 self._dispatch(where[0], where[1], body)
+        except JsonRefused as exc:
+            log.warning("fleet message on %s ignored: %s", safe(message.topic), safe(exc, 200))
         except Exception:
             log.exception("fleet message on %s could not be handled", safe(message.topic))
 
@@ -139,6 +145,8 @@ class JobsAgent(AgentBase):
         """The next pending execution (or none). Idle: start it. Busy with another: is ours still on?"""
         with self._lock:
             running = self._running
+        if running is not None and running.finished:
+            return  # its final status is out: the worker asks for the next one itself, nothing about this
         if running is None:
             if execution is not None:
                 self._start_next()
@@ -213,7 +221,7 @@ class JobsAgent(AgentBase):
     def _run(self, run: Execution, execution: dict[str, Any]) -> None:
         document = execution.get("jobDocument")
         try:
-            job = open_job(json.loads(document) if isinstance(document, str) else document, thing=self.thing,
+            job = open_job(document, thing=self.thing,
                            fleet=self.settings.fleet, keys=self.keys, now=datetime.now(timezone.utc),
                            require_signed=self.settings.require_signed_commands,
                            max_lifetime_s=self.settings.max_command_lifetime_s)  # fmt: skip
@@ -221,17 +229,23 @@ class JobsAgent(AgentBase):
             log.warning("job %s REJECTED: %s", run.job_id, safe(exc, 300))
             self._final(run, REJECTED, reason=str(exc))
             return
-        command = run.command = job.command
+        command = job.command
         run.step_min = job.step_timeout_min
         signer = f"signed by command key {job.key_id}" if job.key_id else "UNSIGNED (lab opt-out)"
         log.info("job %s: %s %s, %s", run.job_id, command.verb, command.cmd_id, signer)
         seen = self.ledger.get(command.cmd_id)
         if seen is not None:  # the same signed command in a second job: its first outcome, not a second run
             status = FAILED if seen.get("status") == RUNNING else str(seen.get("status"))
-            self._final(run, status, reason=seen.get("error"), duplicate="true")
+            self._final(run, status, reason=seen.get("error"), duplicate="true", cmd_id=command.cmd_id)
             return
-        self.ledger.record(run.key, {"status": RUNNING, "job_id": run.job_id, "cmd_id": command.cmd_id})
-        self.ledger.record(command.cmd_id, {"verb": command.verb, "status": RUNNING, "job": run.key})
+        try:  # both kept until the command expires; nothing that arrives meanwhile pushes them out
+            self.ledger.accept({command.cmd_id: {"verb": command.verb, "status": RUNNING, "job": run.key},
+                                run.key: {"status": RUNNING, "job_id": run.job_id, "cmd_id": command.cmd_id}},
+                               command.expires_at.timestamp())  # fmt: skip
+        except LedgerFull as exc:
+            self._final(run, REJECTED, reason=str(exc), cmd_id=command.cmd_id)
+            return
+        run.command, run.accepted = command, True
         accepted = details(state="ACCEPTED", cmd_id=command.cmd_id, verb=command.verb)
         self.updates.update(run, IN_PROGRESS, accepted, step=True)
         before = self._active_version() if command.verb == "deploy_bundle" else None
@@ -273,16 +287,26 @@ class JobsAgent(AgentBase):
             log.error("job %s ended (%s); rolling back to v%d failed: %s", run.job_id, run.gone, before, exc)
 
     def _final(self, run: Execution, status: str, **fields: Any) -> bool:
-        """The terminal status, recorded before it is sent; True when the service took it."""
-        cmd_id = run.command.cmd_id if run.command else None
-        status_details = details(cmd_id=cmd_id, **fields)
-        self.ledger.record(run.key, {"status": status, "details": status_details, "job_id": run.job_id})
-        if run.command is not None and status != REJECTED:
+        """The terminal status, recorded before it is sent; True when the service took it. A refusal (or a
+        duplicate) is remembered apart from the accepted commands: it never pushes one out of the ledger.
+        An execution the service ended is told nothing more."""
+        if run.command is not None:
+            fields.setdefault("cmd_id", run.command.cmd_id)
+        status_details = details(**fields)
+        entry = {"status": status, "details": status_details, "job_id": run.job_id}
+        run.finished = True
+        if run.accepted and run.command is not None:
+            self.ledger.record(run.key, entry)
             error = fields.get("reason") if status != SUCCEEDED else None
-            self.ledger.record(
-                run.command.cmd_id, {"verb": run.command.verb, "status": status, "error": error}
-            )
+            outcome = {"verb": run.command.verb, "status": status, "error": error}
+            self.ledger.record(run.command.cmd_id, outcome)
+        else:
+            self.ledger.refuse(run.key, entry)
         log.info("job %s: %s %s", run.job_id, status, safe(fields.get("reason", ""), 300))
+        if run.gone:  # cancelled or timed out by the service: it refuses any status now
+            log.info("job %s ended on the service side (%s): %s kept on the device only", run.job_id,
+                     safe(run.gone, 40), status)  # fmt: skip
+            return False
         answer = self.updates.update(run, status, status_details)
         if answer is True:
             self._told.add(run.key)

@@ -18,11 +18,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fleet.aws_jobs import MAX_STEP_TIMEOUT_MIN
-from edgeserve.fleet.protocol import VERBS, CommandError, Topics, check_args, check_segment, utc
+from edgeserve.fleet.aws_jobs import MAX_DOCUMENT_BYTES, MAX_STEP_TIMEOUT_MIN, check_thing
+from edgeserve.fleet.protocol import VERBS, CommandError, Topics, check_args, utc
 from edgeserve.fleet.signed import load_signing_key, sign_command
-
-MAX_DOCUMENT_BYTES = 32 * 1024  # AWS IoT's limit for a job document
 
 
 def job_document(
@@ -46,7 +44,7 @@ def job_document(
     if not things:
         raise ValueError("no things: give --things NAME[,NAME...]")
     for thing in things:
-        check_segment(thing, "thing name")  # it is also the device id: one topic level
+        check_thing(thing)  # it is also the device id: one topic level
     if step_timeout_min is not None and not 1 <= step_timeout_min <= MAX_STEP_TIMEOUT_MIN:
         raise ValueError(f"--step-timeout-min must be 1 to {MAX_STEP_TIMEOUT_MIN}")
     private = load_signing_key(key)

@@ -10,10 +10,10 @@ its arguments.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from edgeserve.fleet.protocol import CommandError, check_args
+from edgeserve.fleet.jsonlimits import JsonRefused, loads
+from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, CommandError, check_args
 from edgeserve.logs import safe
 
 MAX_GENERATION = 2**53 - 1
@@ -35,9 +35,9 @@ def parse_desired(payload: bytes) -> Desired | None:
     if not payload:
         return None
     try:
-        data = json.loads(payload)
-    except (UnicodeDecodeError, ValueError):
-        raise DesiredRefused("desired state is not UTF-8 JSON") from None
+        data = loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
+    except JsonRefused as exc:
+        raise DesiredRefused(f"desired state is not UTF-8 JSON within limits: {exc}") from None
     if not isinstance(data, dict):
         raise DesiredRefused("desired state must be a JSON object {generation, bundle}")
     generation = data.get("generation")

@@ -10,6 +10,9 @@
     edgeserve fleet desired cam-01 '{"generation": 8, "bundle": {"url": "https://repo/bundle-v8.tar"}}'
     edgeserve fleet watch --seconds 60
 
+What devices publish is printed escaped (cli_text.py): no broker publisher writes on the operator's
+terminal.
+
 Every command and desired state is signed with the private command key (`edgeserve keygen --role
 command`); devices refuse unsigned ones unless `[fleet] require_signed_commands = false` (a lab setting).
 
@@ -28,6 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from edgeserve.fleet.cli_text import describe as _describe
+from edgeserve.fleet.cli_text import progress_line as _progress_line
+from edgeserve.fleet.cli_text import text as _t
+from edgeserve.fleet.cli_text import version as _v
 from edgeserve.fleet.protocol import SUCCEEDED, VERBS
 
 ENV_BROKER = "EDGESERVE_FLEET_BROKER"
@@ -204,13 +211,13 @@ def _devices(args: argparse.Namespace) -> int:
     for r in records:
         rows.append(
             (
-                r["device"],
+                _t(r["device"], 80),
                 "yes" if r["online"] else "no",
                 _v(r["active_version"]),
                 _v(r["previous_version"]),
-                r["health"] or "-",
-                str(r["version"] or "-"),
-                str(r["since"] or "-"),
+                _t(r["health"] or "-", 40),
+                _t(r["version"] or "-", 40),
+                _t(r["since"] or "-", 40),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -219,22 +226,6 @@ def _devices(args: argparse.Namespace) -> int:
     online = sum(1 for r in records if r["online"])
     print(f"{len(records)} devices, {online} online")
     return 0
-
-
-def _v(version: Any) -> str:
-    return f"v{version}" if version is not None else "-"
-
-
-def _describe(update: dict[str, Any]) -> str:
-    parts = [str(update.get("status"))]
-    if update.get("progress") is not None:
-        parts.append(f"{float(update['progress']) * 100:.0f}%")
-    for key in ("message", "error"):
-        if update.get(key):
-            parts.append(str(update[key]))
-    if update.get("result") is not None:
-        parts.append("result " + json.dumps(update["result"], default=str))
-    return " ".join(parts)
 
 
 def _json_object(text: str, name: str) -> dict[str, Any]:
@@ -257,7 +248,7 @@ def _send(args: argparse.Namespace) -> int:
         answer = manager.send(args.device, args.verb, command_args, args.timeout, on_update)
         if answer.get("status") == "TIMEOUT":
             _out(args, f"{args.device} {args.verb}: {_describe(answer)}", {"update": answer})
-    _out(args, f"outcome: {answer.get('status')}", {"outcome": answer})
+    _out(args, f"outcome: {_t(answer.get('status'), 40)}", {"outcome": answer})
     return 0 if answer.get("status") == SUCCEEDED else 1
 
 
@@ -269,53 +260,6 @@ def _desired(args: argparse.Namespace) -> int:
     text = f"{args.device}: desired state generation {state.get('generation')} published ({how}, retained)"
     _out(args, text, {"desired": state})
     return 0
-
-
-def _progress_line(event: dict[str, Any]) -> str | None:
-    kind = event["event"]
-    if kind == "start":
-        skipped = (
-            f", {len(event['skipped'])} offline skipped: {','.join(event['skipped'])}"
-            if event["skipped"]
-            else ""
-        )
-        waves = event["waves"]
-        return f"rollout of {event['url']}: {event['selected']} devices selected{skipped}; waves {waves}"
-    if kind == "pause":
-        return f"pause {event['seconds']:g} s before wave {event['next_wave']}"
-    if kind == "wave_start":
-        devices = ",".join(event["devices"])
-        return f"wave {event['wave']} ({event['kind']}, {len(event['devices'])} devices): {devices}"
-    if kind == "device":
-        if event["status"] == "ACCEPTED":
-            return None  # one line per device for the start is noise; progress and the outcome count
-        return f"  {event['device']}: {_describe(event)}"
-    if kind == "wave_done":
-        failed = f" failed: {','.join(event['failed'])}" if event["failed"] else ""
-        return (
-            f"wave {event['wave']} done in {event['duration_s']:.1f} s: {event['succeeded']}/{event['size']} "
-            f"succeeded{failed}; failure ratio so far {event['failed_total']}/{event['tried']}"
-        )
-    if kind == "stop":
-        return f"STOP: {event['reason']}"
-    if kind == "rollback_start":
-        cannot = f"; cannot: {event['cannot']}" if event["cannot"] else ""
-        devices = ",".join(event["devices"])
-        return f"rolling back {len(event['devices'])} devices of the stopped wave: {devices}{cannot}"
-    if kind == "rollback_device":
-        return None if event["status"] == "ACCEPTED" else f"  rollback {event['device']}: {_describe(event)}"
-    if kind == "rollback_done":
-        ok = sum(1 for r in event["devices"].values() if r["status"] == SUCCEEDED)
-        return f"rollback done in {event['duration_s']:.1f} s: {ok}/{len(event['devices'])} rolled back"
-    if kind == "done":
-        c = event["counts"]
-        verdict = "STOPPED" if event["stopped"] else ("OK" if event["ok"] else "INCOMPLETE")
-        return (
-            f"{verdict} in {event['duration_s']:.1f} s: {c['succeeded']} succeeded, {c['failed']} failed, "
-            f"{c['not_attempted']} not attempted, {c['skipped_offline']} offline skipped, "
-            f"{c['rolled_back']} rolled back (of {c['selected']} selected)"
-        )
-    return None
 
 
 def _deploy(args: argparse.Namespace) -> int:
@@ -359,9 +303,9 @@ def _watch(args: argparse.Namespace) -> int:
                 print(json.dumps(record, default=str), flush=True)
             else:
                 mark = " (retained)" if retained else ""
+                text = _t(json.dumps(body, default=str), 4000)
                 print(
-                    f"{time.strftime('%H:%M:%S')} {device} {leaf}{mark}: {json.dumps(body, default=str)}",
-                    flush=True,
+                    f"{time.strftime('%H:%M:%S')} {_t(device, 80)} {_t(leaf, 40)}{mark}: {text}", flush=True
                 )
 
     with _manager(args) as manager:

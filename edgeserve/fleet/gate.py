@@ -9,7 +9,6 @@ form `es/v1/{fleet}/manager/{name}/resp`; otherwise to the device's own `resp/{c
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 
 from edgeserve.config import FleetSection
+from edgeserve.fleet.jsonlimits import JsonRefused, loads
 from edgeserve.fleet.protocol import (
     ID_RE,
     MAX_PAYLOAD_BYTES,
@@ -152,9 +152,9 @@ class CommandGate:
         """The command text and the key id that signed it (None: unsigned, allowed in a lab)."""
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise CommandError(f"payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
-        try:
-            body = json.loads(payload)
-        except (ValueError, RecursionError):
+        try:  # not JSON, or over a limit (nested too deep...): not an envelope, so unsigned
+            body = loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
+        except JsonRefused:
             body = None
         if is_envelope(body):
             opened = open_envelope(topic, payload, self.keys.current())

@@ -1,5 +1,5 @@
-"""What the agent must not forget across restarts: the commands it has seen (so none runs twice) and
-the events it could not send yet (so none is lost while the broker is away)."""
+"""What the agent must not forget across restarts besides its command ledger (ledger.py): the desired
+generation applied last, and the events it could not send yet (so none is lost while the broker is away)."""
 
 from __future__ import annotations
 
@@ -7,71 +7,11 @@ import json
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from edgeserve.fsutil import write_json_atomic
-
-FAILED = "FAILED"  # as protocol.FAILED (persist stays free of protocol imports)
-RUNNING = "RUNNING"  # a ledger mark: accepted, no final status yet
-
-
-def hex_or_none(data: bytes | None) -> str | None:
-    """MQTT 5 CorrelationData as the ledger keeps it (JSON has no bytes)."""
-    return data.hex() if data is not None else None
-
-
-def unhex_or_none(text: Any) -> bytes | None:
-    try:
-        return bytes.fromhex(text) if isinstance(text, str) else None
-    except ValueError:
-        return None
-
-
-class CommandLedger:
-    """cmd_id -> the command's first outcome (bounded, oldest forgotten first), fsync'd on change."""
-
-    def __init__(self, path: Path, keep: int = 1000) -> None:
-        self.path = path
-        self.keep = keep
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        try:
-            data = json.loads(path.read_text())
-            for cmd_id, entry in data.items():
-                if isinstance(entry, dict):
-                    self._entries[str(cmd_id)] = entry
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    def get(self, cmd_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            entry = self._entries.get(cmd_id)
-            return dict(entry) if entry is not None else None
-
-    def record(self, cmd_id: str, entry: dict[str, Any]) -> None:
-        with self._lock:
-            self._entries[cmd_id] = {**entry, "at": time.time()}
-            self._entries.move_to_end(cmd_id)
-            while len(self._entries) > self.keep:
-                self._entries.popitem(last=False)
-            write_json_atomic(self.path, self._entries)
-
-    def interrupted(self) -> list[tuple[str, dict[str, Any]]]:
-        """Commands accepted by an earlier run that never finished (the agent was killed)."""
-        with self._lock:
-            return [(k, dict(v)) for k, v in self._entries.items() if v.get("status") == RUNNING]
-
-    def fail_interrupted(self) -> list[tuple[str, bytes | None, dict[str, Any]]]:
-        """Record every interrupted command as FAILED; (reply topic or "", correlation, answer) of each."""
-        error = "interrupted: the device restarted while it ran; what was under way was undone"
-        answers = []
-        for cmd_id, entry in self.interrupted():
-            self.record(cmd_id, {"verb": entry.get("verb"), "status": FAILED, "error": error})
-            answer = {"cmd_id": cmd_id, "status": FAILED, "error": error}
-            answers.append((str(entry.get("reply") or ""), unhex_or_none(entry.get("correlation")), answer))
-        return answers
 
 
 class Generation:

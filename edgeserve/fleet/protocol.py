@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from edgeserve.config_allowlist import refused_keys
+from edgeserve.fleet.jsonlimits import JsonRefused, loads
 
 PREFIX = "es/v1"
 VERBS = ("deploy_bundle", "rollback", "activate_model", "deactivate_model", "set_config", "restart_runtime",
@@ -153,16 +154,14 @@ def check_args(verb: str, args: dict[str, Any]) -> None:
 
 def parse_command(verb: str, payload: bytes, now: datetime | None = None) -> Command:
     """Validate a command message; CommandError says why it is rejected."""
-    import json
-
     if verb not in VERBS:
         raise CommandError(f"unknown verb {verb!r}; known: {', '.join(VERBS)}")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise CommandError(f"payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
-    try:
-        body = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CommandError(f"payload is not UTF-8 JSON: {exc}") from None
+    try:  # bounded: a payload nested thousands deep is refused, never a RecursionError
+        body = loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
+    except JsonRefused as exc:
+        raise CommandError(f"payload is not UTF-8 JSON within limits: {exc}") from None
     if not isinstance(body, dict):
         raise CommandError("payload must be a JSON object {cmd_id, issued_at, expires_at, args}")
     cmd_id = body.get("cmd_id")

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from edgeserve.fleet.protocol import check_segment
+from edgeserve.logs import safe
 
 Json = dict[str, Any]
 TIMEOUT = "TIMEOUT"  # synthetic status: no final answer in time (never sent by a device)
@@ -144,6 +145,6 @@ def timed_out(pending: Pending, timeout_s: float) -> Json:
         "cmd_id": pending.cmd_id,
         "status": TIMEOUT,
         "error": f"no final answer from {pending.device} within {timeout_s:g} s"
-        + (f" (last: {last.get('status')})" if last else " (no answer at all)"),
+        + (f" (last: {safe(last.get('status'), 40)})" if last else " (no answer at all)"),
         "last": last,
     }

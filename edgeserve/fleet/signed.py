@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeserve.fleet.jsonlimits import JsonRefused, loads
 from edgeserve.fleet.protocol import MAX_PAYLOAD_BYTES, Command, CommandError, parse_command, utc
 from edgeserve.logs import safe
 from edgeserve.ota.signing import (
@@ -89,9 +90,9 @@ def open_envelope(topic: str, payload: bytes, keys: Mapping[str, TrustedKey]) ->
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise CommandError(f"payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
     try:
-        body = json.loads(payload.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise CommandError("malformed signed command: the payload is not UTF-8 JSON") from None
+        body = loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
+    except JsonRefused as exc:
+        raise CommandError(f"malformed signed command: not UTF-8 JSON within limits: {exc}") from None
     if not isinstance(body, dict) or set(body) != FIELDS:
         fields = sorted(body) if isinstance(body, dict) else type(body).__name__
         raise CommandError(
@@ -160,10 +161,10 @@ def peek_cmd_id(payload: bytes) -> object:
     if len(payload) > MAX_PAYLOAD_BYTES:
         return None
     try:
-        body = json.loads(payload)
+        body = loads(payload, max_bytes=MAX_PAYLOAD_BYTES)
         if is_envelope(body) and isinstance(body.get("command"), str):
-            body = json.loads(body["command"])
-    except (ValueError, TypeError, RecursionError):
+            body = loads(body["command"], max_bytes=MAX_PAYLOAD_BYTES)
+    except JsonRefused:
         return None
     return body.get("cmd_id") if isinstance(body, dict) else None
 
