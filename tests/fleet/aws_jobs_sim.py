@@ -11,7 +11,9 @@
   restarts the step timer when stepTimeoutInMinutes is given, and answers with executionState;
 - a step timer that runs out makes the execution TIMED_OUT.
 
-`minute_s` is how long a simulated minute lasts (tests use a second). Every update is kept for asserts.
+`minute_s` is how long a simulated minute lasts (tests use a second). Every update is kept for asserts,
+and every DescribeJobExecution (`{jobId}/get`, `$next/get`) with the status the job had when it was asked.
+A document may be given as its JSON text (`RawDocument`): one nested deeper than Python's json can write.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ TERMINAL = {"SUCCEEDED", "FAILED", "REJECTED", "TIMED_OUT", "CANCELED", "REMOVED
 DEVICE_STATUSES = {"IN_PROGRESS", "SUCCEEDED", "FAILED", "REJECTED"}
 
 
+@dataclass(frozen=True)
+class RawDocument:
+    """A job document as the JSON text the service hands out (spliced into its messages as it is)."""
+
+    text: str
+
+
 @dataclass
 class Execution:
     job_id: str
     thing: str
-    document: dict[str, Any]
+    document: dict[str, Any] | RawDocument
     queued_at: float
     status: str = "QUEUED"
     status_details: dict[str, str] = field(default_factory=dict)
@@ -43,6 +52,7 @@ class Execution:
     deadline: float | None = None  # monotonic end of the step timer
     updates: list[dict[str, Any]] = field(default_factory=list)  # every update request, as sent
     rejections: list[str] = field(default_factory=list)  # codes of refused updates
+    refused_updates: list[dict[str, Any]] = field(default_factory=list)  # those sent after it ended
 
     def public(self, with_document: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -65,6 +75,7 @@ class JobsSimulator:
         self.minute_s = minute_s
         self._lock = threading.RLock()
         self._executions: dict[str, list[Execution]] = {}  # thing -> in creation order
+        self.queries: list[tuple[str, str]] = []  # (jobId or "$next", its status then) per get, in order
         self._stop = threading.Event()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"aws-jobs-{uuid.uuid4().hex[:6]}",
                                   protocol=mqtt.MQTTv311)  # fmt: skip
@@ -85,7 +96,7 @@ class JobsSimulator:
         self.client.loop_stop()
 
     # -- the operator's side ----------------------------------------------------------------------
-    def create_job(self, job_id: str, document: dict[str, Any], things: list[str]) -> None:
+    def create_job(self, job_id: str, document: dict[str, Any] | RawDocument, things: list[str]) -> None:
         with self._lock:
             for thing in things:
                 before = self._next(thing)
@@ -121,7 +132,18 @@ class JobsSimulator:
         return first[0] if first else None
 
     def _send(self, topic: str, body: dict[str, Any]) -> None:
-        self.client.publish(topic, json.dumps({**body, "timestamp": int(time.time())}), qos=1)
+        raw: dict[str, str] = {}
+
+        def splice(value: Any) -> str:
+            if not isinstance(value, RawDocument):
+                raise TypeError(type(value).__name__)
+            raw[mark := f"@raw-document-{len(raw)}-{uuid.uuid4().hex}"] = value.text
+            return mark
+
+        text = json.dumps({**body, "timestamp": int(time.time())}, default=splice)
+        for mark, document in raw.items():
+            text = text.replace(json.dumps(mark), document)
+        self.client.publish(topic, text, qos=1)
 
     def _notify_next(self, thing: str) -> None:
         nxt = self._next(thing)
@@ -147,6 +169,7 @@ class JobsSimulator:
                 self._start_next(thing, body, base, token)
             elif rest == "$next/get":
                 nxt = self._next(thing)
+                self.queries.append(("$next", nxt.status if nxt else ""))
                 self._send(
                     f"{base}/$next/get/accepted", {**token, **({"execution": nxt.public()} if nxt else {})}
                 )
@@ -166,7 +189,9 @@ class JobsSimulator:
     def _get(self, thing: str, job_id: str, base: str, token: dict[str, Any]) -> None:
         try:
             execution = self.execution(thing, job_id)
+            self.queries.append((job_id, execution.status))
         except StopIteration:
+            self.queries.append((job_id, ""))
             self._send(f"{base}/{job_id}/get/rejected", {**token, "code": "ResourceNotFound",
                                                          "message": f"no job {job_id}"})  # fmt: skip
             return
@@ -185,6 +210,7 @@ class JobsSimulator:
                  "versionNumber": execution.version}  # fmt: skip
         details = body.get("statusDetails", {})
         if execution.status in TERMINAL:
+            execution.refused_updates.append(body)
             return self._reject(base, job_id, token, "InvalidStateTransition",
                                 f"the execution is {execution.status}", execution, state)  # fmt: skip
         if "expectedVersion" in body and body["expectedVersion"] != execution.version:
