@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.backends.cache import runtime_folder
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeserve.backends.onnxruntime")
 
 CPU = "CPUExecutionProvider"
+# Providers that keep compiled engines in options.cache_dir and load them back by themselves.
+CACHING_PROVIDERS = frozenset({"TensorrtExecutionProvider", "OpenVINOExecutionProvider"})
 THREADS_PARAMETER = "intra_op_thread_count"  # Triton's ORT backend parameter
 SMALL_MODEL_NS = 300_000  # per call at batch 1; above it the plan's threads are kept untimed
 SIZE_RUNS = 3  # enough to tell a small model from a large one
@@ -321,7 +324,9 @@ class OnnxRuntimeBackend:
         providers: list[Any] = [(p, _provider_options(p, options)) if p != CPU else p for p in chosen]
         dynamic = has_dynamic_inputs(config)
         so = session_options(options, dynamic)
-        session = self._session(model_path, so, providers)
+        cached = options.cache_dir if CACHING_PROVIDERS & set(chosen) else None
+        with runtime_folder(cached, "onnxruntime's cached engine"):  # the providers load what is there
+            session = self._session(model_path, so, providers)
         active = list(session.get_providers())
         dropped = [p for p in chosen if p != CPU and p not in active]
         if dropped:

@@ -25,6 +25,7 @@ from edgeserve.backends.base import (
     TensorSpec,
     ensure_contiguous,
 )
+from edgeserve.backends.openvino_cache import CompiledCache
 from edgeserve.backends.openvino_memory import IdleRelease, weights_bytes
 from edgeserve.protocol.datatypes import BF16_DTYPE
 from edgeserve.protocol.errors import InferenceError, Status
@@ -152,8 +153,8 @@ def compile_properties(
         # model otherwise grows to 5000 entries (memory.py).
         cache = options.parameters.get(RUNTIME_CACHE, str(memory.current().ov_runtime_cache))
         props[RUNTIME_CACHE] = int(cache) if cache.strip().isdigit() else cache
-    if options.cache_dir is not None:
-        props["CACHE_DIR"] = str(options.cache_dir)
+    # No CACHE_DIR: openvino would load whatever blob lies there; edgeserve caches compiled models
+    # itself, keyed and sealed (openvino_cache.py).
     return props
 
 
@@ -297,7 +298,11 @@ class OpenVinoBackend:
                 supported = None
         props = compile_properties(options, supported, device)
         try:
-            compiled = core().compile_model(model, device, props)
+            if options.cache_dir is not None:
+                cache = CompiledCache(options.cache_dir)
+                compiled = cache.compile(openvino_module(), core(), model, model_path, device, props)
+            else:
+                compiled = core().compile_model(model, device, props)
         except Exception as exc:
             raise InferenceError(
                 Status.INTERNAL,

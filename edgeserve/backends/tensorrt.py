@@ -5,7 +5,9 @@ Name-based I/O (`num_io_tensors`, `get_tensor_name`, `set_input_shape`, `set_ten
 Dynamic shapes run through the engine's optimization profile. When no usable plan is there, an
 engine is built from ONNX in a child process (progress in the log) and cached under
 `options.cache_dir`, keyed by GPU/SoC, compute capability, TensorRT version, precision, profile
-shapes and the ONNX hash (backends/trt_engine.py). `tensorrt` and `cuda` are imported only here.
+shapes and the ONNX hash, and sealed: a cached engine is deserialized only from bytes verified against
+what edgeserve wrote (backends/trt_engine.py, backends/cache.py). `tensorrt` and `cuda` are imported
+only here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from edgeserve.backends import trt_engine
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
+from edgeserve.backends.cache import Rejected
 from edgeserve.fsutil import sha256_file
 from edgeserve.protocol.datatypes import BF16_DTYPE, from_numpy
 from edgeserve.protocol.errors import InferenceError, Status
@@ -205,14 +208,15 @@ class TensorRTBackend:
             runtime.DLA_core = int(options.device.partition(":")[2] or 0)
         return trt, runtime
 
-    def _deserialize(self, runtime: Any, plan: Path) -> Any:
+    def _deserialize(self, runtime: Any, plan: Path, data: bytes | None = None) -> Any:
         try:
-            return runtime.deserialize_cuda_engine(plan.read_bytes())
+            return runtime.deserialize_cuda_engine(plan.read_bytes() if data is None else data)
         except (OSError, RuntimeError, TypeError) as exc:
             log.warning("%s: cannot deserialize: %s", plan, exc)
             return None
 
-    def _engine_from_onnx(self, onnx: Path, config: Any, options: BackendOptions) -> Path:
+    def _engine_from_onnx(self, onnx: Path, config: Any, options: BackendOptions) -> tuple[Path, bytes]:
+        """(the cached engine's path, its verified bytes), built first when none is cached."""
         import tensorrt as trt
 
         spec = trt_engine.spec_from_config(config, options.precision, options.device)
@@ -221,20 +225,21 @@ class TensorRTBackend:
         key = trt_engine.cache_key(digest, identity, trt.__version__, spec)
         expected = trt_engine.manifest_for(digest, identity, trt.__version__, spec)
         cache = trt_engine.EngineCache(options.cache_dir or onnx.parent / ".engines")
+        plan = cache.plan_path(key)
         found = cache.lookup(key, expected)
         if found is not None:
-            log.info("%s: using cached engine %s", onnx, found.name)
-            return found
+            log.info("%s: using cached engine %s", onnx, plan.name)
+            return plan, found
         with _build_lock:
             found = cache.lookup(key, expected)  # another instance may have built it meanwhile
             if found is not None:
-                return found
+                return plan, found
             cache.root.mkdir(parents=True, exist_ok=True)
             partial = cache.root / f".{key}.building"
             trt_engine.build_in_subprocess(
                 onnx, partial, spec, lambda line: log.info("%s: %s", onnx.name, line)
             )
-            return cache.store(key, partial, expected)
+            return plan, cache.store(key, partial, expected)
 
     def inspect(self, model_path: Path) -> ModelIO:
         if model_path.suffix == ".onnx":
@@ -278,12 +283,12 @@ class TensorRTBackend:
                 model_path = onnx
         if engine is None:
             try:
-                plan = self._engine_from_onnx(model_path, config, options)
+                plan, data = self._engine_from_onnx(model_path, config, options)
             except ValueError as exc:  # profile shapes
                 raise InferenceError(Status.INVALID_ARG, f"{model_path}: {exc}") from exc
-            except RuntimeError as exc:
-                raise InferenceError(Status.INTERNAL, str(exc)) from exc
-            engine = self._deserialize(runtime, plan)
+            except (RuntimeError, Rejected, OSError) as exc:
+                raise InferenceError(Status.INTERNAL, f"{model_path}: {exc}") from exc
+            engine = self._deserialize(runtime, plan, data)
             if engine is None:
                 raise InferenceError(Status.INTERNAL, f"{plan}: a freshly built engine failed to deserialize")
         return TensorRTInstance(trt, engine, model_path, fallback)

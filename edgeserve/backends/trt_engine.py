@@ -7,7 +7,9 @@ server down; the parent relays the builder's progress lines and says "still buil
 
 Cache layout: <cache_dir>/<key>.plan + <key>.json (manifest). The key covers everything that makes an
 engine unusable elsewhere: the ONNX file's sha256, GPU name and compute capability (and Jetson SoC /
-L4T), TensorRT version, precision, optimization-profile shapes, DLA core.
+L4T), TensorRT version, precision, optimization-profile shapes, DLA core. Both files are sealed
+(backends/cache.py): an engine is executable code (its plugins run on deserialization), so one that
+edgeserve did not write, or that changed since, is discarded and built again, never deserialized.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from edgeserve.backends.cache import Rejected, discard, read_sealed, seal_existing, why_not_ours, write_sealed
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input -> (min, opt, max)
@@ -170,6 +174,9 @@ def manifest_mismatch(manifest: Mapping[str, Any], expected: Mapping[str, Any]) 
     return None
 
 
+ENGINE = "the cached TensorRT engine"
+
+
 class EngineCache:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -177,24 +184,38 @@ class EngineCache:
     def plan_path(self, key: str) -> Path:
         return self.root / f"{key}.plan"
 
-    def lookup(self, key: str, expected: Mapping[str, Any]) -> Path | None:
+    def lookup(self, key: str, expected: Mapping[str, Any]) -> bytes | None:
+        """The verified engine bytes for `key` (never a path: nothing to swap before deserializing)."""
         plan, meta = self.plan_path(key), self.root / f"{key}.json"
+        raw = read_sealed(meta, "the cached TensorRT engine's manifest")
+        if raw is None:
+            return None
         try:
-            manifest = json.loads(meta.read_text())
-        except (OSError, ValueError):
+            manifest = json.loads(raw)
+        except ValueError:
+            discard(meta, "the cached TensorRT engine's manifest", "it is not JSON")
             return None
-        if not plan.is_file() or manifest_mismatch(manifest, expected) is not None:
+        if not isinstance(manifest, dict) or manifest_mismatch(manifest, expected) is not None:
             return None
-        return plan
+        return read_sealed(plan, ENGINE)
 
-    def store(self, key: str, built: Path, manifest: Mapping[str, Any]) -> Path:
+    def store(self, key: str, built: Path, manifest: Mapping[str, Any]) -> bytes:
+        """Move the engine a build wrote into the cache and seal it; its verified bytes. Raises
+        Rejected when `built` is not a file only edgeserve could have written."""
         self.root.mkdir(parents=True, exist_ok=True)
+        reason = why_not_ours(os.lstat(built))
+        if reason is not None:
+            built.unlink(missing_ok=True)
+            raise Rejected(f"the engine build's output {built}: {reason}")
         target = self.plan_path(key)
         os.replace(built, target)
-        tmp = self.root / f".{key}.json.tmp"
-        tmp.write_text(json.dumps({**manifest, "built_at": time.time()}, indent=1, sort_keys=True))
-        os.replace(tmp, self.root / f"{key}.json")
-        return target
+        seal_existing(target)
+        meta = json.dumps({**manifest, "built_at": time.time()}, indent=1, sort_keys=True)
+        write_sealed(self.root / f"{key}.json", meta.encode())
+        data = read_sealed(target, ENGINE)
+        if data is None:
+            raise Rejected(f"{target} changed before it could be loaded")
+        return data
 
 
 def build_in_subprocess(onnx: Path, out: Path, spec: EngineSpec, progress: Callable[[str], None],
@@ -266,8 +287,20 @@ def build_engine(onnx: Path, out: Path, spec: EngineSpec) -> None:  # pragma: no
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise SystemExit("TensorRT could not build the engine (see the log above)")
+    write_private(out, bytes(serialized))
+
+
+def write_private(out: Path, data: bytes) -> None:
+    """Write `out` through a fresh 0600 file: the cache folder may be group-writable, and a name that
+    someone else created first (their file, which they could keep writing) is replaced, not reused."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
-    tmp.write_bytes(bytes(serialized))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, out)
 
 

@@ -1,6 +1,7 @@
 """JSON entries kept per model file hash under <cache_dir>/<kind>/<digest>.json: the accuracy guard's
 figures (accuracy.py) and the race results (race_result.py). A cache never decides anything: a file that
-cannot be read or written is logged and costs one measurement again, nothing more."""
+cannot be read or written is logged and costs one measurement again, nothing more. Entries are sealed
+(backends/cache.py): a file edgeserve did not write, or one changed since, is discarded, not believed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fsutil import write_json_atomic
+from edgeserve.backends.cache import discard, read_sealed, write_sealed
 
 
 class DigestCache:
@@ -27,12 +28,13 @@ class DigestCache:
         file = self.file(digest)
         if file is None:
             return {}
-        try:
-            data = json.loads(file.read_text())
-        except FileNotFoundError:
+        raw = read_sealed(file, f"the {self.kind} cache")
+        if raw is None:
             return {}
-        except (OSError, ValueError) as exc:
-            self.log.warning("ignoring the %s cache %s (%s); measuring again", self.kind, file, exc)
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            discard(file, f"the {self.kind} cache", f"it is not JSON ({exc})")
             return {}
         return data if isinstance(data, dict) else {}
 
@@ -40,7 +42,7 @@ class DigestCache:
         file = self.file(digest)
         if file is None:
             return
-        try:  # a full disk leaves no half-written temporary file behind (write_json_atomic)
-            write_json_atomic(file, entries)
+        try:  # a full disk leaves no half-written temporary file behind (write_sealed)
+            write_sealed(file, (json.dumps(entries, indent=2, default=str) + "\n").encode())
         except OSError as exc:
             self.log.warning("cannot cache %s in %s: %s", self.what, file.parent, exc)

@@ -138,8 +138,9 @@ def test_compile_properties() -> None:
     cached = ovb.compile_properties(
         BackendOptions(cache_dir=Path("/c"), parameters={"NUM_STREAMS": "1"}), {"X"}
     )
-    # unsupported properties are dropped, the cache dir and the runtime cache bound are kept
-    assert cached == {"CACHE_DIR": "/c", "CPU_RUNTIME_CACHE_CAPACITY": cache}
+    # unsupported properties are dropped, the runtime cache bound is kept; never CACHE_DIR: openvino would
+    # load whatever blob lies there (edgeserve caches compiled models itself, sealed: openvino_cache.py)
+    assert cached == {"CPU_RUNTIME_CACHE_CAPACITY": cache}
     assert "CPU_RUNTIME_CACHE_CAPACITY" not in ovb.compile_properties(BackendOptions(), None, "GPU.0")
     assert (
         ovb.compile_properties(BackendOptions(parameters={"NUM_STREAMS": "1", "ort_x": "y"}), None)[
@@ -155,7 +156,8 @@ def test_threads_and_cache_dir_reach_the_runtime(tmp_path: Path) -> None:
     instance = BACKEND.load(build_mlp(tmp_path / "mlp.onnx"), None,
                             BackendOptions(precision="fp32", threads=1, cache_dir=cache))  # fmt: skip
     assert int(instance.compiled_property("INFERENCE_NUM_THREADS")) == 1
-    assert cache.is_dir() and any(cache.iterdir())
+    blobs = list(cache.glob("*.ovblob"))
+    assert len(blobs) == 1 and blobs[0].with_name(blobs[0].name + ".seal").is_file()
 
 
 def test_missing_device_falls_back_to_cpu_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -4,6 +4,8 @@ everywhere; GPU paths run where `tensorrt` imports and a CUDA device answers, el
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.backends import trt_engine as te
 from edgeserve.backends.base import BackendOptions
+from edgeserve.backends.cache import Rejected
 from edgeserve.backends.tensorrt import BACKEND, TensorRTBackend
 from edgeserve.protocol.errors import InferenceError
 from edgeserve.repository.config import parse_text
@@ -104,11 +107,11 @@ def test_engine_cache_and_plan_validity(tmp_path: Path) -> None:
     expected = te.manifest_for("a" * 64, ORIN, "10.3.0", spec)
     key = te.cache_key("a" * 64, ORIN, "10.3.0", spec)
     assert cache.lookup(key, expected) is None
-    built = tmp_path / "built.plan"
-    built.write_bytes(b"engine bytes")
-    stored = cache.store(key, built, expected)
-    assert stored.read_bytes() == b"engine bytes" and not built.exists()
-    assert cache.lookup(key, expected) == stored
+    built = tmp_path / "engines" / ".built.plan"
+    te.write_private(built, b"engine bytes")  # as the build's child process writes it
+    assert cache.store(key, built, expected) == b"engine bytes" and not built.exists()
+    assert cache.plan_path(key).read_bytes() == b"engine bytes"
+    assert cache.lookup(key, expected) == b"engine bytes"
     upgraded = te.manifest_for("a" * 64, ORIN, "10.7.0", spec)
     assert cache.lookup(key, upgraded) is None
     assert "TensorRT version differs" in (te.manifest_mismatch(expected, upgraded) or "")
@@ -116,6 +119,39 @@ def test_engine_cache_and_plan_validity(tmp_path: Path) -> None:
     assert "GPU differs" in (te.manifest_mismatch(expected, other_gpu) or "")
     (tmp_path / "engines" / f"{key}.json").write_text("{broken")
     assert cache.lookup(key, expected) is None
+
+
+def test_a_replaced_engine_is_discarded_not_deserialized(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine is code: one edgeserve did not write (or that changed since) is never handed to
+    TensorRT; a stand-in file plays the engine (deserializing needs a GPU)."""
+    spec = te.EngineSpec()
+    cache = te.EngineCache(tmp_path / "engines")
+    expected = te.manifest_for("a" * 64, ORIN, "10.3.0", spec)
+    key = te.cache_key("a" * 64, ORIN, "10.3.0", spec)
+    built = tmp_path / "engines" / ".built.plan"
+    te.write_private(built, b"engine bytes")
+    cache.store(key, built, expected)
+    planted = tmp_path / "engines" / "planted"
+    planted.write_bytes(b"engine with a plugin that runs code")
+    os.replace(planted, cache.plan_path(key))
+    with caplog.at_level(logging.WARNING, "edgeserve.cache"):
+        assert cache.lookup(key, expected) is None
+    assert f"discarding the cached TensorRT engine {cache.plan_path(key)}" in caplog.text
+    assert not cache.plan_path(key).exists()
+    # a build output someone else could write (group-writable) is refused, not cached
+    loose = tmp_path / "engines" / ".loose.plan"
+    loose.write_bytes(b"engine bytes")
+    loose.chmod(0o660)
+    with pytest.raises(Rejected, match="others can write it"):
+        cache.store(key, loose, expected)
+    assert not loose.exists() and not cache.plan_path(key).exists()
+    # a name planted before the build is replaced, never written through
+    trap = tmp_path / "engines" / ".trap.partial"
+    trap.write_bytes(b"theirs")
+    te.write_private(tmp_path / "engines" / ".trap.plan", b"ours")
+    assert (tmp_path / "engines" / ".trap.plan").stat().st_mode & 0o777 == 0o600
 
 
 def test_build_progress_and_failure_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
