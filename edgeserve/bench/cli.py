@@ -120,7 +120,7 @@ def add_commands(sub: Any) -> None:
     bench.add_argument("-u", "--url", default="", help="the server's address for the one protocol given")
     bench.add_argument("--http-url", default="127.0.0.1:8000", help="HTTP address (default 127.0.0.1:8000)")
     bench.add_argument("--grpc-url", default="127.0.0.1:8001", help="gRPC address (default 127.0.0.1:8001)")
-    bench.add_argument("--zmq-url", default="", help="ZeroMQ endpoint (default ipc:///tmp/edgeserve.zmq)")
+    bench.add_argument("--zmq-url", default="", help="ZeroMQ endpoint (default: from the settings)")
     bench.add_argument(
         "--stats-url",
         default="",

@@ -68,9 +68,9 @@ DEFAULT_URLS = {
 
 def default_url(protocol: str) -> str:
     if protocol.startswith("zmq"):
-        from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
+        from edgeserve.client.endpoint import find_endpoint
 
-        return DEFAULT_ENDPOINT
+        return find_endpoint()
     return DEFAULT_URLS[protocol]
 
 

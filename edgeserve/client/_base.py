@@ -13,11 +13,11 @@ import zmq
 
 from edgeserve.client import _core
 from edgeserve.client._core import InputValue, Outputs, Pending
+from edgeserve.client.endpoint import check_ipc, find_endpoint, foreign_peer
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
 from edgeserve.frontends.zmq import wire
 
-DEFAULT_ENDPOINT = "ipc:///tmp/edgeserve.zmq"
 LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
 # A sealed memfd is reachable only from the server's user and PID namespace (a producer in another
 # container is not): registering one is refused with these, and a /dev/shm ring (read with one copy)
@@ -41,26 +41,34 @@ class ConnectionOptions(TypedDict, total=False):
     copy_inputs: bool
     context: zmq.Context[Any] | None
     identity: bytes | None
+    server_user: str | int | None
 
 
 Entry = TypeVar("Entry")  # what a client keeps for a request in flight
 
 
 class ClientBase(Generic[Entry]):
-    """`timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
+    """`endpoint`: None finds the appliance's as its settings say (client/endpoint.py).
+    `timeout` (seconds) bounds every request unless a call passes its own. With `copy_inputs=False`
     large inline inputs are sent without a copy: do not modify them until their future is done.
-    `context`: any zmq.Context (a zmq.asyncio one too: the socket made here is a plain one)."""
+    `context`: any zmq.Context (a zmq.asyncio one too: the socket made here is a plain one).
+    `server_user` (name or uid): whose ipc socket is the server's (default: the owner of the
+    socket's folder, or ours); a socket or reply of anyone else is refused (PERMISSION_DENIED)."""
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_ENDPOINT,
+        endpoint: str | None = None,
         timeout: float = 10.0,
         *,
         copy_inputs: bool = True,
         context: zmq.Context[Any] | None = None,
         identity: bytes | None = None,
+        server_user: str | int | None = None,
     ) -> None:
+        endpoint = endpoint or find_endpoint()
         self.endpoint = endpoint
+        self._owners = check_ipc(endpoint, server_user)  # None: tcp:// or abstract, nothing to check
+        self._peer_ok = ""  # the last Peer-Address found to be the server's
         self.timeout = timeout
         self.copy_inputs = copy_inputs
         self.identity = identity or uuid.uuid4().bytes
@@ -121,7 +129,26 @@ class ClientBase(Generic[Entry]):
                 for slot in late.slots:
                     slot.ring.release(slot)
             return None
+        if self._owners is not None:
+            refused = self._foreign(msg[0])
+            if refused is not None:
+                return {"id": req_id, "status": "PERMISSION_DENIED", "message": refused}, entry
         return header, entry
+
+    def _foreign(self, frame: Any) -> str | None:
+        """Why the reply `frame` is not the server's (None: it is). One string compare per reply:
+        the sender's Peer-Address is looked into only when it changes (a new connection)."""
+        try:
+            address = frame.get("Peer-Address")
+        except Exception:  # no metadata on this message: nothing to tell by
+            return None
+        if address == self._peer_ok:
+            return None
+        assert self._owners is not None
+        refused = foreign_peer(address, self._owners, self.endpoint)
+        if refused is None:
+            self._peer_ok = address
+        return refused
 
     def _outcome(
         self, header: dict[str, Any], frames: Sequence[Any], pending: Pending | None, copy: bool = True

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, cast
 import zmq
 
 from edgeserve.client import _core
-from edgeserve.client._base import DEFAULT_ENDPOINT as DEFAULT_ENDPOINT
 from edgeserve.client._base import ClientBase, ConnectionOptions, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
@@ -50,7 +49,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def __init__(
         self,
-        endpoint: str = DEFAULT_ENDPOINT,
+        endpoint: str | None = None,
         timeout: float = 10.0,
         *,
         spin_us: int = DEFAULT_SPIN_US,

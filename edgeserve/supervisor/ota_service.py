@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from edgeserve.logs import safe
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
+from edgeserve.private_socket import unix_listener
 
 log = logging.getLogger("edgeserve.supervisor")
 
@@ -44,15 +44,9 @@ class OtaService:
 
     def start(self) -> None:
         self.store.ensure()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)  # the socket is born 0600: installing is an admin's act
-        try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old_umask)
-        sock.listen(8)
+        # Born 0600 (installing is an admin's act), replacing a stale one in one rename; no umask
+        # juggling: the umask is the whole process's, and the fleet agent's threads may be writing.
+        sock = unix_listener(self.path, 0o600, backlog=8)
         sock.settimeout(0.5)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name="ota-service", daemon=True)

@@ -2,8 +2,9 @@
 [--overlay out.mp4]`: decode streams into the local appliance's model and send the results out.
 
 The appliance is found as the other commands find it: `--endpoint`, else the first ZeroMQ endpoint
-of the settings (`--config`, $CONFIGURATION_DIRECTORY/edgeserve.toml, EDGESERVE_ZMQ_ENDPOINTS),
-else the default ipc:///tmp/edgeserve.zmq. Exit status: 0 when every stream ended (or Ctrl-C),
+of the settings (`--config`, $CONFIGURATION_DIRECTORY/edgeserve.toml, /etc/edgeserve/edgeserve.toml,
+EDGESERVE_ZMQ_ENDPOINTS), else the default socket where the server puts it (docs/zmq.md); an ipc
+socket that is not the server's user's is refused. Exit status: 0 when every stream ended (or Ctrl-C),
 1 when a stream failed or the appliance cannot be reached, 2 for a bad SOURCE or --publish URL,
 a missing file or device, an unknown model, or a model that does not take images.
 """
@@ -83,17 +84,9 @@ def _fail(message: str, code: int = 2) -> int:
 def _endpoint(args: argparse.Namespace) -> str:
     if args.endpoint:
         return str(args.endpoint)
-    from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
-    from edgeserve.settings_tools import load_layered
+    from edgeserve.client.endpoint import find_endpoint
 
-    path = args.config
-    if path is None:
-        directory = os.environ.get("CONFIGURATION_DIRECTORY", "").split(":")[0]
-        candidate = Path(directory) / "edgeserve.toml" if directory else None
-        path = candidate if candidate is not None and candidate.is_file() else None
-    settings, _ = load_layered(path)
-    endpoints = settings.zmq.endpoints if settings.zmq.enabled else []
-    return endpoints[0] if endpoints else DEFAULT_ENDPOINT
+    return find_endpoint(args.config)
 
 
 def _size(text: str | None) -> tuple[int, int] | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edgeserve.client.zmq_client import DEFAULT_ENDPOINT
 from edgeserve.video.sources import SourceOptions
 
 
@@ -16,7 +15,7 @@ class WatchError(Exception):
 class WatchOptions:
     model: str
     version: str = ""
-    endpoint: str = DEFAULT_ENDPOINT
+    endpoint: str = ""  # "": the appliance's, as its settings say (edgeserve.client.find_endpoint)
     policy: str | None = None  # None: latest for live sources, every for files
     fps: float | None = None
     # Requests in flight per stream (its ring's slots). 0: 2 for a single stream (the next frame

@@ -125,7 +125,7 @@ class Watch:
         except ClientError as exc:
             if exc.status in ("NOT_FOUND", "INVALID_ARG"):
                 raise WatchError(
-                    f"unknown model '{options.model}' at {options.endpoint}: {exc.message}"
+                    f"unknown model '{options.model}' at {client.endpoint}: {exc.message}"
                 ) from None
             raise
         try:

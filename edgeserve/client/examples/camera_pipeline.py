@@ -5,7 +5,7 @@ installed. Each frame is written straight into a free ring slot (no extra copy),
 to the server, and the slot comes back when the result is in. When every slot is busy, or the
 model's queue is full, the frame is dropped and counted: the producer never blocks the appliance.
 
-    edgeserve run &                                     # serves models/ on ipc:///tmp/edgeserve.zmq
+    edgeserve run &                                     # serves models/ over ZeroMQ (docs/zmq.md)
     python -m edgeserve.client.examples.camera_pipeline --model ppocr_det --size 320x320 --frames 120
     python -m edgeserve.client.examples.camera_pipeline --model ppocr_det --video clip.mp4 --fps 30
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from edgeserve.client import ClientError, ZmqClient, ZmqFuture
-from edgeserve.client.zmq_client import DEFAULT_ENDPOINT, DEFAULT_SPIN_US
+from edgeserve.client.zmq_client import DEFAULT_SPIN_US
 from edgeserve.protocol import datatypes
 
 
@@ -82,7 +82,7 @@ def fill(view: np.ndarray, frame: np.ndarray) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
+    parser.add_argument("--endpoint", help="default: the appliance's, as its settings say")
     parser.add_argument("--model", default="ppocr_det")
     parser.add_argument("--size", default="320x320", help="HxW of the frames (and of dynamic model inputs)")
     parser.add_argument("--video", help="a video file to read with OpenCV (default: synthetic frames)")

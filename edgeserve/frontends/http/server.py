@@ -25,6 +25,7 @@ from edgeserve.frontends import access
 from edgeserve.frontends.http import security
 from edgeserve.frontends.http.routes import HttpError, Routes, error_response
 from edgeserve.frontends.limits import request_limit
+from edgeserve.private_socket import unix_listener
 from edgeserve.protocol.errors import InferenceError, Status
 from edgeserve.scheduling.job import client_scope
 
@@ -308,9 +309,8 @@ class HttpFrontend:
         await runner.setup()
         http = self.settings.http
         try:
-            if self.unix_path is not None:
-                await web.UnixSite(runner, str(self.unix_path)).start()
-                self.unix_path.chmod(0o600)
+            if self.unix_path is not None:  # 0600 from birth: no chmod window for a group member
+                await web.SockSite(runner, unix_listener(self.unix_path, 0o600)).start()
             if self.tcp:
                 tls = security.ssl_context(http)
                 for warning in access.exposure_warnings(

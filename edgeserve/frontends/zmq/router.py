@@ -29,8 +29,6 @@ import itertools
 import logging
 import os
 import select
-import socket
-import stat
 import threading
 import time
 from collections import deque
@@ -41,6 +39,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from edgeserve.frontends.zmq import wire
+from edgeserve.frontends.zmq.endpoint import ipc_path
+from edgeserve.frontends.zmq.ipc import bind_ipc
 from edgeserve.frontends.zmq.spin import SpinPolicy
 
 log = logging.getLogger("edgeserve.zmq")
@@ -55,36 +55,6 @@ _MORE_DONTWAIT = int(zmq.SNDMORE) | _DONTWAIT
 MAX_MESSAGE_BYTES = 1 << 30  # per frame when none is given; a bigger one drops the connection
 DRAIN_BATCH = 256  # messages handled before timers and callbacks get their turn
 JOIN_TIMEOUT_S = 10.0
-
-
-def prepare_ipc(endpoint: str) -> str | None:
-    """Create the socket's folder and remove a stale socket file; refuse one a live server holds."""
-    path = endpoint[len("ipc://") :]
-    if not path or path.startswith("@"):  # Linux abstract namespace: no file
-        return None
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return path
-    if not stat.S_ISSOCK(mode):
-        raise RuntimeError(
-            f"zmq endpoint {endpoint}: {path} exists and is not a socket; remove it or pick another"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        log.info("removing stale zmq socket file %s", path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    except OSError as exc:
-        raise RuntimeError(f"zmq endpoint {endpoint}: cannot check {path}: {exc}") from None
-    else:
-        raise RuntimeError(f"zmq endpoint {endpoint} is in use by another running process")
-    finally:
-        probe.close()
-    return path
 
 
 class Router:
@@ -129,17 +99,24 @@ class Router:
         self.bound: list[str] = []
         self._ipc_paths: list[str] = []
 
-    def bind(self, endpoints: list[str]) -> None:
-        assert self._sock is not None
+    def bind(self, endpoints: list[str], default: str = "") -> None:
+        """`default`: the one of `endpoints` that is the built-in default (its folder kept private)."""
+        sock = self._sock
+        assert sock is not None
         for endpoint in endpoints:
-            path = prepare_ipc(endpoint) if endpoint.startswith("ipc://") else None
+            path = ipc_path(endpoint)
             try:
-                self._sock.bind(endpoint)
+                if path is None:
+                    sock.bind(endpoint)
+                else:  # the socket file appears with its mode (ipc.py): no window for anyone else
+                    bind_ipc(sock.bind, endpoint, path, default=endpoint == default)
             except zmq.ZMQError as exc:
                 raise RuntimeError(f"zmq frontend cannot bind {endpoint}: {exc}") from None
             if path is not None:
-                self._ipc_paths.append(path)
-            self.bound.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                self._ipc_paths.append(str(path))
+                self.bound.append(f"ipc://{path}")  # LAST_ENDPOINT names the folder it was bound in
+            else:
+                self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="edgeserve-zmq", daemon=True)

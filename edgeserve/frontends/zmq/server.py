@@ -31,6 +31,7 @@ from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
 from edgeserve.frontends.shm.binding import PeerIdentity, ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
+from edgeserve.frontends.zmq.endpoint import server_default
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
@@ -65,7 +66,9 @@ class ZmqFrontend:
 
     def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
         self.dataplane = dataplane
-        self.endpoints = list(settings.zmq.endpoints)
+        # [] = the default: in a folder only the service user can write (endpoint.py)
+        self.default_endpoint = "" if settings.zmq.endpoints else f"ipc://{server_default(settings.server.state_dir)}"
+        self.endpoints = list(settings.zmq.endpoints) or [self.default_endpoint]
         self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
         self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
         self.spin_us = settings.zmq.spin_us
@@ -96,7 +99,7 @@ class ZmqFrontend:
             max_message_bytes=self.max_message_bytes,
         )  # fmt: skip
         try:
-            router.bind(self.endpoints)
+            router.bind(self.endpoints, default=self.default_endpoint)
         except BaseException:
             router.close()
             raise
