@@ -94,7 +94,9 @@ MAX_SPIN_US = 10_000
 @dataclass
 class ZmqSection:
     enabled: bool = True  # false: no ZeroMQ socket
-    endpoints: list[str] = field(default_factory=lambda: ["ipc:///tmp/edgeserve.zmq"])  # ipc:// or tcp://
+    # ipc:// or tcp://; [] = the default ipc socket, in a folder only the service user can write:
+    # $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/edgeserve, else <state_dir>/run
+    endpoints: list[str] = field(default_factory=list)
     max_inflight_per_client: int = 256  # requests of one client socket in flight; more are refused
     max_message_bytes: int = 0  # per request, all frames; 0 = sized for the device, as HTTP and gRPC
     max_clients: int = 256  # client sockets known at once; a new one past this is refused
