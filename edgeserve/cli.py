@@ -120,8 +120,10 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     from edgeserve.app import Server, StartupError
     from edgeserve.backends.memory import tune_server_process
+    from edgeserve.fsutil import harden, protect_process
     from edgeserve.logs import setup_logging
 
+    protect_process()  # what the server creates is its own, whatever the umask it was started with
     loader = _settings_loader(args)
     settings, _ = loader()  # a ConfigError is main()'s: one line, exit 2
     log = settings.logging
@@ -136,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
             _die_with_parent(DIE_WITH_PARENT, "its parent")
     # Under the supervisor our stderr is its pipe: it owns rotation and journald.
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
+    if not supervised:  # under the supervisor, it did this at its start
+        harden(settings.server.state_dir)
     tune_server_process(settings)  # memory settings: before any runtime is imported or a thread started
     import logging
 

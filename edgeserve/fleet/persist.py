@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fsutil import write_json_atomic
+from edgeserve.fsutil import PRIVATE_FILE, private_mkdir, write_json_atomic
 
 
 class Generation:
@@ -38,7 +38,7 @@ class Outbox:
     number the broker took. Bounded: past `keep` unsent events the oldest are dropped and counted."""
 
     def __init__(self, folder: Path, keep: int = 10_000) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_mkdir(folder)  # owner-only whatever the umask (UMask=0007 is for the ZeroMQ socket)
         self.log_path = folder / "events.jsonl"
         self.acked_path = folder / "events.acked"
         self.keep = keep
@@ -66,7 +66,8 @@ class Outbox:
         with self._lock:
             self._seq += 1
             entry = {"seq": self._seq, "topic": topic, "payload": payload}
-            with open(self.log_path, "a") as fh:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
+            with os.fdopen(fd, "a") as fh:
                 fh.write(json.dumps(entry) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())

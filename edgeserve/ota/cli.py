@@ -317,12 +317,31 @@ def _apply(
     return _finish(outcome.to_dict())
 
 
+def _integrity(store: Any) -> dict[str, dict[str, Any]]:
+    """The active and previous bundles' folders against their signed manifests (every file hashed: a
+    model of a bundle that does not match fails to load, and this says which file)."""
+    from edgeserve.repository import bundle_files
+
+    found: dict[str, dict[str, Any]] = {}
+    for which, version in (("active", store.active()), ("previous", store.previous())):
+        if version is None:
+            continue
+        try:
+            problems = bundle_files.problems(version.path)
+        except bundle_files.BundleDamaged as exc:
+            problems = [str(exc)]
+        found[which] = {"bundle": version.label, "ok": not problems, "problems": problems}
+    return found
+
+
 def _status(args: argparse.Namespace) -> int:
     from edgeserve.ota.store import Store
 
     state_dir, _ = _state_dir(args)
-    status = Store(state_dir).status()
+    store = Store(state_dir)
+    status = store.status()
     status["state_dir"] = str(state_dir)
+    status["integrity"] = _integrity(store)
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return 0
@@ -332,6 +351,12 @@ def _status(args: argparse.Namespace) -> int:
     print(f"state            {status['state']}")
     print(f"kept versions    {status['kept_versions']}")
     print(f"security floor   {status['security_floor']} (lower security_version bundles are refused)")
+    for which, found in status["integrity"].items():
+        problems = found["problems"]
+        verdict = "as signed" if not problems else f"DOES NOT MATCH its signed manifest ({len(problems)}):"
+        print(f"{which + ' files':16} {found['bundle']} {verdict}")
+        for problem in problems[:10]:
+            print(f"  {problem}")
     for entry in status["history"][-10:]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.get("finished_at", 0)))
         what = f"{entry.get('name', '')} v{entry.get('version', '')}".strip()

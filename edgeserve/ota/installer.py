@@ -39,6 +39,7 @@ from edgeserve.ota.store import (
     Version,
 )  # fmt: skip
 from edgeserve.ota.url_policy import UrlPolicy
+from edgeserve.repository import bundle_files
 
 log = logging.getLogger("edgeserve.ota")
 
@@ -157,9 +158,12 @@ class Installer:
 
             archive.extract(bundle, manifest, staging / "unpack", unpacking)
             (staging / "unpack" / "manifest.json").write_bytes(body)
+            (staging / "unpack" / "manifest.sig").write_bytes(signature)  # kept: what the manifest is
             new = self.store.promote(staging / "unpack", manifest.name, manifest.version)
         finally:
             archive_cleanup(staging)
+        # Just hashed as they were written: the check before the switch reads only their stat.
+        bundle_files.remember(new.path, {f.path: f.sha256 for f in manifest.files})
         self.store.transition(STAGED, path=str(new.path))
         report(STAGED, None, f"{new.label} verified and staged")
         hold_point(self.store, STAGED)
@@ -173,6 +177,10 @@ class Installer:
         except TrialFailed:
             self._discard(new)
             raise
+        damaged = damage(new)  # nothing in it changed since it was unpacked
+        if damaged is not None:
+            self._discard(new)
+            raise TrialFailed(damaged)
         old, old_previous = self.store.active(), self.store.previous()
         self.store.transition(TRIAL, switching=True, old=str(old.path) if old else None,
                               old_previous=str(old_previous.path) if old_previous else None)  # fmt: skip
@@ -252,6 +260,9 @@ class Installer:
             revoked = self.store.trust.revoked_signer(target.path)
             if revoked is not None:
                 raise StoreError(f"{target.label} is signed by revoked key {revoked}: not rolled back to it")
+            damaged = damage(target)
+            if damaged is not None:
+                raise StoreError(f"{damaged}: not rolled back to it")
             report(ROLLING_BACK, None, f"{active.label if active else '-'} -> {target.label}")
             self.store.point(self.store.current_link, target)
             try:
@@ -268,6 +279,15 @@ class Installer:
                                     version=target.version)  # fmt: skip
             report(ROLLED_BACK, 1.0, f"{target.label} serves")
             return Outcome(True, ROLLED_BACK, f"{target.label} serves", target.name, target.version)
+
+
+def damage(version: Version) -> str | None:
+    """Why a kept bundle may not be switched to (a file differs from its signed manifest), or None."""
+    try:
+        damaged = bundle_files.problems(version.path)
+    except bundle_files.BundleDamaged as exc:
+        damaged = [str(exc)]
+    return f"{version.label} does not match its signed manifest: {damaged[0]}" if damaged else None
 
 
 def archive_cleanup(staging: Path) -> None:

@@ -1,7 +1,9 @@
 """The device's bundle store under `<state_dir>/ota/` and its journal.
 
     ota/journal.json           the install in progress (state, versions, the link it replaces) and the history
-    ota/bundles/<name>-v<N>/   unpacked, verified bundles; never edited once renamed in from staging
+    ota/bundles/<name>-v<N>/   unpacked, verified bundles (manifest.json, manifest.sig, models/); never
+                               edited once renamed in from staging, writable by the service user only,
+                               checked against the manifest before a model of it loads
     ota/current -> bundles/..  what the server serves (one rename switches it)
     ota/previous -> bundles/.. kept for rollback
     ota/staging/<id>/          a fresh extraction folder per install
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgeserve.fsutil import fsync_dir, replace_symlink, write_json_atomic
+from edgeserve.fsutil import fsync_dir, private_mkdir, replace_symlink, seal_tree, write_json_atomic
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.trust import TrustStore, default_trust_dir
 
@@ -88,8 +90,10 @@ class Store:
 
     def ensure(self) -> None:
         # Not the trust folder: it may be read-only (/etc/edgeserve/trust under systemd).
+        # Owner-only whatever the umask: under systemd (UMask=0007) a group member could otherwise swap
+        # a bundle's files, the links or the journal.
         for folder in (self.root, self.bundles, self.staging, self.downloads):
-            folder.mkdir(parents=True, exist_ok=True)
+            private_mkdir(folder)
 
     # -- journal ----------------------------------------------------------------------------------
     def journal(self) -> dict[str, Any]:
@@ -236,7 +240,9 @@ class Store:
         return path
 
     def promote(self, staging: Path, name: str, version: int) -> Version:
-        """Rename a verified staging folder into bundles/ (same file system: atomic)."""
+        """Rename a verified staging folder into bundles/ (same file system: atomic), its modes set first:
+        folders 0755, files 0644, whatever the umask (never writable but by the service user)."""
+        seal_tree(staging)
         target = self.bundle_dir(name, version)
         if target.exists():
             current = self.active()

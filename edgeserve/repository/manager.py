@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from edgeserve.config import Settings
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, not_found, unavailable
-from edgeserve.repository import ensembles, origin, overrides
+from edgeserve.repository import bundle_files, ensembles, origin, overrides, request_files
 from edgeserve.repository.budget import MemoryBudget
 from edgeserve.repository.config import parse_override, parse_pbtxt
 from edgeserve.repository.layout import (
@@ -203,6 +203,7 @@ class ModelRepository:
             names = list(self.folders())
         else:
             names = list(dict.fromkeys(server.load_models))
+        await asyncio.to_thread(overrides.sweep, server.state_dir)  # what a killed load wrote
         names = self.budget.startup(names)  # less the load-on-first-use models
         log.info("loading %d model(s) from %s: %s", len(names), self.root, ", ".join(names) or "(none)")
         later = ensembles.in_folders(names, self.folders())  # loaded after the models they compose
@@ -223,6 +224,7 @@ class ModelRepository:
         self._closing = True
         await self.budget.close()
         await asyncio.gather(*(self._unload_quietly(name) for name in list(self._models)))
+        overrides.release(self.settings.server.state_dir)
 
     async def _unload_quietly(self, name: str) -> None:
         try:
@@ -362,7 +364,7 @@ class ModelRepository:
         """Blocking: (model folder, raw config, where errors point, where it all came from) for a load
         request, its config checked for that origin before any version is built (origin.py)."""
         if files:
-            origin.check_request_files(name, files)  # before anything is written
+            request_files.check(name, config_json, files, self.settings.repository)  # before any write
             source = overrides.write_files(self.settings.server.state_dir, name, files)
         else:
             clash = self.clashes().get(name)
@@ -375,13 +377,14 @@ class ModelRepository:
                     " or the active bundle"
                 )
             source = found
+            bundle_files.check_source(name, self.settings.server.state_dir, source)  # a bundle's: as signed
         kind = origin.Origin.REQUEST_FILES if files else origin.Origin.LOCAL
         try:
             raw, where = self._raw_config(name, source, config_json)
             own = None
             if config_json is not None and not files:
                 kind, own = origin.Origin.API_CONFIG, origin.own_config(source / CONFIG_FILE)
-            trust = origin.admit(name, source, raw, where, kind, own)
+            trust = origin.admit(name, source, raw, where, kind, own, repository=self.root)
         except InferenceError:
             if files:
                 overrides.remove(source)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edgeserve.fsutil import private_mkdir
 from edgeserve.ota.installer import Report, TrialFailed
 from edgeserve.ota.manifest import Check, Manifest, parse_manifest
 from edgeserve.ota.store import LOADING, TRIAL, Version
@@ -106,7 +107,7 @@ class TrialRunner:
 
     def __call__(self, models_dir: Path, manifest: Manifest, report: Report) -> None:
         work = self.state_dir / "ota" / "trial"
-        work.mkdir(parents=True, exist_ok=True)
+        private_mkdir(work)
         args = ["--model-repository", str(models_dir), "--no-http", "--no-grpc", "--no-zmq",
                 "--model-control-mode", "explicit", "--load-model", "*"]  # fmt: skip
         if self.config is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from edgeserve.config import Settings
 from edgeserve.logs import forward_line
 from edgeserve.ota.errors import StoreError
-from edgeserve.ota.installer import Installer
+from edgeserve.ota.installer import Installer, damage
 from edgeserve.ota.policy import Policy
 from edgeserve.ota.store import Store
 from edgeserve.ota.trust import TrustStore, trust_dir_for
@@ -87,6 +87,10 @@ class BundleKeeper:
         revoked = self.store.trust.revoked_signer(previous.path)
         if revoked is not None:  # the fleet revoked its signer: crashing beats running what it signed
             log.error("%s is signed by revoked key %s: no crash-loop rollback to it", previous.label, revoked)
+            return None
+        damaged = damage(previous)
+        if damaged is not None:  # a changed file would run instead of the signed one
+            log.error("%s: no crash-loop rollback to it", damaged)
             return None
         reason = f"the server crashed {self.crashes} times after {active.label if active else '-'}"
         try:

@@ -13,7 +13,7 @@ from edgeserve import __version__
 from edgeserve.config import ConfigError, Settings, load_settings_with_sources
 from edgeserve.config_allowlist import only_allowed, refused_keys
 from edgeserve.fleet.services import FleetCommandFailed, Report
-from edgeserve.fsutil import write_text_atomic
+from edgeserve.fsutil import private_mkdir, write_text_atomic
 from edgeserve.ota.errors import BundleRefused, StoreError
 from edgeserve.ota.installer import Installer, Outcome
 from edgeserve.ota.store import Store
@@ -142,8 +142,8 @@ class SupervisorServices:
             merged.setdefault(section, {}).update(values)
         text = toml_text(merged)
         candidate = overlay_path.with_name(".settings.candidate.toml")
-        candidate.parent.mkdir(parents=True, exist_ok=True)
-        candidate.write_text(text)
+        private_mkdir(candidate.parent)  # the overlay holds settings: the service user's only
+        write_text_atomic(candidate, text)
         try:
             # The values themselves first (no environment or flags that could hide a bad one) ...
             load_settings_with_sources(self.sup.config_path, {}, None, overlay=candidate)

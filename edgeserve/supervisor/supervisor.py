@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
 from edgeserve.config import ConfigError, Settings
+from edgeserve.fsutil import harden, protect_process
 from edgeserve.logs import forward_line, set_level
 
 if TYPE_CHECKING:
@@ -119,9 +120,11 @@ class Supervisor:
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
+        protect_process()  # umask 077: UMask=0007 is for the ZeroMQ socket only (fsutil)
         self._install_signals()
         started = time.monotonic()
         log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
+        harden(self.state_dir)
         self._write_device_plan()
         recovered = self.bundles.recover()
         if recovered:
