@@ -2,17 +2,20 @@
 /usr/share/mender/modules/v3/edgeserve-bundle by ota/mender/install.sh. Mender calls it with a state name
 and its file tree; the artifact's one payload file is the signed `.esb` itself.
 
-Mender's states onto the installer's:
+Mender's states onto the installer's (what each does, and why each can run again after any of them was
+killed, is in mender_states.py):
 
     Download              nothing: Mender stores the payload in files/ (it verifies its checksums first)
-    ArtifactInstall       install: signature, manifest, staged, trial, switch (the running appliance's
-                          installer over its control socket, or the store itself when none runs); what served
-                          before is written down for a rollback
-    ArtifactVerifyReboot  the bundle still serves (no reboot is needed: NeedsArtifactReboot = No)
-    ArtifactCommit        the same check, then the deployment is done
+    ArtifactInstall       an earlier deployment Mender never recorded is undone first; then install:
+                          signature, manifest, staged, trial, switch (the running appliance's installer over
+                          its control socket, or the store itself when none runs); what served before is
+                          written down for a rollback
+    NeedsArtifactReboot   No (and, if the `mender` that asked died meanwhile, the install is undone)
+    ArtifactVerifyReboot  the bundle still serves
+    ArtifactCommit        the same check
     ArtifactRollback      back to what served before (a kept, verified bundle): the installer's rollback
     ArtifactFailure       the same, if still needed
-    Cleanup               the module's notes for this deployment are removed
+    Cleanup               the handed-over bundle is removed
 
 Settings: a TOML file, `$EDGESERVE_MENDER_CONF` or /etc/edgeserve/mender.toml (optional):
 `state_dir` (the appliance's state folder; default: as `edgeserve run` resolves it), `config` (the
@@ -25,28 +28,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from edgeserve.fsutil import write_json_atomic
+from edgeserve.ota.mender_states import MODULE_TYPE, Label, Module, ModuleError, report
+
+__all__ = ["Device", "Module", "ModuleConfig", "ModuleError", "become_owner", "load_module_config", "main"]
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODULE_TYPE = "edgeserve-bundle"
 DEFAULT_CONF = Path("/etc/edgeserve/mender.toml")
 BUSY = ("another install", "busy")
-
-
-class ModuleError(Exception):
-    """This state failed: one line on stderr, exit 1 (Mender then runs its failure states)."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,6 @@ def load_module_config(environ: dict[str, str] | None = None) -> ModuleConfig:
         settings, sources = load_layered(config)
         state_dir = resolve_state_dir(settings, sources)[0]
     return ModuleConfig(state_dir.resolve(), config, float(wait))
-
-
-def report(state: str, progress: float | None, message: str) -> None:
-    percent = f" {progress * 100:5.1f}%" if progress is not None else ""
-    with contextlib.suppress(OSError):  # Mender went away: the install goes on to a known end all the same
-        print(f"{MODULE_TYPE}: {state}{percent} {message}", file=sys.stderr, flush=True)
-
-
-Label = dict[str, Any]  # {"name": ..., "version": ...}
 
 
 class Device:
@@ -155,103 +146,6 @@ class Device:
         return dict(outcome.to_dict())
 
 
-class Module:
-    def __init__(self, conf: ModuleConfig, artifact: str = "") -> None:
-        self.conf = conf
-        self.artifact = artifact  # the artifact's name, read from Mender's tree while still root
-        self.device = Device(conf)
-        self.notes = conf.state_dir / "mender" / "deployment.json"
-
-    # -- the deployment's notes (what served before it, what it installed) -------------------------
-    def read_notes(self) -> dict[str, Any] | None:
-        import json
-
-        try:
-            data = json.loads(self.notes.read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
-
-    def write_notes(self, notes: dict[str, Any]) -> None:
-        self.notes.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.notes, notes)
-
-    # -- states -----------------------------------------------------------------------------------
-    def artifact_install(self, bundle: Path) -> int:
-        stale = self.read_notes()
-        # Mender still believes what served before an interrupted deployment (it never recorded that one).
-        before = stale["before"] if stale is not None and not stale.get("committed") else self.device.active()
-        notes = {"artifact": self.artifact, "before": before, "installed": None, "at": time.time()}
-        self.write_notes(notes)
-        result = self.device.install(bundle)
-        label: Label = {"name": result.get("name"), "version": result.get("version")}
-        if not result.get("ok") and result.get("code") == "replay":
-            if self.device.active() == label:
-                result = {
-                    **result,
-                    "ok": True,
-                    "reason": f"{label['name']} v{label['version']} already serves",
-                }
-            elif self.device.kept(label):  # verified when it was first installed: switch back to it
-                result = self.device.rollback(int(label["version"] or 0))
-        if not result.get("ok"):
-            raise ModuleError(str(result.get("reason") or result.get("error") or "install failed"))
-        self.write_notes({**notes, "installed": label})
-        report("INSTALLED", 1.0, str(result.get("reason", "")))
-        return 0
-
-    def verify(self, commit: bool) -> int:
-        notes = self.read_notes()
-        if notes is None or notes.get("committed"):
-            report("COMMIT", None, "no deployment of this module is open: nothing to check")
-            return 0
-        installed, active = notes.get("installed"), self.device.active()
-        if installed is None:
-            raise ModuleError("this deployment installed nothing (its install failed or was interrupted)")
-        if active != installed:
-            now = f"{active['name']} v{active['version']}" if active else "no bundle"
-            raise ModuleError(f"{installed['name']} v{installed['version']} no longer serves ({now} does): "
-                              "the appliance rolled it back")  # fmt: skip
-        if commit:
-            self.write_notes({**notes, "committed": True})
-        return 0
-
-    def roll_back(self, strict: bool) -> int:
-        notes = self.read_notes()
-        if notes is None or notes.get("committed"):
-            return 0
-        before, active = notes.get("before"), self.device.active()
-        if active == before:
-            return 0
-        if before is None:
-            if not strict:
-                return 0
-            raise ModuleError("no bundle served before this deployment: nothing to roll back to")
-        result = self.device.rollback(int(before["version"]))
-        if not result.get("ok"):
-            raise ModuleError(f"rollback to {before['name']} v{before['version']} failed: "
-                              f"{result.get('reason') or result.get('error')}")  # fmt: skip
-        report("ROLLED_BACK", 1.0, str(result.get("reason", "")))
-        return 0
-
-    def cleanup(self) -> int:
-        self.notes.unlink(missing_ok=True)
-        shutil.rmtree(self.conf.state_dir / "mender" / "incoming", ignore_errors=True)
-        return 0
-
-    def receive(self, payload: BinaryIO) -> Path:
-        """The bundle, copied from Mender's tree (root's, 0700) to where the appliance's user reads it, and
-        written as that user: nothing in its folder (a link, say) can make root write elsewhere. The bundle's
-        own signature is what the installer checks, not where this copy came from."""
-        incoming = self.conf.state_dir / "mender" / "incoming"
-        incoming.mkdir(parents=True, exist_ok=True)
-        target = incoming / "bundle.esb"
-        target.unlink(missing_ok=True)
-        with open(target, "xb") as out:
-            shutil.copyfileobj(payload, out, 1 << 20)
-        return target
-
-
 def open_payload(tree: Path) -> BinaryIO:
     """The artifact's one payload file, opened (as root: Mender's tree is root's)."""
     folder = tree / "files"
@@ -279,21 +173,49 @@ def become_owner(state_dir: Path) -> None:
     os.setuid(owner.st_uid)
 
 
+HOLD_ENV = "EDGESERVE_TEST_MENDER_HOLD"
+
+
+def hold(state_dir: Path, point: str) -> None:
+    """Test hook for the kill-in-every-state tests: with EDGESERVE_TEST_MENDER_HOLD=<point> (`<State>` on
+    entry, `<State>:done` once its work is done), write `<state_dir>/mender/held` (the point and this pid)
+    and wait until the test removes it, killing Mender meanwhile. Unset on devices: costs one lookup."""
+    if os.environ.get(HOLD_ENV) != point:
+        return
+    marker = state_dir / "mender" / "held"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{point} {os.getpid()}")
+    deadline = time.monotonic() + 300  # a test that died leaves no module behind for long
+    while marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     state = args[0] if args else ""
+    parent = os.getppid()  # the `mender` that runs this state: Mender starts modules in their own group
+    _test_hold(state)
+    code = _run(state, args)
+    _test_hold(f"{state}:done")
+    if state in ("ArtifactInstall", "NeedsArtifactReboot") and os.getppid() != parent:
+        # That `mender` died before it recorded this deployment (it records it once NeedsArtifactReboot has
+        # answered), and nothing will ever roll it back: undo it here.
+        code = _run("Abandoned", args) or 1
+    return code
+
+
+def _run(state: str, args: list[str]) -> int:
     if state == "SupportsRollback":
-        print("Yes")
-        return 0
+        return _answer("Yes")
     if state == "NeedsArtifactReboot":
-        print("No")  # a bundle switch needs no reboot
-        return 0
+        return _answer("No")  # a bundle switch needs no reboot
     handlers: dict[str, Callable[[Module], int]] = {
         "ArtifactVerifyReboot": lambda m: m.verify(commit=False),
         "ArtifactCommit": lambda m: m.verify(commit=True),
         "ArtifactRollback": lambda m: m.roll_back(strict=True),
         "ArtifactFailure": lambda m: m.roll_back(strict=False),
         "Cleanup": Module.cleanup,
+        "Abandoned": Module.abandoned,  # not Mender's: main() after a `mender` died (see there)
     }
     if state != "ArtifactInstall" and state not in handlers:
         return 0  # Download, and states this protocol may add later: nothing to do
@@ -303,20 +225,70 @@ def main(argv: list[str] | None = None) -> int:
         if not conf.state_dir.is_dir():
             raise ModuleError(f"state folder {conf.state_dir} does not exist (state_dir in "
                               f"{os.environ.get('EDGESERVE_MENDER_CONF') or DEFAULT_CONF})")  # fmt: skip
+        # Mender's tree is root's: read it before becoming the owner
+        deployment = deployment_id(tree, create=state == "ArtifactInstall")
+        record = _read(tree / "current_artifact_name")
+        artifact = _read(tree / "header" / "artifact_name")
         if state != "ArtifactInstall":
             become_owner(conf.state_dir)
-            return handlers[state](Module(conf))
-        payload = open_payload(tree)  # Mender's tree is root's: read it before becoming the owner
-        with payload:
-            name = tree / "header" / "artifact_name"
-            artifact = name.read_text().strip() if name.is_file() else ""
+            module = Module(conf.state_dir, Device(conf), deployment=deployment, artifact=artifact,
+                            record=record, busy_wait_s=conf.busy_wait_s)  # fmt: skip
+            with module.lock():
+                return handlers[state](module)
+        with open_payload(tree) as payload:
             become_owner(conf.state_dir)
-            module = Module(conf, artifact)
-            bundle = module.receive(payload)
-        return module.artifact_install(bundle)
+            module = Module(conf.state_dir, Device(conf), deployment=deployment, artifact=artifact,
+                            record=record, busy_wait_s=conf.busy_wait_s)  # fmt: skip
+            with module.lock():
+                bundle = module.receive(payload)
+                return module.artifact_install(bundle)
     except ModuleError as exc:
         print(f"{MODULE_TYPE} {state}: {exc}", file=sys.stderr)
         return 1
+
+
+def _answer(word: str) -> int:
+    with contextlib.suppress(OSError):  # a `mender` that died no longer reads it
+        print(word, flush=True)
+    return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def deployment_id(tree: Path, create: bool) -> str:
+    """This deployment's id: a marker the module leaves in the tree Mender makes for each deployment (and
+    keeps, through a restart, until Cleanup). "" before ArtifactInstall made it."""
+    marker = tree / "tmp" / "edgeserve-deployment"
+    found = _read(marker)
+    if found or not create:
+        return found
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    made = uuid.uuid4().hex[:16]
+    marker.write_text(made + "\n")
+    return made
+
+
+HOLD_ENV = "EDGESERVE_TEST_MENDER_HOLD"
+
+
+def _test_hold(point: str) -> None:
+    """Test hook for the kill-in-every-state tests: with EDGESERVE_TEST_MENDER_HOLD=<point> (`<State>` on
+    entry, `<State>:done` once its work is done), write `<state_dir>/mender/held` (the point and this pid)
+    and wait until the test removes it, killing Mender meanwhile. Unset on devices: costs one lookup."""
+    if os.environ.get(HOLD_ENV) != point:
+        return
+    with contextlib.suppress(ModuleError, OSError):
+        marker = load_module_config().state_dir / "mender" / "held"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{point} {os.getpid()}")
+        deadline = time.monotonic() + 300  # a test that died leaves no module behind for long
+        while marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":

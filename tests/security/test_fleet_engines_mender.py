@@ -110,11 +110,11 @@ def test_an_artifact_with_anything_but_one_bundle_is_refused(env: tuple[MenderEn
 CHILD = """
 import io, sys
 from pathlib import Path
-from edgeserve.ota.mender_module import Module, ModuleConfig, become_owner
+from edgeserve.ota.mender_module import Device, Module, ModuleConfig, become_owner
 state = Path(sys.argv[1])
 become_owner(state)
 try:
-    target = Module(ModuleConfig(state, None)).receive(io.BytesIO(b"bundle bytes"))
+    target = Module(state, Device(ModuleConfig(state, None))).receive(io.BytesIO(b"bundle bytes"))
 except PermissionError as exc:
     print("refused", exc)
 else:

@@ -57,7 +57,7 @@ def test_install_commit_rollback_and_install_again(env: MenderEnv, fleet: Fleet)
     provides = env.provides()
     assert provides["edgeserve-bundle.vision.version"] == "2"
     assert provides["edgeserve-bundle.vision.security_version"] == "0"
-    assert not (fleet.state / "mender" / "deployment.json").exists()
+    assert not (fleet.state / "mender" / "incoming").exists()  # Cleanup ran; the notes stay for the next
     inventory = _inventory(env)
     assert {"edgeserve_bundle=vision", "edgeserve_bundle_version=2", "edgeserve_model=mlp:1"} <= inventory
 
