@@ -10,6 +10,8 @@ Work folder `<cache>/int8/<key>/` (key: model bytes, samples, scheme, runtime ve
 run uses it. Each step writes `*.part` and renames when done, so a kill leaves only `.part` files and
 ORT's scratch (`tmp/`): the next run removes those and resumes from the last finished step (the
 calibration ranges, then the quantized model). Nothing is written outside it until the guard passed.
+The folder is the service user's alone (0700), and each finished step is sealed (backends/cache.py): a
+file of an interrupted run is reused only when edgeserve wrote it and it has not changed since.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import inspect
 import os
 import platform
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgeserve.backends.cache import is_sealed, seal_existing
 from edgeserve.bench.calibration import Reader, Samples, batches
 from edgeserve.bench.errors import BenchError
 
@@ -34,6 +38,22 @@ VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 ORT_FILENAME = "model_int8.onnx"
 IR_FILENAME = "model_int8.xml"
 PER_CHANNEL_OPSET = 13  # DequantizeLinear with an axis
+RESUMED = "an interrupted INT8 run's file"
+
+
+def _resumable(*files: Path) -> bool:
+    """The finished step of an interrupted run may be reused: every file of it is sealed and unchanged
+    (one that is not is discarded with a warning, and the step runs again)."""
+    return all(f.is_file() for f in files) and all([is_sealed(f, RESUMED) for f in files])
+
+
+def _finish(part: Path, done: Path, *files: Path) -> None:
+    """Rename a step's output into place and seal it (`files`: those inside a finished folder)."""
+    for file in files or (part,):
+        os.chmod(file, 0o600)  # runtimes write with the umask (group-writable in the unit)
+    os.replace(part, done)
+    for file in files or (done,):
+        seal_existing(done / file.name if files else file)
 
 
 @dataclass(frozen=True)
@@ -98,7 +118,11 @@ class WorkDir:
         self._lock: Any = None
 
     def __enter__(self) -> WorkDir:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(self.path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise BenchError(f"the work folder {self.path} is not edgeserve's (uid {st.st_uid}); remove it")
+        os.chmod(self.path, 0o700)  # nobody else writes a file we resume from
         self._lock = open(self.path / ".lock", "a+")  # held until __exit__
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -153,7 +177,7 @@ def _opset_for_per_channel(model: Path, work: WorkDir, say: Say) -> Path | None:
     import onnx
 
     done = work.path / "model_opset.onnx"
-    if done.is_file():
+    if _resumable(done):
         return done
     proto = onnx.load(str(model))
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), PER_CHANNEL_OPSET)
@@ -169,7 +193,7 @@ def _opset_for_per_channel(model: Path, work: WorkDir, say: Say) -> Path | None:
         say(f"  opset {opset} -> {PER_CHANNEL_OPSET} failed ({type(exc).__name__}: {str(exc)[:120]}): "
             "per-tensor weights")  # fmt: skip
         return None
-    os.replace(part, done)
+    _finish(part, done)
     say(f"  opset {opset} -> {PER_CHANNEL_OPSET} (per-channel weights need it)")
     return done
 
@@ -178,7 +202,7 @@ def _preprocess(model: Path, work: WorkDir, say: Say) -> Path:
     """ORT's recommended pre-processing (shape inference, graph optimisation); the model as it is when
     that fails (some models do not take symbolic shape inference)."""
     done = work.path / "model_pre.onnx"
-    if done.is_file():
+    if _resumable(done):
         return done
     part = work.path / "model_pre.onnx.part"
     try:
@@ -189,7 +213,7 @@ def _preprocess(model: Path, work: WorkDir, say: Say) -> Path:
         symbolic = importlib.util.find_spec("sympy") is not None  # ORT's symbolic shape inference needs it
         with work.scratch():
             quant_pre_process(str(model), str(part), skip_symbolic_shape=not symbolic)
-        os.replace(part, done)
+        _finish(part, done)
         return done
     except Exception as exc:
         part.unlink(missing_ok=True)
@@ -203,7 +227,7 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     done = work.path / ORT_FILENAME
-    if done.is_file():
+    if _resumable(done):
         say(f"onnxruntime: the quantized model of an interrupted run is complete: reused ({done})")
         return done
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -217,12 +241,12 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
     kwargs: dict[str, Any] = {}
     ranges = work.path / f"ranges-{method}.json"
     if "calibration_cache_path" in inspect.signature(quantize_static).parameters:
-        if ranges.is_file():
+        if _resumable(ranges):
             say(f"onnxruntime: calibration ranges of an interrupted run found: resumed ({ranges.name})")
             kwargs["calibration_cache_path"] = str(ranges)
         else:
             kwargs["calibration_cache_path"] = str(ranges) + ".part"
-    if "calibration_cache_path" not in kwargs or not ranges.is_file():
+    if "calibration_cache_path" not in kwargs or kwargs["calibration_cache_path"] != str(ranges):
         say(f"onnxruntime: calibrating on {len(samples.calibration)} rows in {len(feeds)} batch(es), "
             f"{method} ranges; {scheme.why}")  # fmt: skip
     part = work.path / (ORT_FILENAME + ".part")
@@ -239,8 +263,8 @@ def quantize_ort(model: Path, samples: Samples, scheme: Scheme, work: WorkDir, b
         )  # fmt: skip
     cache_part = Path(str(ranges) + ".part")
     if cache_part.is_file():
-        os.replace(cache_part, ranges)
-    os.replace(part, done)
+        _finish(cache_part, ranges)
+    _finish(part, done)
     return done
 
 
@@ -257,7 +281,7 @@ def quantize_nncf(model: Path, samples: Samples, work: WorkDir, say: Say) -> Pat
     import openvino as ov
 
     done = work.path / "ir"
-    if (done / IR_FILENAME).is_file():
+    if _resumable(done / IR_FILENAME, (done / IR_FILENAME).with_suffix(".bin")):
         say(f"openvino/nncf: the quantized IR of an interrupted run is complete: reused ({done})")
         return done / IR_FILENAME
     part = work.path / "ir.part"
@@ -271,7 +295,8 @@ def quantize_nncf(model: Path, samples: Samples, work: WorkDir, say: Say) -> Pat
                                   preset=nncf.QuantizationPreset.PERFORMANCE)  # fmt: skip
         part.mkdir()
         ov.save_model(quantized, str(part / IR_FILENAME), compress_to_fp16=False)
-    os.replace(part, done)
+    shutil.rmtree(done, ignore_errors=True)  # an unsealed one the check above discarded files of
+    _finish(part, done, part / IR_FILENAME, (part / IR_FILENAME).with_suffix(".bin"))
     return done / IR_FILENAME
 
 

@@ -253,3 +253,24 @@ def test_nncf_quantized_openvino_ir_is_raced_and_applied(
     assert main(["detect", "--model-repository", str(repo), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["models"][0]
     assert plan["chosen"]["artifact"] == "model_int8.xml" and plan["chosen"]["backend"] == "openvino"
+
+
+def test_a_resumed_file_that_changed_is_discarded_and_the_step_runs_again(
+    template: Path, tmp_path: Path
+) -> None:
+    """The work folder lives in the cache: a finished step's file is reused only as edgeserve sealed it.
+    Calibration ranges rewritten after the interruption are discarded, and the next run calibrates."""
+    model = template / "cnn" / "1" / "model.onnx"
+    rows = calibration._rows({"x": clear_inputs(model, 8, seed=9)}, calibration.onnx_inputs(model), "test")
+    samples = calibration.Samples(rows[:6], rows[6:], "test", True)
+    scheme = scheme_for(set(), "x86_64")
+    with WorkDir(tmp_path / "cache", "k") as work:
+        assert work.path.stat().st_mode & 0o777 == 0o700
+        done = quantize_ort(model, samples, scheme, work, 4, "minmax", True, [].append)
+        done.unlink()  # killed between the two steps ...
+        [ranges] = work.path.glob("ranges-*.json")
+        ranges.write_text(ranges.read_text().replace("1", "9"))  # ... and the ranges rewritten since
+        again: list[str] = []
+        assert quantize_ort(model, samples, scheme, work, 4, "minmax", True, again.append).is_file()
+    assert not any("resumed" in line for line in again)
+    assert any("calibration batch 2/2" in line for line in again)
