@@ -9,8 +9,8 @@ bytes), the seal names the file, and the content matches the seal's digest; an u
 mtime_ns, size) skips the hash. Anything else is discarded with a warning naming the file, and the
 caller rebuilds it: a cache costs time when it is lost, never a wrong or hostile load.
 
-Readers get the verified bytes themselves (or a private mapping of the file), never a path to reopen,
-so nothing can be swapped between the check and the use. For caches a runtime reads on its own (ONNX
+Readers get the verified bytes themselves, never a path to reopen, so nothing can be swapped between
+the check and the use. For caches a runtime reads on its own (ONNX
 Runtime's TensorRT / OpenVINO execution providers), `check_folder` runs before the runtime starts and
 `seal_folder` after it wrote; there a swap in between is only kept out by the folder's modes.
 """
@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
 import stat
 import tempfile
@@ -81,13 +80,6 @@ def _read_fd(fd: int, size: int) -> bytes:
     return data
 
 
-def _map_fd(fd: int, size: int) -> mmap.mmap:
-    if size == 0:
-        raise Rejected("it is empty")
-    # ACCESS_COPY: a private, writable view (runtimes want writable buffers) that never writes the file.
-    return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-
-
 def read_seal(path: Path) -> dict[str, Any]:
     """The seal of `path`; raises Rejected when there is none of ours."""
     try:
@@ -137,8 +129,7 @@ def _verified(fd: int, path: Path, read: Callable[[int, int], T]) -> T:
     data = read(fd, st.st_size)
     if (st.st_ino, st.st_mtime_ns) == (seal["ino"], seal["mtime_ns"]):
         return data  # unchanged since we sealed it, and nobody but us can have written it
-    in_memory = isinstance(data, (bytes, mmap.mmap))
-    digest = hashlib.sha256(data).hexdigest() if in_memory else _hash_fd(fd)  # type: ignore[arg-type]
+    digest = hashlib.sha256(data).hexdigest() if isinstance(data, bytes) else _hash_fd(fd)
     if digest != seal["sha256"]:
         sealed = str(seal["sha256"])[:16]
         raise Rejected(f"its content (sha256 {digest[:16]}...) is not what was sealed ({sealed}...)")
@@ -182,11 +173,6 @@ def _load(path: Path, what: str, read: Callable[[int, int], T]) -> T | None:
 def read_sealed(path: Path, what: str) -> bytes | None:
     """The bytes of a sealed cache file; None when it is missing or was discarded (see the module doc)."""
     return _load(path, what, _read_fd)
-
-
-def map_sealed(path: Path, what: str) -> mmap.mmap | None:
-    """A private mapping of a sealed cache file (large blobs: no copy in memory); None as read_sealed."""
-    return _load(path, what, _map_fd)
 
 
 def is_sealed(path: Path, what: str) -> bool:

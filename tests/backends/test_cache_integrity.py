@@ -29,7 +29,6 @@ def _gone(path: Path) -> bool:
 def test_written_then_read_back(tmp_path: Path) -> None:
     path = _sealed(tmp_path)
     assert cache.read_sealed(path, WHAT) == b"compiled bytes" * 100
-    assert bytes(cache.map_sealed(path, WHAT) or b"") == b"compiled bytes" * 100
     assert path.stat().st_mode & 0o777 == 0o600 and cache.seal_path(path).stat().st_mode & 0o777 == 0o600
     seal = json.loads(cache.seal_path(path).read_text())
     assert seal["name"] == "model.blob" and seal["size"] == 1400
