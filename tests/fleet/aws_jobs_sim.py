@@ -137,7 +137,8 @@ class JobsSimulator:
         def splice(value: Any) -> str:
             if not isinstance(value, RawDocument):
                 raise TypeError(type(value).__name__)
-            raw[mark := f"@raw-document-{len(raw)}-{uuid.uuid4().hex}"] = value.text
+            mark = f"@raw-document-{len(raw)}-{uuid.uuid4().hex}"
+            raw[mark] = value.text
             return mark
 
         text = json.dumps({**body, "timestamp": int(time.time())}, default=splice)
