@@ -282,42 +282,90 @@ def decode_raw_request(model_name: str, model_version: str, body: bytes, config:
 
 
 # -- response encoding ------------------------------------------------------------------------------
+# A JSON output of more elements than this is encoded a slice at a time (each slice's C calls hold the
+# GIL for milliseconds, not the seconds millions of floats take), off the event loop (`encode_off_loop`):
+# one client's 4-million-float JSON answer kept the loop, and every other connection, waiting for
+# 20-40 s on a busy 2-vCPU box, long enough for aiohttp to close new connections unanswered.
+JSON_SLICE_ELEMENTS = 16_384
+
+
+def _binary(out: Any, wanted: Mapping[str, RequestedOutput], binary_default: bool) -> bool:
+    requested = wanted.get(out.name)
+    return requested.binary if requested is not None and requested.binary is not None else binary_default
+
+
+def json_elements(response: InferResponse, request: InferRequest, binary_default: bool) -> int:
+    """How many elements of `response` go into its JSON text."""
+    wanted = {o.name: o for o in (request.outputs or [])}
+    return sum(
+        int(np.size(out.data))
+        for out in response.outputs
+        if out.shm is None and out.data is not None and not _binary(out, wanted, binary_default)
+    )
+
+
+def encode_off_loop(response: InferResponse, request: InferRequest, binary_default: bool) -> bool:
+    """Whether `encode_response` should run in a thread rather than on the event loop."""
+    return json_elements(response, request, binary_default) > JSON_SLICE_ELEMENTS
+
+
+def _json_data(array: Any, datatype: str) -> str:
+    """`array_to_json(array)` as JSON text, one slice at a time (the same text as one json.dumps)."""
+    flat = np.asarray(array).reshape(-1)
+    parts = (
+        json.dumps(array_to_json(flat[i : i + JSON_SLICE_ELEMENTS], datatype), separators=(",", ":"))[1:-1]
+        for i in range(0, flat.size, JSON_SLICE_ELEMENTS)
+    )
+    return "[" + ",".join(parts) + "]"
+
+
 def encode_response(
     response: InferResponse, request: InferRequest, binary_default: bool
 ) -> tuple[list[bytes | memoryview], int | None]:
     """(body chunks, JSON header length or None when the body is pure JSON)."""
     wanted = {o.name: o for o in (request.outputs or [])}
+    sliced = json_elements(response, request, binary_default) > JSON_SLICE_ELEMENTS
     outputs: list[dict[str, Any]] = []
+    texts: list[str | None] = []  # per output, its data as JSON text when sliced
     blobs: list[bytes | memoryview] = []
     for out in response.outputs:
         entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
         params: dict[str, Any] = dict(out.parameters)
+        text = None
         if out.shm is not None:
             params["shared_memory_region"] = out.shm.region
             params["shared_memory_byte_size"] = out.shm.byte_size
             if out.shm.offset:
                 params["shared_memory_offset"] = out.shm.offset
         elif out.data is not None:
-            requested = wanted.get(out.name)
-            binary = (
-                requested.binary if requested is not None and requested.binary is not None else binary_default
-            )
-            if binary:
+            if _binary(out, wanted, binary_default):
                 blob = datatypes.to_wire_bytes(out.data, out.datatype)
                 params["binary_data_size"] = memoryview(blob).nbytes
                 blobs.append(blob)
+            elif sliced:
+                text = _json_data(out.data, out.datatype)
             else:
                 entry["data"] = array_to_json(out.data, out.datatype)
         if params:
             entry["parameters"] = params
         outputs.append(entry)
+        texts.append(text)
     body: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
     if response.id:
         body["id"] = response.id
     if response.parameters:
         body["parameters"] = response.parameters
-    body["outputs"] = outputs
-    header = json.dumps(body, separators=(",", ":")).encode()
+    if sliced:  # the same document, its big arrays spliced in as text
+        entries = (
+            json.dumps(entry, separators=(",", ":")) if text is None
+            else json.dumps(entry, separators=(",", ":"))[:-1] + ',"data":' + text + "}"
+            for entry, text in zip(outputs, texts, strict=True)
+        )  # fmt: skip
+        head = json.dumps(body, separators=(",", ":"))[:-1]
+        header = (head + ',"outputs":[' + ",".join(entries) + "]}").encode()
+    else:
+        body["outputs"] = outputs
+        header = json.dumps(body, separators=(",", ":")).encode()
     if not blobs:
         return [header], None
     return [header, *blobs], len(header)

@@ -248,7 +248,11 @@ class Routes:
             raise
         infer_request.shm_client = _shm_client(request)
         response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
-        chunks, json_length = codec.encode_response(response, infer_request, binary_default)
+        if codec.encode_off_loop(response, infer_request, binary_default):  # big JSON: the loop keeps serving
+            encoded = await asyncio.to_thread(codec.encode_response, response, infer_request, binary_default)
+        else:
+            encoded = codec.encode_response(response, infer_request, binary_default)
+        chunks, json_length = encoded
         headers: dict[str, str] = {}
         if json_length is None:
             headers["Content-Type"] = JSON
