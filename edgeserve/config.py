@@ -172,6 +172,10 @@ class Settings:
             fail("server.cache_mb", "must be 0 (no response cache) or a size in MB")
         if self.repository.memory_budget_mb < 0 or self.repository.load_wait_s <= 0:
             fail("repository", "memory_budget_mb must be 0 (the device's) or MB; load_wait_s a positive time")
+        load_files, load_file = self.repository.load_files_max_bytes, self.repository.load_file_max_bytes
+        if load_file < 1 or load_files < load_file:
+            fail("repository.load_file_max_bytes", f"{load_file} must be a positive size in bytes, at "
+                 f"most load_files_max_bytes ({load_files}), the limit for a whole load request")  # fmt: skip
         if self.grpc.max_message_bytes > 2**31 - 1:
             fail("grpc.max_message_bytes", f"must be at most {2**31 - 1} (gRPC's limit)")
         for path, count in (

@@ -41,6 +41,12 @@ class ServerSection:
 class RepositorySection:
     memory_budget_mb: int = 0  # memory the models may hold together; 0 = the device's (hardware probe)
     load_wait_s: float = 60.0  # a request waits this long for a load on first use (its timeout if less)
+    # Files sent with one load request (Triton's `file:<version>/<name>` parameters), in bytes once
+    # decoded, all together (512 MiB). They are held in memory, then written to disk; a larger model
+    # belongs in the model repository or a signed bundle. The request must also fit [http]
+    # max_input_bytes (base64 adds a third) or [grpc] max_message_bytes.
+    load_files_max_bytes: int = 512 * 2**20
+    load_file_max_bytes: int = 256 * 2**20  # Each file of one load request, decoded (256 MiB)
 
 
 @dataclass

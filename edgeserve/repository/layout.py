@@ -8,6 +8,7 @@ from the active OTA bundle's `models/` folder.
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -37,10 +38,43 @@ def is_version_name(name: str) -> bool:
     return _VERSION.fullmatch(name) is not None
 
 
+# Unicode categories no file or model name needs: control (NUL, newline, ESC), format (bidi overrides,
+# zero-width), surrogates (no file-system encoding), private use, unassigned, line/paragraph separators.
+# They forge log lines, hide a name's real spelling, or fail at the file system with an error of its own.
+_HOSTILE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+NAME_MAX_BYTES = 255  # one folder or file name (Linux NAME_MAX)
+PATH_MAX_PARTS = 8  # <version>/<folders>/<file>: enough for external data in subfolders
+PATH_MAX_BYTES = 1024
+
+
+def shown(name: str, limit: int = 120) -> str:
+    """A name as an error message or log line may show it: quoted, control and hidden characters
+    escaped (repr), cut to `limit` characters."""
+    text = repr(name)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+def hostile_character(name: str) -> str | None:
+    """The first character of `name` no file name needs (as an escape, e.g. '\\x00'), or None."""
+    for char in name:
+        if unicodedata.category(char) in _HOSTILE_CATEGORIES:
+            return repr(char)[1:-1]  # repr escapes every character of these categories
+    return None
+
+
+def _encoded_size(name: str) -> int:
+    return len(name.encode("utf-8", errors="surrogatepass"))
+
+
 def check_model_name(name: str) -> None:
     """A model name must be one plain folder name (it becomes a path and a URL segment)."""
-    if not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
-        raise RepositoryError(f"model name '{name}'", "", "must be a plain folder name (no '/', not hidden)")
+    if not name or name in (".", "..") or name.startswith(".") or "/" in name or "\\" in name:
+        problem = "must be a plain folder name (no '/', not hidden)"
+        raise RepositoryError(f"model name {shown(name)}", "", problem)
+    char = hostile_character(name)
+    if char is not None or _encoded_size(name) > NAME_MAX_BYTES:
+        problem = f"holds the character {char}" if char else f"is longer than {NAME_MAX_BYTES} bytes"
+        raise RepositoryError(f"model name {shown(name)}", "", f"{problem}; use a plain folder name")
 
 
 def list_models(root: Path) -> list[str]:
@@ -91,14 +125,24 @@ def override_path(key: str) -> PurePosixPath:
     """A load-API file key ("file:1/model.onnx" or "1/model.onnx") as a safe relative path.
 
     Rejects absolute paths, `..` and empty components, so a request cannot write outside the
-    model's override folder.
+    model's override folder, and names no file needs (control or hidden characters, too long), which
+    the file system would refuse with an error of its own after folders were made.
     """
     name = key[len("file:") :] if key.startswith("file:") else key
+    where = f"load file {shown(key)}"
     path = PurePosixPath(name)
+    char = hostile_character(name)
+    if char is not None:
+        problem = f"holds the character {char}; send plain file names, e.g. 1/model.onnx"
+        raise RepositoryError(where, "path", problem)
     if not name or path.is_absolute() or "\\" in name or name.startswith("~"):
-        raise RepositoryError(
-            f"load file '{key}'", "path", "must be relative to the model folder, e.g. 1/model.onnx"
-        )
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise RepositoryError(f"load file '{key}'", "path", "must not contain '..', '.' or empty components")
+        raise RepositoryError(where, "path", "must be relative to the model folder, e.g. 1/model.onnx")
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise RepositoryError(where, "path", "must not contain '..', '.' or empty components")
+    longest = max(_encoded_size(part) for part in parts)
+    if len(parts) > PATH_MAX_PARTS or longest > NAME_MAX_BYTES or _encoded_size(name) > PATH_MAX_BYTES:
+        most = f"{PATH_MAX_PARTS} levels, {NAME_MAX_BYTES} bytes a name, {PATH_MAX_BYTES} in all"
+        problem = f"is too long (at most {most})"
+        raise RepositoryError(where, "path", problem)
     return path

@@ -12,6 +12,11 @@ The manager decides it per load (`admit`), `prepare_version` checks each version
 backend or the runtime race touches it (`Provenance.check_version`) and the backend choice after
 (`Provenance.check_choice`), which also marks the backend options (`from_load_request`) so the
 backends that could run code refuse on their own too.
+
+Links: a model folder of the operator's own model repository is followed wherever its links lead (the
+operator put them there: models kept on a data partition, Kubernetes ConfigMap and projected volumes,
+whose files are links by construction). Nothing else resolves outside its version folder: not files
+sent with a load request (nor the external data they name), not a bundle's files.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from edgeserve.backends.base import PLATFORM_BACKEND
 from edgeserve.backends.python.group import GROUP_PARAMETER
 from edgeserve.protocol.errors import InferenceError, RepositoryError, Status
-from edgeserve.repository.layout import DEFAULT_FILENAMES, WARMUP_DIR, override_path
+from edgeserve.repository.layout import DEFAULT_FILENAMES, WARMUP_DIR, hostile_character, override_path
 from edgeserve.repository.onnx_refs import NotOnnx, external_locations
 
 if TYPE_CHECKING:
@@ -80,8 +85,9 @@ def _identity(config: Any) -> tuple[str, str]:
 
 
 def _plain_name(value: str) -> bool:
-    """One file name: no folders, no '..', not absolute, not hidden."""
-    return bool(value) and value == PurePosixPath(value).name and "\\" not in value and value[0] not in ".~"
+    """One file name: no folders, no '..', not absolute, not hidden, no control characters."""
+    plain = value == PurePosixPath(value).name and "\\" not in value and hostile_character(value) is None
+    return bool(value) and plain and value[0] not in ".~"
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -184,21 +190,25 @@ class Provenance:
     # API_CONFIG: the sent config selects the same backend and model file as the model's own config,
     # so any code it runs is the model's own.
     own_code: bool = True
+    # A folder of the operator's model repository (not a bundle's, not sent files): links are followed.
+    operator_links: bool = False
 
     @property
     def from_load_request(self) -> bool:
         return self.origin is Origin.REQUEST_FILES
 
     def check_version(self, version: int, version_dir: Path, config: Any) -> None:
-        """Before any backend reads the folder: nothing in it links outside it, and (request files)
-        no ONNX file points at external data outside it."""
+        """Before any backend reads the folder: nothing in it links outside it (but in the operator's
+        repository), and (request files) no ONNX file points at external data outside it."""
         label = f"model '{self.name}' version {version}"
-        for folder, dirs, files in os.walk(version_dir):
+        walked = () if self.operator_links else os.walk(version_dir)
+        for folder, dirs, files in walked:
             for entry in (*dirs, *files):
                 path = Path(folder, entry)
                 if path.is_symlink() and not _inside(path, version_dir):
                     problem = f"links to {path.resolve()}, outside the version folder {version_dir}"
-                    raise _denied(f"{label}: {path}", "", f"{problem}; copy the file into it, not a link")
+                    fix = "only the model repository's own links are followed: put the file itself there"
+                    raise _denied(f"{label}: {path}", "", f"{problem}; {fix}")
         if self.origin is Origin.REQUEST_FILES:
             onnx = {p for p in version_dir.rglob("*.onnx") if p.is_file()}
             named = version_dir / config.default_model_filename if config.default_model_filename else None
@@ -232,7 +242,7 @@ class Provenance:
         return dataclasses.replace(self._mark(choice), fallbacks=fallbacks)
 
     def _refusal(self, choice: BackendChoice, version_dir: Path) -> str | None:
-        if not _inside(choice.model_path, version_dir):
+        if not self.operator_links and not _inside(choice.model_path, version_dir):
             return (
                 f"model '{self.name}': {choice.model_path} is outside the version folder {version_dir}; "
                 "model files must be inside it"
@@ -270,12 +280,14 @@ def own_config(path: Path) -> Any | None:
 
 
 def admit(name: str, model_dir: Path, config: Any, where: str, origin: Origin,
-          own: Any | None = None) -> Provenance:  # fmt: skip
+          own: Any | None = None, repository: Path | None = None) -> Provenance:  # fmt: skip
     """Check a load's config for its origin (before any version is built); `own`: the model folder's
-    own config (API_CONFIG; `own_config`), to tell whether the sent one changes which code runs."""
+    own config (API_CONFIG; `own_config`), to tell whether the sent one changes which code runs;
+    `repository`: the operator's model repository, whose links are followed."""
     check_paths(config, where, model_dir)
+    links = origin is not Origin.REQUEST_FILES and repository is not None and model_dir.parent == repository
     if origin is Origin.LOCAL:
-        return Provenance(name, origin, where)
+        return Provenance(name, origin, where, operator_links=links)
     check_parameters(config, where, own)
     backend, filename = _identity(config)
     code = backend in CODE_BACKENDS or bool(filename and _code_kind(filename) is not None)
@@ -290,4 +302,4 @@ def admit(name: str, model_dir: Path, config: Any, where: str, origin: Origin,
         raise _denied(where, "backend", f"{chosen} is not what the model's own config selects, and a config "
                       "sent with a load request may not choose which code runs; send the backend, platform "
                       "and default_model_filename of the model's config.pbtxt")  # fmt: skip
-    return Provenance(name, origin, where, own_code=same)
+    return Provenance(name, origin, where, own_code=same, operator_links=links)

@@ -2,12 +2,13 @@
 
 Each attack is tried as an attacker would, over the real HTTP and gRPC repository APIs of a real
 server: code sent with a load request (at any folder depth, under any name), a config-only load that
-points a local model at a file elsewhere on disk or at another local file, a link out of a version
-folder, library and path parameters, a TensorRT engine, ONNX external data outside the folder. Each
-checks the refusal (status and text), that the code did not run (the evil model.py writes a marker
-when imported), that nothing was left behind (no override folder) and that the local model still
-serves. The legitimate paths keep working: a local Python model, ONNX and OpenVINO IR files sent
-with a load request (with external data inside the folder).
+points a local model at a file elsewhere on disk or at another local file, library and path
+parameters, a TensorRT engine, ONNX external data outside the folder. Each checks the refusal (status
+and text), that the code did not run (the evil model.py writes a marker when imported), that nothing
+was left behind (no override folder) and that the local model still serves. The legitimate paths keep
+working: a local Python model, ONNX and OpenVINO IR files sent with a load request (with external
+data inside the folder). Links the operator put in the model repository are followed
+(tests/repository/test_links.py); sizes and names of sent files: test_load_request_files.py.
 """
 
 from __future__ import annotations
@@ -68,10 +69,6 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     # A local ONNX model with a script beside it.
     write_model(repo, "local_onnx", "add_sub", config='backend: "onnxruntime"\nmax_batch_size: 8\n')
     (repo / "local_onnx" / "1" / "helper.py").write_text(evil_source(markers / "helper"))
-    # A model whose model.py links out of its version folder (not loaded at start).
-    (repo / "linked" / "1").mkdir(parents=True)
-    (repo / "linked" / "config.pbtxt").write_text(PY_PBTXT)
-    (repo / "linked" / "1" / "model.py").symlink_to(outside / "evil.py")
     server = start_server(repo, tmp, args=["--load-model", "local_py", "--load-model", "local_onnx"])
     yield Appliance(server, tmp, markers, outside)
     server.stop()
@@ -211,16 +208,6 @@ def test_a_config_sent_over_the_api_does_not_choose_code_or_paths(
     if model == "local_py":
         assert infer(protocol, appliance.server, "local_py", ("IN", "OUT")) == [1.0, 2.0, 3.0, 4.0]
     assert appliance.server.model_ready(model)
-
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_link_out_of_the_version_folder_is_refused(appliance: Appliance, protocol: str) -> None:
-    got, message = load(protocol, appliance.server, "linked")
-    assert got == "PERMISSION_DENIED", message
-    assert "model 'linked' version 1" in message and "outside the version folder" in message
-    assert "copy the file into it" in message
-    assert not appliance.server.model_ready("linked")
-    _after_refusal(appliance, "linked")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -102,14 +102,18 @@ def _load_parameters(request: service_pb2.RepositoryModelLoadRequest) -> tuple[s
             config = param.string_param
         elif key.startswith("file:"):
             if kind != "bytes_param":
-                raise invalid_arg(f"load parameter '{key}' must be a bytes_param")
+                raise invalid_arg(f"load parameter {key[:120]!r} must be a bytes_param")
             path = key[len("file:") :]
             normalized = posixpath.normpath(path)
             if not path or path.startswith("/") or normalized.startswith("..") or "\\" in path:
-                raise invalid_arg(f"load parameter '{key}': file paths must be relative to the model folder")
-            files[normalized] = param.bytes_param
+                raise invalid_arg(
+                    f"load parameter {key[:120]!r}: file paths must be relative to the model folder"
+                )
+            files[path] = param.bytes_param  # as sent: the repository checks every name (layout.py)
         else:
-            raise invalid_arg(f"unrecognized load parameter '{key}'; expected 'config' or 'file:<path>'")
+            raise invalid_arg(
+                f"unrecognized load parameter {key[:120]!r}; expected 'config' or 'file:<path>'"
+            )
     if files and config is None:
         raise invalid_arg("load parameters with 'file:' content need a 'config' parameter too")
     return config, files

@@ -305,16 +305,18 @@ class Routes:
                 config = value
             elif key.startswith("file:"):
                 if not isinstance(value, str):
-                    raise invalid_arg(f"load parameter '{key}' must be a base64 string")
+                    raise invalid_arg(f"load parameter {key[:120]!r} must be a base64 string")
                 try:
                     files[key[len("file:") :]] = base64.b64decode(value, validate=True)
                 except (binascii.Error, ValueError) as exc:
-                    raise invalid_arg(f"load parameter '{key}' is not valid base64: {exc}") from None
+                    raise invalid_arg(f"load parameter {key[:120]!r} is not valid base64: {exc}") from None
             else:
-                log.info("load of '%s': ignoring unknown parameter '%s'", name, key)
+                log.info("load of %r: ignoring unknown parameter %r", name[:120], key[:120])
         if files and config is None:
             raise invalid_arg(f"failed to load '{name}': file override parameters need a 'config' parameter")
-        log.info("load requested: model=%s config_override=%s files=%d", name, config is not None, len(files))
+        log.info(
+            "load requested: model=%r config_override=%s files=%d", name[:120], config is not None, len(files)
+        )
         await self.dataplane.load_model(name, config, files or None)
         return _empty(200)
 
