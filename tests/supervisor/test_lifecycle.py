@@ -181,8 +181,10 @@ def test_sigterm_under_load_answers_every_accepted_request(
                threading.Thread(target=http_client)]  # fmt: skip
     for thread in threads:
         thread.start()
-    accepted_open.wait(10)
-    time.sleep(1.5)
+    # The SIGTERM comes once requests are in flight on every client, shown by events rather than a
+    # sleep: the stream has sent one, and an HTTP request was answered (however slowly this box serves).
+    assert accepted_open.wait(120)
+    wait_until(lambda: outcomes.get("http-ok", 0) >= 1, 120, "an HTTP answer before the SIGTERM")
     app.signal(signal.SIGTERM)
     code = app.process.wait(60)
     stop.set()

@@ -52,6 +52,9 @@ class _Load:
         self._client.close()
 
 
+LOAD_REQUESTS = 25
+
+
 def test_sighup_applies_a_new_log_level_without_dropping_a_request(
     mlp_repo: Path, appliance_factory: ApplianceFactory
 ) -> None:
@@ -60,20 +63,23 @@ def test_sighup_applies_a_new_log_level_without_dropping_a_request(
     server = app.server_pid()
     assert _logging(app)["log_verbose_level"] == 0
     load = _Load(app)
+    # Requests are counted, not timed: LOAD_REQUESTS answered before the reload and as many after it
+    # (generous deadlines: a busy box answers slowly, never wrongly).
     try:
-        time.sleep(0.5)
+        wait_until(lambda: load.ok >= LOAD_REQUESTS, 60, "requests before the reload")
         app.config_path.write_text('[logging]\nlevel = "DEBUG"\n')
         sent = time.monotonic()
         app.signal(signal.SIGHUP)
-        wait_until(lambda: _logging(app)["log_verbose_level"] == 1, 10, "the server at DEBUG")
-        time.sleep(0.5)
+        wait_until(lambda: _logging(app)["log_verbose_level"] == 1, 60, "the server at DEBUG")
+        applied = load.ok
+        wait_until(lambda: load.ok >= applied + LOAD_REQUESTS, 60, "requests after the reload")
     finally:
         load.stop()
-    assert load.errors == [] and load.ok > 50
+    assert load.errors == []
     assert app.server_pid() == server  # applied live, no restart
-    reloading = app.notify.wait_for("RELOADING", "1", timeout=5, since=sent)
+    reloading = app.notify.wait_for("RELOADING", "1", timeout=60, since=sent)
     assert "MONOTONIC_USEC" in reloading.fields
-    assert app.notify.wait_for("READY", "1", timeout=5, since=reloading.at)
+    assert app.notify.wait_for("READY", "1", timeout=60, since=reloading.at)
     assert "reload: applying live: logging.level" in app.log()
 
 
