@@ -5,8 +5,11 @@ test_zmq_foreign_socket.py).
 only root may read), which imports what the move needs, drops to `uid` with supplementary `groups` for
 good, prints "go", and then:
 
-- `race PATH...`: connects to each PATH over and over until its stdin closes, and on a connection asks
-  the HTTP API for the repository index; then prints {PATH: {"connected", "denied", "absent", "answer"}}
+- `race PATH...`: connects to each PATH over and over until its stdin closes (spinning the moment a file
+  appears in their folders: inotify), and on a connection asks the HTTP API for the repository index;
+  then prints {PATH: {"connected", "denied", "absent", "answer", "events"}}, "events" being what
+  inotify saw happen to the name: "created" (born there), "moved in" (renamed there), "changed" (its
+  mode or owner changed while it was reachable)
 - `squat PATH`: creates an empty file at PATH -> {"ok": true} or {"error": errno name}
 - `serve ENDPOINT`: a ZeroMQ ROUTER bound there (mode 0666), answering every message as edgeserve
   would, until stdin closes -> {"received": messages}
@@ -15,16 +18,22 @@ good, prints "go", and then:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import json
 import os
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
 from typing import Any
 
 GROUP_MEMBER = 64990  # a uid of no one on the box, put in the server's group by `groups`
+IN_CREATE, IN_MOVED_TO, IN_ATTRIB = 0x100, 0x80, 0x4
+SPIN = 2000  # connect() attempts per name after a wake-up: the window a chmod after listen() leaves
 
 
 def start(uid: int, groups: list[int], move: str, *args: str) -> subprocess.Popen[str]:
@@ -65,30 +74,69 @@ def _stdin_closed() -> threading.Event:
     return closed
 
 
+def _watch(paths: list[str]) -> int:
+    """An inotify descriptor that wakes on anything made in the paths' folders: the attacker spins on
+    connect() the moment a socket file appears, as a real one would (ctypes: no inotify in stdlib)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    for folder in {os.path.dirname(path) for path in paths}:
+        if libc.inotify_add_watch(fd, folder.encode(), IN_CREATE | IN_MOVED_TO | IN_ATTRIB) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {folder}")
+    return fd
+
+
+def _try(path: str, seen: dict[str, Any]) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except PermissionError:
+        seen["denied"] += 1
+        return
+    except OSError:
+        seen["absent"] += 1
+        return
+    else:  # the attacker's prize: the admin API on a connection nobody checks
+        seen["connected"] += 1
+        sock.settimeout(5)
+        try:
+            sock.sendall(b"POST /v2/repository/index HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+            seen["answer"] = sock.recv(200).decode(errors="replace")
+        except OSError as exc:
+            seen["answer"] = repr(exc)
+    finally:
+        sock.close()
+
+
+def _events(buffer: bytes, names: dict[str, dict[str, Any]]) -> None:
+    """Note what happened to each watched name (struct inotify_event: wd, mask, cookie, len, name)."""
+    offset = 0
+    while offset + 16 <= len(buffer):
+        _wd, mask, _cookie, size = struct.unpack_from("iIII", buffer, offset)
+        name = buffer[offset + 16 : offset + 16 + size].split(b"\0", 1)[0].decode()
+        offset += 16 + size
+        if name in names:
+            for bit, word in ((IN_CREATE, "created"), (IN_MOVED_TO, "moved in"), (IN_ATTRIB, "changed")):
+                if mask & bit and word not in names[name]["events"]:
+                    names[name]["events"].append(word)
+
+
 def _race(paths: list[str]) -> dict[str, Any]:
-    stats = {path: {"connected": 0, "denied": 0, "absent": 0, "answer": ""} for path in paths}
+    stats = {path: {"connected": 0, "denied": 0, "absent": 0, "answer": "", "events": []} for path in paths}
+    by_name = {os.path.basename(path): stats[path] for path in paths}
     closed = _stdin_closed()
+    watch = _watch(paths)
     while not closed.is_set():
-        for path in paths:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(path)
-            except PermissionError:
-                stats[path]["denied"] += 1
-                continue
-            except OSError:
-                stats[path]["absent"] += 1
-                continue
-            else:  # the attacker's prize: the admin API on a connection nobody checks
-                stats[path]["connected"] += 1
-                sock.settimeout(5)
-                try:
-                    sock.sendall(b"POST /v2/repository/index HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
-                    stats[path]["answer"] = sock.recv(200).decode(errors="replace")
-                except OSError as exc:
-                    stats[path]["answer"] = repr(exc)
-            finally:
-                sock.close()
+        woken = select.select([watch], [], [], 0.01)[0]
+        if woken:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    _events(os.read(watch, 65536), by_name)
+        for _ in range(SPIN if woken else 1):  # something appeared: spin on every name
+            for path in paths:
+                _try(path, stats[path])
+    os.close(watch)
     return stats
 
 
