@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -330,6 +331,9 @@ def _integrity(store: Any) -> dict[str, dict[str, Any]]:
             problems = bundle_files.problems(version.path)
         except bundle_files.BundleDamaged as exc:
             problems = [str(exc)]
+        if os.path.realpath(version.path.parent) != os.path.realpath(store.bundles):
+            link = "current" if which == "active" else which
+            problems.insert(0, f"ota/{link} points at {version.path}, not at a bundle of the store")
         found[which] = {"bundle": version.label, "ok": not problems, "problems": problems}
     return found
 
