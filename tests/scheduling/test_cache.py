@@ -231,7 +231,7 @@ def test_a_closed_scheduler_is_freed_with_its_entries(model_paths: dict[str, Any
     scheduler.close()
     alive = weakref.ref(scheduler)
     del scheduler, model
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 60  # generous: waits on the collection, not on this box's speed
     while (alive() is not None or cache.counters().entries) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert alive() is None and cache.counters().entries == 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-from es_server import ServerFactory
+from es_server import ServerFactory, wait_until
 from http_e2e_helpers import (
     assert_good_request_works,
     client,
@@ -31,6 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # -- zero-downtime reload ---------------------------------------------------------------------------
+ANSWERS = 6  # requests answered before the first reload and after each
+
+
 def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_path: Path) -> None:
     repo = mlp_repo(tmp_path)
     server = server_factory(repo)
@@ -41,21 +44,26 @@ def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_p
 
     def hammer() -> None:
         session = requests.Session()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 280  # a safety stop only: the test stops it
         while not stop.is_set() and time.monotonic() < deadline:
             r = session.post(f"{server.base}/v2/models/mlp/infer", data=body, timeout=30)
             version = r.json().get("model_version", "") if r.status_code == 200 else ""
             outcomes.append((r.status_code, version, r.text if r.status_code != 200 else ""))
 
+    def answered(more: int) -> None:
+        """Wait for `more` answers (events, not a time: a busy box answers slowly, never wrongly)."""
+        target = len(outcomes) + more
+        assert wait_until(lambda: len(outcomes) >= target, 120), f"{len(outcomes)} answers"
+
     workers = [threading.Thread(target=hammer) for _ in range(3)]
     for w in workers:
         w.start()
     try:
-        time.sleep(0.5)
+        answered(ANSWERS)  # by version 1
         write_model(repo, "mlp", "mlp", version=2, seed=9)  # new weights
         r = requests.post(f"{server.base}/v2/repository/models/mlp/load", timeout=120)
         assert r.status_code == 200, r.text
-        time.sleep(0.5)
+        answered(ANSWERS)
         new_config = {
             "max_batch_size": 4,
             "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}],
@@ -68,13 +76,13 @@ def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_p
             timeout=120,
         )
         assert r.status_code == 200, r.text
-        time.sleep(0.5)
+        answered(ANSWERS)
         # A failed reload (corrupt model file) keeps the old version serving.
         (repo / "mlp" / "3").mkdir()
         (repo / "mlp" / "3" / "model.onnx").write_bytes(b"this is not an onnx model")
         r = requests.post(f"{server.base}/v2/repository/models/mlp/load", timeout=120)
         assert r.status_code >= 400 and r.json()["error"], r.text
-        time.sleep(0.5)
+        answered(ANSWERS)
     finally:
         stop.set()
         for w in workers:
@@ -82,7 +90,7 @@ def test_reload_under_load_fails_no_request(server_factory: ServerFactory, tmp_p
     failures = [o for o in outcomes if o[0] != 200]
     assert not failures, failures[:5]
     versions = [o[1] for o in outcomes]
-    assert len(outcomes) > 20 and "1" in versions and "2" in versions and versions[-1] == "2"
+    assert len(outcomes) >= 4 * ANSWERS and "1" in versions and "2" in versions and versions[-1] == "2"
     assert requests.get(f"{server.base}/v2/models/mlp/config", timeout=10).json()["max_batch_size"] == 4
     (want,) = ort_run(repo / "mlp/2/model.onnx", {"INPUT0": x})
     np.testing.assert_allclose(mlp_infer(client(server), x), want, rtol=1e-6, atol=1e-7)
