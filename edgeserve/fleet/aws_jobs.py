@@ -117,7 +117,7 @@ def check_thing(thing: str) -> str:
     if not THING_RE.match(thing):
         raise ValueError(
             f"thing name {safe(thing, 140)} is not 1-128 letters, digits, ':', '_', '-' (AWS IoT's rule, "
-            "no '.'): set [fleet] device_id to the device's thing name"
+            "no '.')"
         )
     return thing
 

@@ -57,7 +57,10 @@ PROGRESS_EVERY_S = 2.0  # progress within one step, at most this often (AWS thro
 class JobsAgent(AgentBase):
     def _init_agent(self) -> None:
         settings = self.settings
-        self.thing = check_thing(self.device)  # AWS IoT's name for it (a host name may not be one)
+        try:  # AWS IoT's name for it: [fleet] device_id is checked as one, the host name may not be one
+            self.thing = check_thing(self.device)
+        except ValueError as exc:
+            raise ValueError(f"{exc}: set [fleet] device_id to the device's thing name") from None
         self.topics = JobTopics(self.thing)
         self.presence = Topics(settings.fleet, self.thing).state
         self.keys = command_keys(settings, self.trust)

@@ -153,6 +153,32 @@ def test_protocol_setting_refuses_anything_else(tmp_path: Path) -> None:
     assert load_settings(None, {"EDGESERVE_FLEET_PROTOCOL": "aws-iot-jobs"}).fleet.protocol == "aws-iot-jobs"
 
 
+@pytest.mark.parametrize("thing", ["cam.01", "x" * 129, "cam 01", "cam/01"])
+def test_a_thing_name_aws_would_refuse_is_a_config_error(tmp_path: Path, thing: str) -> None:
+    path = tmp_path / "edgeserve.toml"
+    path.write_text(f'[fleet]\nprotocol = "aws-iot-jobs"\ndevice_id = "{thing}"\n')
+    with pytest.raises(ConfigError, match=r"fleet.device_id: .* is not an AWS IoT thing name: 1-128 letters"):
+        load_settings(path, {})
+    key = write_private(tmp_path / "commands.key")
+    made = edgeserve(
+        "fleet", "job-document", "get_status", "--fleet", "lab", "--things", thing, "--key", str(key)
+    )
+    assert made.returncode == 2 and "AWS IoT's rule, no '.'" in made.stderr, made.stderr
+
+
+def test_a_thing_name_as_aws_allows_it_is_taken(tmp_path: Path) -> None:
+    path = tmp_path / "edgeserve.toml"
+    path.write_text('[fleet]\nprotocol = "aws-iot-jobs"\ndevice_id = "plant-7:cam_01"\n')
+    assert load_settings(path, {}).fleet.device_id == "plant-7:cam_01"
+    path.write_text(
+        '[fleet]\nprotocol = "5"\ndevice_id = "plant-7:cam_01"\n'
+    )  # one es/v1 topic level: no ':'
+    with pytest.raises(ConfigError, match="one topic level"):
+        load_settings(path, {})
+    document = _cli_document(tmp_path, "get_status", "{}", "plant-7:cam_01")
+    assert list(document["edgeserve"]["commands"]) == ["plant-7:cam_01"]
+
+
 def test_device_killed_mid_job_reports_it_failed_after_restart(device: JobsDevice) -> None:
     """Last in this module: it restarts the device. The install under way is undone at start and the
     execution it belonged to ends FAILED (interrupted), never IN_PROGRESS for ever."""
