@@ -160,6 +160,7 @@ def problems(bundle: Path, model: str | None = None, first_only: bool = False) -
     if not stat.S_ISDIR(root_mode):
         return [f"{prefix}: a link or a file, not the bundle's folder"]
     for folder, dirs, files in os.walk(root):
+        dirs.sort()  # the same order every time: the first problem named is always the same
         for entry in sorted((*dirs, *files)):
             path = Path(folder, entry)
             relative = path.relative_to(bundle).as_posix()
