@@ -42,7 +42,12 @@ def start(uid: int, groups: list[int], move: str, *args: str) -> subprocess.Pope
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
     )  # fmt: skip
     assert process.stdout is not None
-    line = process.stdout.readline()
+    line = ""
+    while not line.endswith("\n"):  # byte by byte: a buffered readline would hide what follows from finish()
+        byte = os.read(process.stdout.fileno(), 1)
+        if not byte:
+            break
+        line += byte.decode()
     if line.strip() != "go":
         process.kill()
         err = process.stderr.read() if process.stderr else ""
