@@ -64,7 +64,7 @@ class FakeScheduler:
         start = time.monotonic_ns()
         try:
             if self.gate is not None:
-                self.gate.wait(10)
+                self.gate.wait(120)  # generous: the test opens it; a stuck one still ends
             if self.delay_s:
                 time.sleep(self.delay_s)
             if self.mode == "crash":

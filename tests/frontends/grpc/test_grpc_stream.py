@@ -104,19 +104,21 @@ def test_half_close_waits_for_every_answer(client: Client, inproc: Inproc) -> No
 
 
 def test_cancel_cleans_up(client: Client, inproc: Inproc) -> None:
-    server = inproc[0]
+    server, repo = inproc
+    scheduler = repo.models["sleep"].scheduler
+    scheduler.gate = threading.Event()  # the requests wait here: none can be answered before it opens
     baseline = server.pending_tasks()
     collect = Collector()
     client.start_stream(callback=collect)
     for i in range(8):
-        client.async_stream_infer("sleep", delay_input(300), request_id=str(i))
-    assert wait_until(lambda: server.frontend.stream.open_streams == 1)
-    started = time.monotonic()
+        client.async_stream_infer("sleep", delay_input(1), request_id=str(i))
+    assert wait_until(lambda: len(scheduler.jobs) == 8, 60)
     client.stop_stream(cancel_requests=True)
-    assert time.monotonic() - started < 5
-    assert wait_until(lambda: server.frontend.stream.open_streams == 0)
-    time.sleep(0.5)  # the cancelled requests finish in the scheduler; their answers go nowhere
-    assert wait_until(lambda: server.pending_tasks() <= baseline)
+    assert scheduler.queued == 8  # returned while every request is held: it did not wait for them
+    assert all(result is None for result, _ in collect.take(collect.items.qsize()))  # the cancel, no answer
+    assert wait_until(lambda: server.frontend.stream.open_streams == 0, 60)
+    scheduler.gate.set()  # the cancelled requests finish in the scheduler; their answers go nowhere
+    assert wait_until(lambda: scheduler.queued == 0 and server.pending_tasks() <= baseline, 60)
     # and the server serves new streams
     client.start_stream(callback=collect)
     client.async_stream_infer("sleep", delay_input(1), request_id="new")
