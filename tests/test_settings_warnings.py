@@ -11,7 +11,7 @@ from edgeserve.config import Settings
 @pytest.mark.parametrize(
     ("endpoint", "host"),
     [
-        ("ipc:///tmp/edgeserve.zmq", None),
+        ("ipc:///run/edgeserve/edgeserve.zmq", None),
         ("inproc://x", None),
         ("tcp://127.0.0.1:5555", "127.0.0.1"),
         ("tcp://*:5555", "*"),
