@@ -104,7 +104,7 @@ def test_a_foreign_file_at_a_configured_endpoint_stops_the_start_with_one_clear_
     server = _serve(public, [f"ipc://{path}"], ready=False)
     assert server.process.wait(30) != 0
     log = server.log()
-    assert f"{path} is not a socket (owner uid {OTHER_USER})" in log and "remove it" in log, log
+    assert f"{path} exists and is not a socket (owner uid {OTHER_USER})" in log and "remove it" in log, log
     assert path.stat().st_uid == OTHER_USER and path.stat().st_size == 0  # left as it was
     assert [p.name for p in path.parent.iterdir()] == ["es.zmq"]  # no bind folder left behind
 

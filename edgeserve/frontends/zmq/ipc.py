@@ -81,8 +81,8 @@ def _clear(path: Path, endpoint: str) -> None:
         "service's user can write (the default, [zmq] endpoints = [], is one)"
     )
     if not stat.S_ISSOCK(info.st_mode):
-        owner = user_name(info.st_uid)
-        raise RuntimeError(f"zmq endpoint {endpoint}: {path} is not a socket (owner {owner}): {fix}")
+        what = f"{path} exists and is not a socket (owner {user_name(info.st_uid)})"
+        raise RuntimeError(f"zmq endpoint {endpoint}: {what}: {fix}")
     if info.st_uid != os.geteuid():
         raise RuntimeError(
             f"zmq endpoint {endpoint}: {path} is a socket of {user_name(info.st_uid)}, not of this server's "
