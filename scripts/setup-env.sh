@@ -51,6 +51,9 @@ choose_venv() {
   fi
   PYTHON_FOR_VENV=$EDGESERVE_PYTHON
   VENV=.venvs/$("$EDGESERVE_PYTHON" -c 'import platform; print(platform.python_version())')
+  # Chosen: what runs from here (pytest, edgeserve) must not inherit it, as the Mender Update Module
+  # reads the same variable for its own interpreter (ota/mender/edgeserve-bundle).
+  unset EDGESERVE_PYTHON
 }
 
 make_venv() {

@@ -83,7 +83,7 @@ fi
 # CI: the whole suite ran on the default Python; the OTA, fleet and security tests run again on Debian's
 # system Python (a newer default would hide an API it lacks, as tarfile.data_filter once did).
 SYSTEM_PYTHON=/usr/bin/python3
-if [ "${CI:-}" = "true" ] && [ -z "${EDGESERVE_PYTHON:-}" ] && [ "$#" -eq 0 ]; then
+if [ "${CI:-}" = "true" ] && [ "$VENV" = .venv ] && [ "$#" -eq 0 ]; then
   if [ ! -x "$SYSTEM_PYTHON" ]; then
     echo "test.sh: warning: no $SYSTEM_PYTHON; the OTA, fleet and security tests ran on one Python only" >&2
   elif [ "$(python_build "$SYSTEM_PYTHON")" = "$(python_build "$VENV/bin/python")" ]; then
