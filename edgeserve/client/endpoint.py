@@ -97,7 +97,7 @@ def check_ipc(endpoint: str, server_user: str | int | None = None) -> frozenset[
         return None
     owners = expected_owners(path, server_user)
     try:
-        info = path.lstat()
+        info = path.stat()  # a link is followed: whoever owns what it leads to is what counts
     except OSError:  # no server yet (or a folder we cannot search): replies are checked
         return owners
     expected = " or ".join(user_name(uid) for uid in sorted(owners))
