@@ -159,7 +159,10 @@ class Module:
         notes = {"id": self.deployment, "artifact": self.artifact, "record": self.record, "before": before,
                  "installing": bundle_label(bundle), "installed": None, "at": time.time()}  # fmt: skip
         self.write_notes(notes)
-        result = self.device.install(bundle)
+        try:
+            result = self.device.install(bundle)
+        finally:  # unpacked into the store, or refused: the copy is no use any more (Cleanup may never come)
+            self.cleanup()
         label: Label = {"name": result.get("name"), "version": result.get("version")}
         if not result.get("ok") and result.get("code") == "replay":
             if self.device.active() == label:
@@ -216,7 +219,8 @@ class Module:
         return 0
 
     def cleanup(self) -> int:
-        """The handed-over bundle goes; the notes stay, for the next deployment to settle against."""
+        """The handed-over bundle goes (if a killed install left it); the notes stay, for the next
+        deployment to settle against."""
         shutil.rmtree(self.folder / "incoming", ignore_errors=True)
         return 0
 
