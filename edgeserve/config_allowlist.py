@@ -32,6 +32,8 @@ ALLOWED: dict[str, str] = {
     "server.cache_mb": "response cache bound in MB",
     "repository.memory_budget_mb": "memory the models may hold together",
     "repository.load_wait_s": "how long a request waits for a model loading on first use",
+    "repository.load_files_max_bytes": "bytes of files one load request may send in all",
+    "repository.load_file_max_bytes": "bytes of one file sent with a load request",
     "http.max_input_bytes": "request body limit",
     "http.max_connections": "open HTTP connections in all",
     "http.max_connections_per_client": "open HTTP connections per peer",
