@@ -140,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(log.level, log.format, None if supervised else log.file, log.max_bytes, log.backups)
     if not supervised:  # under the supervisor, it did this at its start
         harden(settings.server.state_dir)
+        _drop_bundle_bytecode(settings.server.state_dir)
     tune_server_process(settings)  # memory settings: before any runtime is imported or a thread started
     import logging
 
@@ -183,6 +184,14 @@ def _recover_bundles(state_dir: Path) -> None:
         return
     if done:
         print(f"edgeserve: bundle install {done}", file=sys.stderr)
+
+
+def _drop_bundle_bytecode(state_dir: Path) -> None:
+    from edgeserve.ota.store import Store
+
+    with contextlib.suppress(OSError):
+        for removed in Store(state_dir).drop_bytecode():
+            print(f"edgeserve: bundle store: removed {removed} (old bytecode)", file=sys.stderr)
 
 
 def _die_with_parent(variable: str, parent: str) -> None:

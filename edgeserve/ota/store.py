@@ -35,6 +35,7 @@ from typing import Any
 from edgeserve.fsutil import fsync_dir, private_mkdir, replace_symlink, seal_tree, write_json_atomic
 from edgeserve.ota.errors import StoreError
 from edgeserve.ota.trust import TrustStore, default_trust_dir
+from edgeserve.repository import bundle_files
 
 log = logging.getLogger("edgeserve.ota")
 
@@ -271,6 +272,28 @@ class Store:
         in_progress = (journal["install"] or {}).get("download")
         resumable = (journal.get("resumable") or {}).get("download") if keep_resumable else None
         removed += self.clear_downloads({str(name) for name in (in_progress, resumable) if name})
+        return removed
+
+    def drop_bytecode(self) -> list[str]:
+        """Remove the `__pycache__` folders of kept bundles that their manifest does not list: an earlier
+        release's Python workers wrote them beside a model's code (a .pyc there would run instead of the
+        signed source, and the bundle would no longer match its manifest). Called at start, before any
+        model loads; returns the folders removed."""
+        removed: list[str] = []
+        for version in self.kept():
+            try:
+                listed = bundle_files.read_signed(version.path).files
+            except bundle_files.BundleDamaged:
+                continue  # its models fail to load, naming the manifest
+            for folder, dirs, _ in os.walk(version.path / "models"):
+                for name in [d for d in dirs if d == "__pycache__"]:
+                    path = Path(folder, name)
+                    relative = path.relative_to(version.path).as_posix()
+                    if not path.is_symlink() and not any(f.startswith(relative + "/") for f in listed):
+                        shutil.rmtree(path, ignore_errors=True)  # one left behind fails its model's load
+                        dirs.remove(name)
+                        if not path.exists():
+                            removed.append(f"{version.path.name}/{relative}")
         return removed
 
     def clear_downloads(self, keep: set[str]) -> list[str]:

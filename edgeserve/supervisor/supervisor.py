@@ -125,6 +125,8 @@ class Supervisor:
         started = time.monotonic()
         log.info("supervisor pid %d: state dir %s (%s)", os.getpid(), self.state_dir, self._state_dir_why)
         harden(self.state_dir)
+        for removed in self.store.drop_bytecode():
+            log.warning("bundle store: removed %s (an earlier release's bytecode)", removed)
         self._write_device_plan()
         recovered = self.bundles.recover()
         if recovered:

@@ -170,3 +170,18 @@ def test_tighten_takes_group_and_other_write_from_what_the_service_keeps(tmp_pat
     assert modes(state / "ota" / "bundles") == {".": "0o755", "vision-v1": "0o755", "vision-v1/f": "0o644"}
     assert stat.S_IMODE((state / "elsewhere").stat().st_mode) == 0o777  # not the service's: left alone
     assert tighten(state) == []
+
+
+def test_bytecode_an_earlier_release_wrote_into_a_bundle_is_removed_at_start(fleet: Fleet) -> None:
+    """Its Python workers wrote `__pycache__` beside a model's code; the check would now fail the model."""
+    version = unpack(fleet, 1)
+    version_dir = version.path / "models" / "mlp" / "1"
+    (version_dir / "__pycache__").mkdir()
+    (version_dir / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\x00" * 16)
+    (version.path / "models" / "mlp" / "__pycache__").symlink_to(fleet.tmp)  # a link is not bytecode
+    assert len(bundle_files.problems(version.path)) == 3
+    assert Store(fleet.state).drop_bytecode() == ["vision-v1/models/mlp/1/__pycache__"]
+    assert bundle_files.problems(version.path) == [
+        "models/mlp/__pycache__: a link, where the signed manifest lists nothing"
+    ]
+    assert fleet.tmp.is_dir()  # not followed
