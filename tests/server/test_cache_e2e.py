@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from es_server import RunningServer, start_server
+from es_server import RunningServer, start_server, wait_until
 from onnx_models import write_model
 
 from edgeserve.client import ZmqClient
@@ -121,10 +121,16 @@ def test_concurrent_clients_get_their_own_answers(
     for thread in threads:
         thread.join(120)
     assert errors == []
+    total = 2 * THREADS * ROUNDS * OWN * 2
+
+    def settled() -> bool:  # a worker records a request's statistics just after its answer is sent
+        success = _inference_stats(server, "mlp_cached")["inference_stats"]["success"]["count"]
+        return bool(success - before["success"]["count"] >= total)
+
+    assert wait_until(settled, 60)
     after = _inference_stats(server, "mlp_cached")
     hits = after["inference_stats"]["cache_hit"]["count"] - before["cache_hit"]["count"]
     misses = after["inference_stats"]["cache_miss"]["count"] - before["cache_miss"]["count"]
-    total = 2 * THREADS * ROUNDS * OWN * 2
     assert hits + misses == total
     own_hits = 2 * THREADS * OWN * (ROUNDS - 1)  # each thread's own inputs: a miss, then hits
     assert hits >= own_hits + (
