@@ -248,6 +248,8 @@ class Routes:
             raise
         infer_request.shm_client = _shm_client(request)
         response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
+        if request.transport is None or request.transport.is_closing():  # gone: encode nothing for nobody
+            raise ConnectionResetError("the client left before its answer")
         if codec.encode_off_loop(response, infer_request, binary_default):  # big JSON: the loop keeps serving
             encoded = await asyncio.to_thread(codec.encode_response, response, infer_request, binary_default)
         else:
