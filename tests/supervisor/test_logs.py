@@ -21,9 +21,13 @@ def test_log_file_rotates_and_holds_both_processes_lines(
     base = f'[logging]\nfile = "{log_file}"\nmax_bytes = 4096\nbackups = 2\n'
     for i in range(60):  # each reload logs a few lines in both processes
         app.config_path.write_text(base + ('level = "INFO"\n' if i % 2 else 'level = "DEBUG"\n'))
+        sent = time.monotonic()
         app.signal(signal.SIGHUP)
-        time.sleep(0.15)
-    wait_until(lambda: (tmp_path / "logs" / "edgeserve.log.2").exists(), 30, "two rotations")
+        # One reload at a time, each waited for (signals sent faster than a busy box handles them
+        # would merge, and fewer reloads log fewer lines than the rotations need).
+        reloading = app.notify.wait_for("RELOADING", "1", timeout=60, since=sent)
+        app.notify.wait_for("READY", "1", timeout=60, since=reloading.at)
+    wait_until(lambda: (tmp_path / "logs" / "edgeserve.log.2").exists(), 60, "two rotations")
     files = sorted((tmp_path / "logs").iterdir())
     assert [f.name for f in files] == ["edgeserve.log", "edgeserve.log.1", "edgeserve.log.2"]
     assert all(f.stat().st_size <= 4096 + 1024 for f in files)  # one line may cross the limit
