@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "supervisor"))
 from mender_env import MenderEnv, fleet_fixture, kill_tree, unavailable, wait_file, wrap
 from ota_fixtures import Fleet, mlp_check
 
@@ -196,3 +197,25 @@ def test_an_install_over_an_uncommitted_one_then_rollback(env: MenderEnv, fleet:
     _assert_agrees(env, fleet, 5, "vision-v5")
     previous = Store(fleet.state).previous()
     assert previous is not None and previous.version == 1
+
+
+def test_client_killed_while_the_appliance_installs(env: MenderEnv, fleet: Fleet, tmp_path: Path) -> None:
+    """With the appliance running, the install runs in it and goes on after `mender` died; the module,
+    still waiting on it, then finds its `mender` gone and undoes it through the appliance."""
+    from appliance import start_appliance
+
+    (tmp_path / "empty").mkdir()
+    app = start_appliance(tmp_path / "empty", tmp_path, args=["--state-dir", str(fleet.state)],
+                          config="[ota]\ntrial_window_s = 1.0\n",
+                          env={"EDGESERVE_SERVER_STATE_DIR": ""})  # fmt: skip
+    try:
+        app.notify.wait_for("READY", timeout=90)
+        _kill(env, fleet, ["install", str(wrap(fleet.bundle(2)))], "ArtifactInstall", "client")
+        rollback = env.mender("rollback")
+        _no_abnormal_end(rollback)
+        _assert_agrees(env, fleet, 1, FACTORY)
+        history = Store(fleet.state).journal()["history"]
+        assert [h["state"] for h in history[-2:]] == ["COMMITTED", "ROLLED_BACK"], history[-2:]
+        assert app.get("/v2/models/mlp/ready") == 200
+    finally:
+        app.stop()
