@@ -157,16 +157,16 @@ def test_pipelined_replies_in_any_order(pair: tuple[ZmqClient, Peer]) -> None:
 
 def test_a_short_deadline_after_long_ones_is_still_kept(pair: tuple[ZmqClient, Peer]) -> None:
     client, peer = pair
-    future = client.submit("m", {"INPUT0": np.zeros((1, 4), np.float32)}, timeout=30.0)
+    future = client.submit("m", {"INPUT0": np.zeros((1, 4), np.float32)}, timeout=600.0)
     ident, request, _ = peer.take()
     peer.reply(ident, {"id": request["id"], "status": "OK", "outputs": []})
-    future.result()  # the client now waits with a 30 s receive timeout
+    future.result()  # the client now waits with a 600 s receive timeout
     start = time.monotonic()
     with pytest.raises(ClientError) as info:
         client.infer("m", {"INPUT0": np.zeros((1, 4), np.float32)}, timeout=0.2)
     waited = time.monotonic() - start
     assert info.value.status == "DEADLINE_EXCEEDED"
-    assert 0.2 <= waited < 10.0  # never early; and not the 30 s of the earlier wait
+    assert 0.2 <= waited < 300  # never early; and not the 600 s of the earlier wait, however busy the box
 
 
 def test_a_spinning_client_gets_early_and_late_replies_and_keeps_deadlines() -> None:
