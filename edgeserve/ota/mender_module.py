@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from edgeserve.fsutil import write_text_atomic
 from edgeserve.ota.mender_states import MODULE_TYPE, Label, Module, ModuleError, report
 
 __all__ = ["Device", "Module", "ModuleConfig", "ModuleError", "become_owner", "load_module_config", "main"]
@@ -173,23 +174,6 @@ def become_owner(state_dir: Path) -> None:
     os.setuid(owner.st_uid)
 
 
-HOLD_ENV = "EDGESERVE_TEST_MENDER_HOLD"
-
-
-def hold(state_dir: Path, point: str) -> None:
-    """Test hook for the kill-in-every-state tests: with EDGESERVE_TEST_MENDER_HOLD=<point> (`<State>` on
-    entry, `<State>:done` once its work is done), write `<state_dir>/mender/held` (the point and this pid)
-    and wait until the test removes it, killing Mender meanwhile. Unset on devices: costs one lookup."""
-    if os.environ.get(HOLD_ENV) != point:
-        return
-    marker = state_dir / "mender" / "held"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{point} {os.getpid()}")
-    deadline = time.monotonic() + 300  # a test that died leaves no module behind for long
-    while marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     state = args[0] if args else ""
@@ -200,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if state in ("ArtifactInstall", "NeedsArtifactReboot") and os.getppid() != parent:
         # That `mender` died before it recorded this deployment (it records it once NeedsArtifactReboot has
         # answered), and nothing will ever roll it back: undo it here.
-        code = _run("Abandoned", args) or 1
+        _run("Abandoned", args)
+        code = 1
     return code
 
 
@@ -229,19 +214,16 @@ def _run(state: str, args: list[str]) -> int:
         deployment = deployment_id(tree, create=state == "ArtifactInstall")
         record = _read(tree / "current_artifact_name")
         artifact = _read(tree / "header" / "artifact_name")
-        if state != "ArtifactInstall":
-            become_owner(conf.state_dir)
-            module = Module(conf.state_dir, Device(conf), deployment=deployment, artifact=artifact,
-                            record=record, busy_wait_s=conf.busy_wait_s)  # fmt: skip
-            with module.lock():
+        payload = open_payload(tree) if state == "ArtifactInstall" else None
+        become_owner(conf.state_dir)
+        module = Module(conf.state_dir, Device(conf), deployment=deployment, artifact=artifact,
+                        record=record, busy_wait_s=conf.busy_wait_s)  # fmt: skip
+        with module.lock():
+            if payload is None:
                 return handlers[state](module)
-        with open_payload(tree) as payload:
-            become_owner(conf.state_dir)
-            module = Module(conf.state_dir, Device(conf), deployment=deployment, artifact=artifact,
-                            record=record, busy_wait_s=conf.busy_wait_s)  # fmt: skip
-            with module.lock():
+            with payload:
                 bundle = module.receive(payload)
-                return module.artifact_install(bundle)
+            return module.artifact_install(bundle)
     except ModuleError as exc:
         print(f"{MODULE_TYPE} {state}: {exc}", file=sys.stderr)
         return 1
@@ -267,9 +249,8 @@ def deployment_id(tree: Path, create: bool) -> str:
     found = _read(marker)
     if found or not create:
         return found
-    marker.parent.mkdir(parents=True, exist_ok=True)
     made = uuid.uuid4().hex[:16]
-    marker.write_text(made + "\n")
+    write_text_atomic(marker, made + "\n")  # fsync'd: Mender's daemon resumes on this tree after a power cut
     return made
 
 
