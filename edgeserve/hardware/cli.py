@@ -105,6 +105,7 @@ def _race_model(args: argparse.Namespace, settings: Settings, planner: Planner) 
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(f"profile:  {planner.profile.name} — {planner.profile.description} [{planner.profile.source}]")
+    print(f"rule:     {planner.rule.basis}")
     _print_plan(plan)
     if race is None:
         if planner.guard is None:
@@ -112,7 +113,7 @@ def _race_model(args: argparse.Namespace, settings: Settings, planner: Planner) 
         elif budget <= 0:
             why = "runtime.race_budget_s is 0"
         else:
-            why = "a pinned backend, an accelerator's choice, or a single candidate: nothing to race"
+            why = "an accelerator's choice, or one candidate (the config fixes the rest): nothing to race"
         print(f"  race: not run ({why}); the profile's order decides")
         return 0
     when = "cached" if race.cached else f"{race.seconds:.1f}s"
@@ -177,7 +178,8 @@ def detect_command(args: argparse.Namespace) -> int:
                 **{k: {"available": v.available, "version": v.version, "distribution": v.distribution,
                        "detail": v.detail} for k, v in runtimes.runtimes.items()},
             },
-            "profile": _profile_dict(profile), "threads": {"count": threads, "reason": threads_why},
+            "profile": {**_profile_dict(profile), "rule": planner.rule.to_dict()},
+            "threads": {"count": threads, "reason": threads_why},
             "memory_budget_bytes": planner.memory_budget(), "accuracy_guard": guard is not None,
             "model_repository": str(repository), "models": [p.to_dict() for p in plans], "errors": errors,
             "ensembles": ensembles,
@@ -193,6 +195,7 @@ def detect_command(args: argparse.Namespace) -> int:
     for line in runtimes.describe():
         print(f"  {line}")
     print(f"profile:  {profile.name} — {profile.description} [{profile.source}]")
+    print(f"rule:     {planner.rule.basis}")
     print(f"threads:  {threads} ({threads_why})")
     if not guard:
         print(

@@ -1,11 +1,12 @@
 """The runtime plan: for each model, the backend, device, precision and threads, with the reason for
 every option that lost.
 
-Options come from the device profile's `[[candidates]]` in order (a pinned backend that the profile
-does not list is added first). Each option must pass, in order: the config's pins, an importable
-runtime, the device on this box, an artifact in the version folder, the precision rules (settings,
-CPU/GPU support, config), the model-size and memory checks, and, for a lower precision the config
-does not vouch for, the accuracy guard. The first that passes is chosen.
+Options come from the device profile's `[[candidates]]` in the order its measurements give this CPU
+(evidence.py; a pinned backend that the profile does not list is added first). Each option must pass,
+in order: the config's pins, an importable runtime, the device on this box, an artifact in the version
+folder, the precision rules (settings, CPU/GPU support, config), the model-size and memory checks,
+and, for a lower precision the config does not vouch for, the accuracy guard. The first that passes
+is chosen.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from edgeserve.backends import memory
 from edgeserve.backends.options import PINNED_PARAMETER, BackendOptions
 from edgeserve.config import Settings
+from edgeserve.hardware.evidence import rule_for
 from edgeserve.hardware.pins import ARTIFACTS, Pins, artifact_bytes, find_artifact, parameters, read_pins
 from edgeserve.hardware.plan_types import AccuracyGuard as AccuracyGuard
 from edgeserve.hardware.plan_types import GuardResult as GuardResult
@@ -58,6 +60,7 @@ class Planner:
         self.runtimes = runtimes
         self.settings = settings
         self.guard = guard
+        self.rule = rule_for(profile, hw.cpu)  # the candidates in this CPU's order, with its evidence
 
     # -- box-wide --------------------------------------------------------------------------------
     def threads(self, instances: int = 1) -> tuple[int, str]:
@@ -88,7 +91,7 @@ class Planner:
 
     # -- per option ------------------------------------------------------------------------------
     def _options(self, pins: Pins) -> list[tuple[PlanOption, Candidate]]:
-        candidates = list(self.profile.candidates)
+        candidates = list(self.rule.candidates)
         if pins.backend and all(c.backend != pins.backend for c in candidates):
             device = pins.device or (
                 "GPU" if pins.backend == "tensorrt" else "NEURON" if pins.backend == "neuron" else "CPU"

@@ -1,9 +1,10 @@
 """Device profiles: one TOML per platform family (`devices/*.toml` + a user folder), matched to the probes.
 
 A profile says when it applies (`[match]`), which backend/device/precision options to try in order
-(`[[candidates]]`) and the thread/stream/memory defaults (`[runtime]`). Adding a platform is adding
-a file; see devices/README.md for the format. The most specific matching profile wins: the one with
-the most `[match]` conditions, then the higher `priority`, then the name.
+(`[[candidates]]`), the measurements that order its CPU candidates on each kind of CPU
+(`[[measurements]]`, evidence.py) and the thread/stream/memory defaults (`[runtime]`). Adding a
+platform is adding a file; see devices/README.md for the format. The most specific matching profile
+wins: the one with the most `[match]` conditions, then the higher `priority`, then the name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgeserve.hardware.evidence import EvidenceError, Measurement, parse_measurements
 from edgeserve.hardware.probes import HardwareInfo
 
 if sys.version_info >= (3, 11):
@@ -69,6 +71,7 @@ class DeviceProfile:
     streams: int = 0  # OpenVINO NUM_STREAMS / concurrent contexts; 0 = the runtime's hint decides
     memory_headroom_mb: int = 256  # kept free for the OS and the rest of the appliance
     memory_factor: float = 3.0  # peak RSS of a loaded model ≈ factor x its file size
+    measurements: tuple[Measurement, ...] = ()  # what orders the CPU candidates (evidence.py)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def specificity(self) -> int:
@@ -159,6 +162,10 @@ def parse_profile(data: Mapping[str, Any], source: str) -> DeviceProfile:
     if not isinstance(raw_candidates, list) or not raw_candidates:
         raise ProfileError(f"{source}: needs at least one [[candidates]] entry")
     candidates = tuple(_candidate(c, f"{source}: candidates[{i}]") for i, c in enumerate(raw_candidates))
+    try:
+        measurements = parse_measurements(data.get("measurements", []), source)
+    except EvidenceError as exc:
+        raise ProfileError(str(exc)) from None
     runtime = data.get("runtime", {})
     if not isinstance(runtime, Mapping):
         raise ProfileError(f"{source}: [runtime] must be a table")
@@ -181,10 +188,11 @@ def parse_profile(data: Mapping[str, Any], source: str) -> DeviceProfile:
         streams=number("streams", 0),
         memory_headroom_mb=number("memory_headroom_mb", 256),
         memory_factor=number("memory_factor", 3.0, float),
+        measurements=measurements,
         extra={
             k: v
             for k, v in data.items()
-            if k not in ("name", "description", "match", "candidates", "runtime", "priority")
+            if k not in ("name", "description", "match", "candidates", "runtime", "priority", "measurements")
         },
     )
 
