@@ -113,9 +113,15 @@ class SequenceLifecycle:
                 self._reaper_wake.wait(period)
                 now = time.monotonic_ns()
                 self.reap(now)
-                hung = self._find_hung(now)
-            for index, jobs in hung:
-                self._fail_hung(index, jobs)
+            self.check_hung(now)
+
+    def check_hung(self, now_ns: int) -> None:
+        """Answer the batches running longer than hang_timeout_s at `now_ns` and replace (or take out of
+        service) their instances: the reaper's check, with the clock a caller (a test) wants."""
+        with self._lock:
+            hung = self._find_hung(now_ns)
+        for index, jobs in hung:
+            self._fail_hung(index, jobs)
 
     def reap(self, now_ns: int) -> int:  # lock held
         """Free the places of sequences idle longer than the timeout; returns how many."""

@@ -266,10 +266,11 @@ def test_drain_runs_the_backlog_and_refuses_new_requests(make_batcher: Any) -> N
 
 
 def test_direct_waits_for_minimum_slot_utilization(make_batcher: Any) -> None:
-    strategy = "direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 0.5 }"
+    # A 10-minute delay: only the second sequence can end the wait, however slowly this box runs the test.
+    strategy = "direct { max_queue_delay_microseconds: 600000000 minimum_slot_utilization: 0.5 }"
     batcher, gated = make_batcher(accumulate_config(strategy, max_batch=4))
     first = step(batcher, 1, 1.0, start=True)
-    assert not first._event.wait(0.2)  # 1 of 4 slots ready: waits for a second one (or 2 s)
+    assert not first._event.wait(0.2)  # 1 of 4 slots ready: waits for a second one
     second = step(batcher, 2, 2.0, start=True)
     assert total(first) == 1.0 and total(second) == 2.0
     assert len(gated[0].calls) == 1 and gated[0].calls[0]["READY"].ravel().tolist() == [1.0, 1.0]
@@ -283,13 +284,19 @@ def test_a_hung_instance_is_answered_and_replaced(make_batcher: Any, accumulate_
         fresh.append(GatedInstance(load_instance(accumulate_path, config)))
         return fresh[-1]
 
-    batcher, gated = make_batcher(accumulate_config(max_batch=2), open_gate=False, hang_timeout_s=0.3,
+    # An hour's hang timeout, checked with the clock the test wants (check_hung): a real run on the
+    # replacement can never be taken for a hang, however slow this box is.
+    batcher, gated = make_batcher(accumulate_config(max_batch=2), open_gate=False, hang_timeout_s=3600.0,
                                   instance_factory=factory)  # fmt: skip
     hung = step(batcher, 2, 1.0, start=True)
     gated[0].wait_entered()
+    started = time.monotonic_ns()
+    batcher.check_hung(started + int(1800e9))  # not yet
+    assert hung.calls == 0 and batcher.replaced == 0
+    batcher.check_hung(started + int(3601e9))  # past the hang timeout (whenever the batch began)
     error = hung.error()
     assert isinstance(error, InferenceError) and error.status is Status.UNAVAILABLE
-    assert "did not answer in 0.3 s" in error.message and "must start again" in error.message
+    assert "did not answer in 3600 s" in error.message and "must start again" in error.message
     with pytest.raises(InferenceError, match="START flag"):
         step(batcher, 2, 1.0)  # its state went with the instance
     assert total(step(batcher, 2, 7.0, start=True)) == 7.0  # on the replacement
