@@ -1,5 +1,7 @@
-"""The load-time race: for a model with no pinned backend, time the viable CPU candidates on this box
-and serve the fastest that passes the accuracy guard.
+"""The load-time race: time the viable CPU candidates of a model on this box and serve the fastest that
+passes the accuracy guard. Only what the config fixes is fixed: a pinned backend (or precision) still
+races the layouts (and the other precisions) it leaves open; a pinned instance count or
+`intra_op_thread_count` narrows the layouts.
 
 Candidates: the plan's viable options (ONNX Runtime / OpenVINO on the CPU, each precision; options the
 profile's size floor turned away are raced too: the floor is a guess, the race measures) x layouts
@@ -44,6 +46,7 @@ from edgeserve.hardware.race_timing import MAX_ROUNDS, MIN_ROUNDS, PRUNE, Entran
 log = logging.getLogger("edgeserve.hardware.race")
 
 RACED_BACKENDS = ("onnxruntime", "openvino")
+PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's reasons for what pins rule out
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
 RACE_VERSION = 2  # bump when what is timed changes, so old cache entries are not reused
 # One race at a time in this process: two models loading in parallel must not time each other's load.
@@ -85,8 +88,8 @@ class Racer:
         rejected: list[Row] = []
         for v in plan.verdicts:
             o = v.option
-            if o.backend not in RACED_BACKENDS or o.device != "CPU":
-                continue
+            if o.backend not in RACED_BACKENDS or o.device != "CPU" or v.reason.startswith(PINNED_OUT):
+                continue  # what the config fixed is no candidate
             floor = "KiB floor for" in v.reason  # the profile's size guess: raced anyway
             if v.artifact is not None and (v.ok or not v.checked or floor):
                 viable.append(v)
@@ -101,7 +104,7 @@ class Racer:
         for v in viable:
             o = v.option
             assert v.artifact is not None
-            base = self.planner.backend_options(o, config)
+            base = self.planner.backend_options(o, config, plan.pins)  # a pinned backend stays pinned
             layouts = self._layouts(o.backend, pinned, THREADS_PARAMETER in params)
             for number, (instances, threads) in enumerate(layouts):
                 hint = base.performance_hint if o.backend == "openvino" else ""
@@ -121,7 +124,7 @@ class Racer:
     ) -> RaceResult | None:  # fmt: skip
         """The race's result (cached unless `fresh`), or None when there is nothing to race (or, with
         `cached_only`, nothing in the cache)."""
-        if self.budget_s <= 0 or plan.chosen is None or plan.pins.backend:
+        if self.budget_s <= 0 or plan.chosen is None:  # a pinned backend still races its layouts
             return None
         if plan.chosen.option.backend not in RACED_BACKENDS or plan.chosen.option.device != "CPU":
             return None  # accelerators (engines that build for minutes) keep the rule's order

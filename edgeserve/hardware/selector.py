@@ -4,10 +4,11 @@
 
 Probes the box once (settings.runtime.hardware_root), matches a device profile (devices/ plus
 settings.runtime.device_profiles), and for each model version returns the plan's choice, with the
-other viable options as load-time fallbacks. With `[runtime] race_budget_s` > 0, a model with no
-pinned backend is raced (race.py): the fastest candidate measured here that passes the accuracy guard
-is served, and the result is cached. A pinned backend (config `backend:` / `platform:`) that
-cannot run here is an error naming the backend and why, never a silent substitute.
+other viable options as load-time fallbacks. With `[runtime] race_budget_s` > 0, a model is raced on
+what its config leaves open (race.py: a pinned backend still races instances x threads): the fastest
+candidate measured here that passes the accuracy guard is served, and the result is cached. A pinned
+backend (config `backend:` / `platform:`) that cannot run here is an error naming the backend and why,
+never a silent substitute.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class PlanSelector:
             verdict = by_label.get((row.backend, row.device, row.precision))
             if verdict is None or verdict.artifact is None:
                 continue
-            base = self.planner.backend_options(verdict.option, config)
+            base = self.planner.backend_options(verdict.option, config, plan.pins)
             parameters = dict(base.parameters)
             if row.backend == "onnxruntime":
                 parameters.setdefault("intra_op_thread_count", str(row.threads))
@@ -133,6 +134,8 @@ class PlanSelector:
         if not choices:  # cannot happen: the winner is a timed row of the plan
             raise InferenceError(Status.INTERNAL, f"model {plan.model}: the race's winner is not in the plan")
         text = f"device profile {self.profile.name}: {race.summary()}"
+        if plan.pins.backend:  # only what the config fixes is fixed: the layout was raced
+            text += f"; backend pinned by {plan.pins.backend_why}, instances x threads raced"
         first = choices[0]
         return BackendChoice(
             first.backend_name, first.model_path, first.options, text, tuple(choices[1:]),

@@ -1,0 +1,116 @@
+"""Only what the config fixes is fixed: a config that names the backend (or the precision) still has the
+layouts it leaves open raced (instances x threads), on real onnxruntime and openvino. Timings are never
+asserted (machines are noisy): which candidates are raced, and that what is served is the race's winner
+under the config's pins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hw_helpers import settings
+from race_models import build_wide_mlp
+
+from edgeserve.backends.options import PINNED_PARAMETER
+from edgeserve.hardware.race_result import REJECTED, RaceResult
+from edgeserve.hardware.runtimes import inventory
+from edgeserve.hardware.selector import PlanSelector
+from edgeserve.repository.config import parse_pbtxt
+from edgeserve.repository.served import prepare_version
+
+pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
+pytest.importorskip("openvino", reason="openvino is not installed")
+
+CONFIG = """
+name: "wide"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "scores", data_type: TYPE_FP32, dims: [ 10 ] } ]
+dynamic_batching { preferred_batch_size: [ 4 ] }
+"""
+# Generous: the race of this small model ends after its rounds, long before; a busy box must not make
+# it run out of budget (which would leave the rule's choice, and nothing to check).
+BUDGET_S = 120.0
+
+
+def _model(tmp_path: Path, extra: str) -> Path:
+    folder = tmp_path / "repo" / "wide"
+    build_wide_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(CONFIG + extra)
+    return folder
+
+
+def _selector(tmp_path: Path) -> PlanSelector:
+    s = settings(tmp_path, race_budget_s=BUDGET_S)
+    selector = PlanSelector(s, runtimes=inventory(dict.fromkeys(("onnxruntime", "openvino"), "x")))
+    if selector.planner.threads()[0] < 2:
+        pytest.skip("one CPU: a single layout, nothing to race")
+    return selector
+
+
+def _race(selector: PlanSelector, model: Path) -> RaceResult | None:
+    config = parse_pbtxt(model / "config.pbtxt")
+    where = str(model / "config.pbtxt")
+    plan = selector.plan("wide", model / "1", config, where)
+    return selector.racer.run(plan, "wide", model / "1", config, where)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_a_pinned_backend_still_races_instances_x_threads(backend: str, tmp_path: Path) -> None:
+    model = _model(tmp_path, f'backend: "{backend}"\n')
+    selector = _selector(tmp_path)
+    race = _race(selector, model)
+    assert race is not None, "a config naming only the backend left the layout open: it is raced"
+    assert {r.backend for r in race.rows} == {backend}, race.table()  # the other runtime is no candidate
+    total = selector.planner.threads()[0]
+    layouts = {(r.instances, r.threads) for r in race.rows}
+    assert {(1, total), (2, total // 2)} <= layouts, race.table()
+    assert race.chosen is not None and race.chosen is race.ranked()[0], race.table()
+    # what is served is the race's winner, still pinned (the backend keeps the config's word)
+    config = parse_pbtxt(model / "config.pbtxt")
+    choice = selector.choose("wide", model, model / "1", config)
+    assert choice.backend_name == backend
+    assert (choice.instances, choice.options.threads) == (race.chosen.instances, race.chosen.threads)
+    assert choice.options.parameters[PINNED_PARAMETER] == backend
+    assert f"backend pinned by config backend '{backend}', instances x threads raced" in choice.reason
+    assert all(f.backend_name == backend for f in choice.fallbacks)
+    prepared = prepare_version(
+        selector, "wide", model, 1, model / "1", config, str(model / "config.pbtxt"), 4
+    )
+    try:
+        assert len(prepared.instances) == race.chosen.instances
+        assert sum(g.count for g in prepared.config.instance_group) == race.chosen.instances
+    finally:
+        for instance in prepared.instances:
+            instance.close()
+
+
+def test_a_config_that_fixes_backend_instances_and_threads_is_not_raced(tmp_path: Path) -> None:
+    model = _model(
+        tmp_path,
+        'backend: "onnxruntime"\ninstance_group [ { count: 2, kind: KIND_CPU } ]\n'
+        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n',
+    )
+    selector = _selector(tmp_path)
+    assert _race(selector, model) is None  # one layout left: nothing to race
+    choice = selector.choose("wide", model, model / "1", parse_pbtxt(model / "config.pbtxt"))
+    assert choice.backend_name == "onnxruntime" and "pinned by config backend 'onnxruntime'" in choice.reason
+
+
+def test_a_pinned_instance_count_narrows_the_layouts_of_a_pinned_backend(tmp_path: Path) -> None:
+    model = _model(
+        tmp_path, 'platform: "onnxruntime_onnx"\ninstance_group [ { count: 1, kind: KIND_CPU } ]\n'
+    )
+    selector = _selector(tmp_path)
+    race = _race(selector, model)
+    total = selector.planner.threads()[0]
+    assert race is not None and {(r.instances, r.threads) for r in race.rows} == {(1, total), (1, 1)}
+
+
+def test_a_pinned_precision_races_both_runtimes_at_that_precision(tmp_path: Path) -> None:
+    model = _model(tmp_path, 'parameters { key: "precision" value: { string_value: "fp32" } }\n')
+    selector = _selector(tmp_path)
+    race = _race(selector, model)
+    assert race is not None and {r.backend for r in race.rows} == {"onnxruntime", "openvino"}
+    assert {r.precision for r in race.rows} == {"fp32"}, race.table()  # bf16 is no candidate, not a row
+    assert all(r.status != REJECTED or r.score_ms is not None for r in race.rows), race.table()
