@@ -112,6 +112,9 @@ class Server:
                 await frontend.start()
             except Exception as exc:
                 raise StartupError(f"{frontend.name} frontend: {exc}") from exc
+        attach = getattr(self.repository.selector, "attach", None)
+        if attach is not None:  # background races (hardware/race_background.py) pause and switch here
+            attach(self.repository, asyncio.get_running_loop())
         await self.repository.start()
         log.info("server ready=%s models=%d", self.dataplane.ready(), len(self.repository.served()))
 
@@ -120,6 +123,9 @@ class Server:
         log.info("shutting down: draining for up to %.0fs", grace)
         self.dataplane.shutting_down = True
         await asyncio.gather(*(f.stop(grace) for f in self.frontends), return_exceptions=True)
+        close = getattr(self.repository.selector, "close", None)
+        if close is not None:  # no background race may switch a model while it unloads
+            await asyncio.to_thread(close)
         await self.repository.close()
         self.shm.close()
         unregister_collector(self.response_cache.collector)

@@ -354,7 +354,8 @@ def tune(options: TuneOptions, say: Progress) -> int:
     return 0
 
 
-SERVER_NOTES = ("runtime_choice",)  # parameters the server adds to show its choices, not settings
+# parameters the server adds to show its choices, not settings
+SERVER_NOTES = ("runtime_choice", "runtime_choice_final")
 
 
 def _base_config(model_dir: Path, served: Any) -> Any:

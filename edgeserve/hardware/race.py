@@ -15,8 +15,11 @@ Fair and bounded (race_timing.py): every candidate is compiled and warmed up fir
 first, then the other options, then the other layouts), within `[runtime] race_budget_s` (compile +
 timing), a clearly slower one dropped at once; then rounds A B C, B C A, ... (monotonic clock,
 medians) as many as the rest of the budget allows, at least 3. A candidate that does not fit is not
-timed ("over budget"); when fewer than two can be timed the rule's choice stays and the result says
-why. Results are cached (race_result.py).
+timed ("over budget"). When the budget runs out before those rounds, the evidence there is decides:
+every candidate warmed up is scored on its warm-up samples (medians, with their spread), and the result
+is provisional (not final); only when fewer than two were warmed up does the rule's choice stay. A
+provisional result is finished by a background race at low priority (race_background.py). Results,
+provisional or final, are cached (race_result.py): a restart serves them at once.
 """
 
 from __future__ import annotations
@@ -27,30 +30,61 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
-    OVER_BUDGET,
     REJECTED,
-    TIMED,
     RaceCache,
     RaceResult,
     Row,
 )
-from edgeserve.hardware.race_timing import MAX_ROUNDS, MIN_ROUNDS, PRUNE, Entrant, Scenario, Stopwatch, close
+from edgeserve.hardware.race_timing import (
+    MAX_ROUNDS,
+    MIN_ROUNDS,
+    PRUNE,
+    WARM_ROUNDS,
+    Entrant,
+    Scenario,
+    Stopwatch,
+    close,
+)
+
+if TYPE_CHECKING:
+    from edgeserve.hardware.race_background import BackgroundRaces
 
 log = logging.getLogger("edgeserve.hardware.race")
 
 RACED_BACKENDS = ("onnxruntime", "openvino")
 PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's reasons for what pins rule out
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
-RACE_VERSION = 2  # bump when what is timed changes, so old cache entries are not reused
+RACE_VERSION = 3  # bump when what is timed changes, so old cache entries are not reused
 # One race at a time in this process: two models loading in parallel must not time each other's load.
 _RACING = threading.Lock()
+
+
+@dataclass
+class Job:
+    """One model's race, ready to run (again: the background race reuses it)."""
+
+    plan: ModelPlan
+    name: str
+    version_dir: Path
+    config: Any
+    where: str
+    entrants: list[Entrant]
+    rejected: list[Row]
+    scenarios: list[Scenario]
+    feeds: dict[int, Any]
+    source: str  # what the candidates are fed
+    completed: Any  # the auto-completed config
+    digest: str
+    key: str
 
 
 class Racer:
@@ -63,6 +97,7 @@ class Racer:
         self.budget_s = budget_s
         self.max_rounds = max(MIN_ROUNDS, max_rounds)  # benchmarks time longer than a load does
         self.prune = prune  # math.inf: time every candidate that fits (a benchmark's reference)
+        self.background: BackgroundRaces | None = None  # finishes a race the budget cut short
 
     # -- candidates ------------------------------------------------------------------------------
     def _layouts(self, backend: str, pinned_instances: int, threads_param: bool) -> list[tuple[int, int]]:
@@ -123,7 +158,32 @@ class Racer:
         fresh: bool = False, cached_only: bool = False,
     ) -> RaceResult | None:  # fmt: skip
         """The race's result (cached unless `fresh`), or None when there is nothing to race (or, with
-        `cached_only`, nothing in the cache)."""
+        `cached_only`, nothing in the cache). A result that is not final (the budget ran out) goes to
+        `self.background`, which finishes the race at low priority."""
+        job = self.prepare(plan, name, version_dir, config, where)
+        if job is None:
+            return None
+        if not fresh:
+            cached = self.cache.get(job.digest, job.key)
+            if cached is not None and self._still_accurate(
+                cached, job.entrants, plan, name, version_dir, config, where
+            ):
+                log.info("model %s: race result from the cache: %s", name, cached.summary())
+                if not cached.final and not cached_only and self.background is not None:
+                    self.background.start(self, job, cached)
+                return cached
+        if cached_only:
+            return None
+        with _RACING:
+            result = self.race(job, job.entrants)
+        self.cache.put(job.digest, job.key, result)
+        log.info("model %s: %s", name, result.summary())
+        if not result.final and self.background is not None:
+            self.background.start(self, job, result)
+        return result
+
+    def prepare(self, plan: ModelPlan, name: str, version_dir: Path, config: Any, where: str) -> Job | None:
+        """What a race of this model needs (None: nothing to race)."""
         if self.budget_s <= 0 or plan.chosen is None:  # a pinned backend still races its layouts
             return None
         if plan.chosen.option.backend not in RACED_BACKENDS or plan.chosen.option.device != "CPU":
@@ -143,23 +203,19 @@ class Racer:
 
         digest = model_digest(plan.chosen.artifact)
         key = self._key(entrants, scenarios, feeds)
-        if not fresh:
-            cached = self.cache.get(digest, key)
-            if cached is not None and self._still_accurate(
-                cached, entrants, plan, name, version_dir, config, where
-            ):
-                log.info("model %s: race result from the cache: %s", name, cached.summary())
-                return cached
-        if cached_only:
-            return None
-        with _RACING:
-            result = self._race(name, entrants, scenarios, feeds, completed)
-        result.rows.extend(rejected)
-        result.inputs = source
+        return Job(plan, name, version_dir, config, where, entrants, rejected, scenarios, feeds, source,
+                   completed, digest, key)  # fmt: skip
+
+    def race(
+        self, job: Job, entrants: list[Entrant], budget_s: float | None = None,
+        pace: Callable[[], float] | None = None,
+    ) -> RaceResult:  # fmt: skip
+        """Time `entrants` (fresh ones: rows are filled in) and pick the winner."""
+        result = self._race(job.name, entrants, job.scenarios, job.feeds, job.completed, budget_s, pace)
+        result.rows.extend(dataclasses.replace(r) for r in job.rejected)
+        result.inputs = job.source
         if result.fallback is None:
-            self._pick(result, entrants, plan, name, version_dir, config, where)
-        self.cache.put(digest, key, result)
-        log.info("model %s: %s", name, result.summary())
+            self._pick(result, entrants, job.plan, job.name, job.version_dir, job.config, job.where)
         return result
 
     def _still_accurate(
@@ -256,32 +312,31 @@ class Racer:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _race(
-        self,
-        name: str,
-        entrants: list[Entrant],
-        scenarios: list[Scenario],
-        feeds: dict[int, Any],
-        config: Any,
-    ) -> RaceResult:
+        self, name: str, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any],
+        config: Any, budget_s: float | None = None, pace: Callable[[], float] | None = None,
+    ) -> RaceResult:  # fmt: skip
+        budget = self.budget_s if budget_s is None else budget_s
         total = self.planner.threads()[0]
-        watch = Stopwatch(name, scenarios, feeds, config, self.budget_s, total, self.max_rounds, self.prune)
+        watch = Stopwatch(name, scenarios, feeds, config, budget, total, self.max_rounds, self.prune, pace)
         try:
             ready = watch.time(entrants)[0]
         finally:
             for e in entrants:
                 close(e)
-        result = RaceResult(
-            name, [s.name for s in scenarios], [e.row for e in entrants], budget_s=self.budget_s
-        )
-        if not ready:
-            result.fallback = (
-                f"over budget: fewer than 2 candidates could be compiled, warmed up and timed "
-                f"{MIN_ROUNDS} times within {self.budget_s:g}s (compiling took "
-                f"{sum(e.row.compile_s for e in entrants):.1f}s); the profile's order decides"
+        result = RaceResult(name, [s.name for s in scenarios], [e.row for e in entrants], budget_s=budget)
+        result.final = not watch.partial
+        if watch.partial and len(ready) >= 2:
+            # The evidence decides, not the rule: medians of the warm-up samples, with their spread.
+            result.evidence = (
+                f"decided on {WARM_ROUNDS} warm-up rounds per candidate: the {budget:g}s budget ran out "
+                "before the timed rounds"
             )
-            for e in entrants:
-                if e.row.status == TIMED:
-                    e.row.status, e.row.reason = OVER_BUDGET, "warmed up, but too few candidates to race"
+        elif watch.partial:
+            result.fallback = (
+                f"over budget: fewer than 2 candidates could be compiled and warmed up within "
+                f"{budget:g}s (compiling took {sum(e.row.compile_s for e in entrants):.1f}s); with no "
+                "evidence to compare, the profile's order decides"
+            )
         result.seconds = time.monotonic() - watch.start
         return result
 

@@ -17,6 +17,8 @@ from edgeserve.hardware.digest_cache import DigestCache
 log = logging.getLogger("edgeserve.hardware.race")
 
 TIMED, REJECTED, OVER_BUDGET, FAILED, SKIPPED = "timed", "rejected", "over budget", "failed", "skipped"
+# The least gain worth a switch: below it, a busy box's drift alone could flip the order back.
+MIN_MARGIN = 0.05
 
 
 @dataclass
@@ -37,6 +39,10 @@ class Row:
     compile_s: float = 0.0
     rounds: int = 0
     guarded: bool = False  # a lower precision that must pass the accuracy guard
+    # The spread of score_ms: the same geometric mean from each scenario's lower and upper quartile
+    # sample (with 2 samples: the faster and the slower). A difference inside it is noise.
+    low_ms: float | None = None
+    high_ms: float | None = None
 
     def label(self) -> str:
         device = "" if self.device == "CPU" else f" {self.device}"
@@ -44,12 +50,31 @@ class Row:
         layout = f" {self.instances}x{self.threads}" if self.instances else ""  # none: rejected untimed
         return f"{self.backend}{device} {self.precision}{layout}{hint}"
 
+    def noise(self) -> float:
+        """Half the relative spread of score_ms (0.1 = +-10%)."""
+        if self.score_ms is None or self.low_ms is None or self.high_ms is None or self.score_ms <= 0:
+            return 0.0
+        return (self.high_ms - self.low_ms) / (2 * self.score_ms)
+
+    def evidence(self) -> str:
+        if self.score_ms is None:
+            return ""
+        spread = f" [{self.low_ms:.3g}-{self.high_ms:.3g}]" if self.low_ms and self.high_ms else ""
+        return f"{self.score_ms:.3g}{spread} ms/inference over {self.rounds} rounds"
+
     def throughput(self) -> float | None:
         """Inferences per second in the best scenario (the largest batch, all instances busy)."""
         if not self.per_item_ms:
             return None
         best = min(self.per_item_ms.values())
         return 1000.0 / best if best > 0 else None
+
+
+def clearly_faster(a: Row, b: Row) -> bool:
+    """`a` beats `b` by more than the noise either showed (and by MIN_MARGIN at least)."""
+    if a.score_ms is None or b.score_ms is None:
+        return False
+    return a.score_ms * (1 + max(MIN_MARGIN, a.noise(), b.noise())) < b.score_ms
 
 
 @dataclass
@@ -63,6 +88,10 @@ class RaceResult:
     seconds: float = 0.0
     inputs: str = ""  # what the candidates were fed
     cached: bool = False
+    # False: decided on warm-up evidence (the budget ran out before MIN_ROUNDS rounds) or by the rule
+    # with no evidence; a background race at low priority finishes it (race_background.py).
+    final: bool = True
+    evidence: str = ""  # what the decision rests on, when it is not a full race
 
     @property
     def chosen(self) -> Row | None:
@@ -75,8 +104,9 @@ class RaceResult:
 
     def summary(self) -> str:
         """One line for logs and the served config: the winner against the others, and why."""
+        state = "final" if self.final else "provisional, racing on in the background"
         if self.chosen is None:
-            return f"race fell back to the rule: {self.fallback or 'no winner'}"
+            return f"race fell back to the rule: {self.fallback or 'no winner'} ({state})"
         others = [r for r in self.ranked() if r is not self.chosen][:3]
         text = f"raced: {self.chosen.label()} {self.chosen.score_ms:.3g} ms/inference"
         if others:
@@ -84,12 +114,21 @@ class RaceResult:
         lost = [r for r in self.rows if r.status == REJECTED and r.score_ms is not None]
         if lost:
             text += "; faster but rejected: " + ", ".join(f"{r.label()} ({r.reason})" for r in lost)
-        text += f" ({', '.join(self.scenarios)}; {'cached' if self.cached else f'{self.seconds:.1f}s'})"
-        return text
+        when = "cached" if self.cached else f"{self.seconds:.1f}s"
+        text += f" ({', '.join(self.scenarios)}; {when}; {state}"
+        if self.evidence:
+            text += f"; {self.evidence}"
+        return text + ")"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["summary"] = self.summary()
+        chosen = self.chosen
+        data["plan"] = {  # what serves and what it rests on (edgeserve detect --json, runtime-plan.json)
+            "chosen": chosen.label() if chosen else None,
+            "final": self.final,
+            "evidence": chosen.evidence() if chosen else (self.fallback or ""),
+        }
         data.pop("cached")
         return data
 
@@ -110,19 +149,29 @@ class RaceResult:
             seconds=float(data.get("seconds", 0.0)),
             inputs=str(data.get("inputs", "")),
             cached=True,
+            final=bool(data.get("final", True)),
+            evidence=str(data.get("evidence", "")),
         )
 
     def table(self) -> list[str]:
         """The human table of `edgeserve detect --model`."""
         cols = self.scenarios
-        head = f"  {'candidate':34} " + " ".join(f"{c[:20]:>20}" for c in cols) + f" {'inf/s':>8}  status"
+        head = f"  {'candidate':34} " + " ".join(f"{c[:20]:>20}" for c in cols)
+        head += f" {'inf/s':>8} {'ms/inf [spread] n':>24}  status"
         lines = [head]
         for row in self.rows:
             cells = " ".join(f"{(f'{row.ms[c]:.3f} ms' if c in row.ms else '-'):>20}" for c in cols)
             rate = row.throughput()
+            spread = "-"
+            if row.score_ms is not None:
+                spread = f"{row.score_ms:.3g}"
+                if row.low_ms is not None and row.high_ms is not None:
+                    spread += f" [{row.low_ms:.3g}-{row.high_ms:.3g}]"
+                spread += f" {row.rounds}"
             mark = "WINNER" if row is self.chosen else row.status
             why = f" ({row.reason})" if row.reason else ""
-            lines.append(f"  {row.label():34} {cells} {(f'{rate:.1f}' if rate else '-'):>8}  {mark}{why}")
+            rate_text = f"{rate:.1f}" if rate else "-"
+            lines.append(f"  {row.label():34} {cells} {rate_text:>8} {spread:>24}  {mark}{why}")
         return lines
 
 

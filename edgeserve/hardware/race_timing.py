@@ -22,6 +22,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,10 @@ class Stopwatch:
     def __init__(
         self, name: str, scenarios: list[Scenario], feeds: dict[int, Any], config: Any, budget_s: float,
         threads: int, max_rounds: int = MAX_ROUNDS, prune: float = PRUNE,
+        pace: Callable[[], float] | None = None,
     ) -> None:  # fmt: skip
+        """`pace`: called before each compile and each turn (the background race's throttle); returns
+        the seconds it held the race back, which do not count against the budget."""
         self.name = name
         self.scenarios = scenarios
         self.feeds = feeds
@@ -79,10 +83,19 @@ class Stopwatch:
         self.threads = threads
         self.max_rounds = max(MIN_ROUNDS, max_rounds)
         self.prune = prune
+        self.pace = pace
         self.start = 0.0
+        self.idle = 0.0  # seconds `pace` held the race back
+        # True when the budget ran out before MIN_ROUNDS rounds: `time` then returns the candidates
+        # scored on their warm-up rounds (the evidence there is), not a race
+        self.partial = False
 
     def left(self) -> float:
-        return self.budget_s - (time.monotonic() - self.start)
+        return self.budget_s - (time.monotonic() - self.start - self.idle)
+
+    def _pace(self) -> None:
+        if self.pace is not None:
+            self.idle += self.pace()
 
     def time(self, entrants: list[Entrant]) -> tuple[list[Entrant], int]:
         """Warm up and time `entrants` (rows are filled in); returns (the timed ones, rounds): none when
@@ -103,6 +116,7 @@ class Stopwatch:
                 pending, later = later, []
             e = pending.pop(0)
             number += 1
+            self._pace()
             if e.option in pruned:
                 e.row.status, e.row.reason = SKIPPED, "its first layout was clearly slower"
                 continue
@@ -125,19 +139,27 @@ class Stopwatch:
             # rounds are enough to call it
             _score(ready[0], self.scenarios, WARM_ROUNDS)
             return ready, WARM_ROUNDS
-        if len(ready) < 2:
-            return [], 0  # nothing, or only one candidate, could be warmed up in time: no race
-        if (MIN_ROUNDS - WARM_ROUNDS) * sum(e.estimate_s for e in ready) > self.left():
-            return [], 0
+        if len(ready) < 2 or (MIN_ROUNDS - WARM_ROUNDS) * sum(e.estimate_s for e in ready) > self.left():
+            return self._warm_only(entrants), WARM_ROUNDS  # no race: what the warm-up measured
         rounds = self._rounds(ready, self.max_rounds)
         for e in ready:
             _score(e, self.scenarios, rounds)
         return ready, rounds
 
+    def _warm_only(self, entrants: list[Entrant]) -> list[Entrant]:
+        """The budget ran out: every candidate warmed up (those cut from the rounds too) is scored on
+        its warm-up samples, marked as such."""
+        self.partial = True
+        warm = [e for e in entrants if e.samples and e.row.status not in (SKIPPED, FAILED)]
+        for e in warm:
+            _score(e, self.scenarios, WARM_ROUNDS)
+            e.row.reason = "warm-up rounds only: the budget ran out before the timed rounds"
+        return warm
+
     def _fits(self, e: Entrant, entrants: list[Entrant], compile_s: dict[str, float]) -> bool:
         """Leave room for MIN_ROUNDS rounds of what is warm, this one included (as slow as the slowest):
         compiling everything and timing nothing would be no race. The first two always try."""
-        spent = time.monotonic() - self.start
+        spent = self.budget_s - self.left()
         guess = compile_s.get(e.option.backend, 0.0) * e.row.instances
         estimates = [x.estimate_s for x in entrants if x.instances]
         reserve = (MIN_ROUNDS - WARM_ROUNDS) * sum(estimates) + MIN_ROUNDS * max(estimates, default=0.0)
@@ -221,6 +243,7 @@ class Stopwatch:
             t0 = time.monotonic()
             shift = rounds % len(ready)
             for e in ready[shift:] + ready[:shift]:
+                self._pace()
                 time.sleep(GAP_S)  # the previous candidate's worker threads go idle first
                 for s in self.scenarios:
                     e.samples[s.name].append(run_once(e, s, self.feeds[s.batch]))
@@ -234,8 +257,16 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(max(x, 1e-9)) for x in values) / len(values))
 
 
+def _quartiles(samples: list[int]) -> tuple[float, float]:
+    """Lower and upper quartile (the two samples themselves when there are two)."""
+    if len(samples) < 2:
+        return float(samples[0]), float(samples[0])
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return (float(min(samples)), float(max(samples))) if len(samples) == 2 else (q[0], q[2])
+
+
 def _items(e: Entrant, s: Scenario) -> int:
-    return s.batch * (len(e.instances) if s.saturate else 1)
+    return s.batch * (e.row.instances if s.saturate else 1)  # also once closed (cut, scored on warm-up)
 
 
 def run_once(e: Entrant, s: Scenario, feed: dict[str, Any]) -> int:
@@ -251,13 +282,18 @@ def run_once(e: Entrant, s: Scenario, feed: dict[str, Any]) -> int:
 
 def _score(e: Entrant, scenarios: list[Scenario], rounds: int) -> None:
     row = e.row
-    logs = []
+    logs, lows, highs = [], [], []
     for s in scenarios:
-        ms = statistics.median(e.samples[s.name]) / 1e6
+        samples = e.samples[s.name]
+        ms = statistics.median(samples) / 1e6
         row.ms[s.name] = ms
         row.per_item_ms[s.name] = ms / _items(e, s)
         logs.append(math.log(max(row.per_item_ms[s.name], 1e-9)))
+        low, high = _quartiles(samples)
+        lows.append(low / 1e6 / _items(e, s))
+        highs.append(high / 1e6 / _items(e, s))
     row.score_ms = math.exp(sum(logs) / len(logs))
+    row.low_ms, row.high_ms = _geomean(lows), _geomean(highs)
     row.rounds, row.status = len(e.samples[scenarios[0].name]), TIMED
 
 

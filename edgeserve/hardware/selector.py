@@ -13,6 +13,7 @@ never a silent substitute.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from pathlib import Path
@@ -25,6 +26,7 @@ from edgeserve.hardware.plan import ModelPlan, Planner
 from edgeserve.hardware.probes import HardwareInfo, probe_hardware
 from edgeserve.hardware.profile import DeviceProfile, load_profiles, match_profile
 from edgeserve.hardware.race import Racer
+from edgeserve.hardware.race_background import BackgroundRaces
 from edgeserve.hardware.race_result import RaceCache, RaceResult
 from edgeserve.hardware.runtimes import RuntimeInventory, detect_runtimes
 from edgeserve.protocol.errors import InferenceError, Status
@@ -59,9 +61,34 @@ class PlanSelector:
         # The race times models on this machine: only when the probed root is this machine.
         budget = settings.runtime.race_budget_s if self.hardware.is_live and guard is not None else 0.0
         self.racer = Racer(self.planner, RaceCache(default_cache_dir(settings)), budget)
+        self.background = BackgroundRaces()
+        self.racer.background = self.background if budget > 0 else None
         log.info(
             "device profile %s (%s); %s", self.profile.name, self.profile.source, self.hardware.cpu.summary()
         )
+
+    def attach(self, repository: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Let background races see the served models' queues (they pause while requests queue) and
+        switch a model by reloading it on the event loop (manager.py swaps atomically)."""
+
+        def busy() -> bool:
+            for served in repository.served():
+                try:
+                    if served.managed_scheduler.pending_count() > 0:
+                        return True
+                except Exception:  # an ensemble has no scheduler of its own
+                    continue
+            return False
+
+        def switch(name: str) -> None:
+            if repository.is_ready(name) and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(_reload(repository, name), loop)
+
+        self.background.attach(busy, switch)
+
+    def close(self) -> None:
+        """Stop the background races (their candidates are closed; what serves stays)."""
+        self.background.stop()
 
     def plan(self, model_name: str, version_dir: Path, config: Any, where: str | None = None) -> ModelPlan:
         return self.planner.plan_model(model_name, version_dir, config, where)
@@ -93,8 +120,10 @@ class PlanSelector:
         race = self.racer.run(plan, model_name, version_dir, config, where)
         if race is not None and race.chosen is not None:
             return self._raced(race, plan, config, version_dir)
+        shown: dict[str, str] = {}
         if race is not None:
             reason += f"; {race.summary()}"
+            shown = {"runtime_choice": reason, "runtime_choice_final": str(race.final).lower()}
         fallbacks: tuple[BackendChoice, ...] = ()
         if not plan.pins.backend:
             fallbacks = tuple(
@@ -108,7 +137,12 @@ class PlanSelector:
                 if v.artifact is not None
             )
         return BackendChoice(
-            chosen.option.backend, chosen.artifact or version_dir, plan.options, reason, fallbacks
+            chosen.option.backend,
+            chosen.artifact or version_dir,
+            plan.options,
+            reason,
+            fallbacks,
+            shown=shown,
         )
 
     def _raced(self, race: RaceResult, plan: ModelPlan, config: Any, version_dir: Path) -> BackendChoice:
@@ -139,5 +173,13 @@ class PlanSelector:
         first = choices[0]
         return BackendChoice(
             first.backend_name, first.model_path, first.options, text, tuple(choices[1:]),
-            instances=first.instances, shown={"runtime_choice": text},
+            instances=first.instances,
+            shown={"runtime_choice": text, "runtime_choice_final": str(race.final).lower()},
         )  # fmt: skip
+
+
+async def _reload(repository: Any, name: str) -> None:
+    try:
+        await repository.load(name)
+    except Exception as exc:  # the reload keeps the old version serving when it fails
+        log.warning("model %s: switching to the background race's winner failed: %s", name, exc)

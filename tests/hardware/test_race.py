@@ -106,12 +106,14 @@ def test_a_tiny_budget_falls_back_to_the_rule_and_says_so(model: Path, tmp_path:
     race = _race(selector, model)
     assert race is not None and race.chosen is None
     assert race.fallback is not None and race.fallback.startswith("over budget")
-    assert all(r.score_ms is None for r in race.rows)
+    assert "no evidence to compare" in race.fallback and not race.final  # the background race goes on
+    assert len([r for r in race.rows if r.score_ms is not None]) <= 1  # at most the rule's, warmed up
     assert any(r.status == OVER_BUDGET and "budget" in r.reason for r in race.rows)
     choice = selector.choose("wide", model, model / "1", parse_pbtxt(model / "config.pbtxt"))
     rule = selector.plan("wide", model / "1", parse_pbtxt(model / "config.pbtxt")).chosen
     assert rule is not None and choice.backend_name == rule.option.backend
     assert "race fell back to the rule: over budget" in choice.reason and choice.instances == 0
+    assert "provisional" in choice.reason and choice.shown["runtime_choice_final"] == "false"
 
 
 def test_budget_zero_does_not_race(model: Path, tmp_path: Path) -> None:
@@ -181,6 +183,7 @@ def test_detect_model_prints_the_race_table(model: Path, tmp_path: Path) -> None
     assert data["cached"] is True and data["race"]["winner"] is not None
     rows = data["race"]["rows"]
     winner = rows[data["race"]["winner"]]
+    winner_label = RaceResult.from_dict(data["race"]).rows[data["race"]["winner"]].label()
     timed = [r for r in rows if r["score_ms"] is not None and r["status"] != REJECTED]
     assert winner["score_ms"] == min(r["score_ms"] for r in timed)
     assert {r["status"] for r in rows} <= {TIMED, REJECTED, OVER_BUDGET, "failed", "skipped"}
@@ -191,7 +194,10 @@ def test_detect_model_prints_the_race_table(model: Path, tmp_path: Path) -> None
         capture_output=True, text=True, cwd=ROOT, timeout=180, env=env,
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
-    assert "race     raced: " in plain.stdout and "; cached)" in plain.stdout
+    assert "race     raced: " in plain.stdout and "; cached; " in plain.stdout
+    # the plan says whether it is final and what it rests on
+    assert ("; cached; final" in plain.stdout) is data["race"]["plan"]["final"], plain.stdout
+    assert data["race"]["plan"]["chosen"] == winner_label and data["race"]["plan"]["evidence"]
 
 
 @pytest.mark.skipif(not probe_hardware("/").cpu.bf16, reason="this CPU has no native bf16")

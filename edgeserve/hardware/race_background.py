@@ -1,0 +1,164 @@
+"""The background race: finishes a load-time race that the budget cut short, while the model serves.
+
+A load never waits for it: the load serves the best choice the evidence allowed (race.py), and this
+races the same candidates again in a daemon thread, at low priority:
+- its thread (and the runtime threads it creates: ONNX Runtime's pools, the layout pools) run at nice
+  19, so the served model's threads always go first;
+- a bounded CPU share (SHARE): after each turn it idles for as long as the turn took, times
+  (1 - SHARE) / SHARE;
+- paused while any served model has requests queued, or a load-time race runs (it would time them);
+- its budget (BUDGET_S, or twice the load's budget when that is larger) counts only the time it ran.
+When it ends, the result is final and cached. If its winner is faster than what serves by more than
+the noise (race_result.clearly_faster), the model is reloaded, which switches atomically: the new
+instances load beside the old ones, the served map changes in one assignment and the old version
+drains (manager.py), so no request fails or is dropped; the reload reads the final result from the
+cache. Otherwise what serves stays, and the final result says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from edgeserve.hardware.race import _RACING, Job, Racer
+from edgeserve.hardware.race_result import REJECTED, RaceResult, Row, clearly_faster
+
+log = logging.getLogger("edgeserve.hardware.race")
+
+SHARE = 0.5  # of the wall time the background race may run
+BUDGET_S = 20.0  # active seconds (compile + timing), at least twice the load's budget
+NICE = 19
+POLL_S = 0.05  # how often a paused race looks again
+
+
+class Cancelled(Exception):
+    """The server stops: the background race ends, its candidates closed."""
+
+
+class Pacer:
+    """The Stopwatch's `pace`: holds the race back for its CPU share, while requests queue or another
+    race runs; returns the seconds it held it."""
+
+    def __init__(self, share: float, busy: Callable[[], bool], stop: threading.Event) -> None:
+        self.share = share
+        self.busy = busy
+        self.stop = stop
+        self.mark = time.monotonic()
+
+    def __call__(self) -> float:
+        start = time.monotonic()
+        self.stop.wait((start - self.mark) * (1 - self.share) / self.share)
+        while not self.stop.is_set() and (_RACING.locked() or self.busy()):
+            self.stop.wait(POLL_S)
+        if self.stop.is_set():
+            raise Cancelled
+        self.mark = time.monotonic()
+        return self.mark - start
+
+
+class BackgroundRaces:
+    """One background race per race key at a time; `attach` tells it when to pause and how to switch."""
+
+    def __init__(self, share: float = SHARE, budget_s: float = BUDGET_S) -> None:
+        self.share = share
+        self.budget_s = budget_s
+        self.busy: Callable[[], bool] = lambda: False
+        self.switch: Callable[[str], None] = lambda name: None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running: dict[str, threading.Thread] = {}  # race key -> thread
+        self._done: dict[str, threading.Event] = {}  # model -> set when its background race ended
+        self.attached = False  # only a server races on (`edgeserve detect` and tests stop at the load)
+
+    def attach(self, busy: Callable[[], bool], switch: Callable[[str], None]) -> None:
+        self.busy, self.switch, self.attached = busy, switch, True
+
+    def start(self, racer: Racer, job: Job, provisional: RaceResult) -> None:
+        with self._lock:
+            if not self.attached or self._stop.is_set() or job.key in self._running:
+                return
+            done = self._done[job.name] = threading.Event()
+            thread = threading.Thread(
+                target=self._run, args=(racer, job, provisional, done), name=f"race-{job.name}", daemon=True
+            )
+            self._running[job.key] = thread
+        log.info("model %s: racing on in the background (%.0f%% CPU share, nice %d)", job.name,
+                 self.share * 100, NICE)  # fmt: skip
+        thread.start()
+
+    def wait(self, model: str, timeout_s: float) -> bool:
+        """True once `model`'s background race (started already) has ended."""
+        with self._lock:
+            done = self._done.get(model)
+        return done is not None and done.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        with self._lock:
+            threads = list(self._running.values())
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _run(self, racer: Racer, job: Job, provisional: RaceResult, done: threading.Event) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread only (Linux)
+        except (OSError, AttributeError):
+            log.debug("cannot lower the background race's priority", exc_info=True)
+        try:
+            self._finish(racer, job, provisional)
+        except Cancelled:
+            log.info("model %s: background race stopped", job.name)
+        except Exception:  # it must never take the server down: what serves stays
+            log.exception("model %s: background race failed", job.name)
+        finally:
+            with self._lock:
+                self._running.pop(job.key, None)
+            done.set()
+
+    def _finish(self, racer: Racer, job: Job, provisional: RaceResult) -> None:
+        entrants, _ = racer.entrants(job.plan, job.config)
+        budget = max(self.budget_s, 2 * racer.budget_s)
+        result = racer.race(job, entrants, budget, Pacer(self.share, self.busy, self._stop))
+        serving = served_label(racer, job, provisional)
+        current = next((r for r in result.rows if r.label() == serving and r.status != REJECTED), None)
+        best = result.chosen
+        if (
+            best is not None
+            and current is not None
+            and current is not best
+            and current.score_ms is not None  # timed (not dropped as clearly slower)
+            and not clearly_faster(best, current)
+        ):
+            # inside the noise: a switch would buy nothing measurable
+            result.winner = result.rows.index(current)
+            result.evidence = (
+                f"{best.label()} was {best.score_ms:.3g} ms/inference, within the noise of what serves "
+                f"({current.evidence()}): no switch"
+            )
+        if result.chosen is None and result.fallback is None:
+            result.fallback = "no timed candidate passed the accuracy guard"
+        if not result.final:  # even the background budget ran out: its evidence is the last word
+            result.evidence = result.evidence or "background race: warm-up rounds only"
+        result.final = True
+        racer.cache.put(job.digest, job.key, result)
+        log.info("model %s: background race: %s", job.name, result.summary())
+        winner = result.chosen.label() if result.chosen is not None else None
+        if winner is not None and winner != serving and not self._stop.is_set():
+            log.info("model %s: switching from %s to %s (measured faster in the background race)", job.name,
+                     serving, winner)  # fmt: skip
+            self.switch(job.name)
+
+
+def served_label(racer: Racer, job: Job, provisional: RaceResult) -> str:
+    """The candidate the provisional result serves: its winner, else the rule's choice in the layout a
+    load without a race gets."""
+    if provisional.chosen is not None:
+        return provisional.chosen.label()
+    assert job.plan.chosen is not None and job.plan.options is not None
+    option, options = job.plan.chosen.option, job.plan.options
+    instances = sum(max(int(g.count), 1) for g in getattr(job.config, "instance_group", [])) or 1
+    hint = options.performance_hint if option.backend == "openvino" else ""
+    return Row(option.backend, option.device, option.precision, instances, options.threads, hint).label()
