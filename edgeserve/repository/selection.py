@@ -102,13 +102,17 @@ class DefaultSelector:
         if pinned:
             params[PINNED_PARAMETER] = backend_name
         providers = ("CUDAExecutionProvider",) if gpu and backend_name == "onnxruntime" else ()
+        cache = runtime.cache_dir
+        if cache is None and backend_name == "tensorrt":
+            # Never beside the model: a bundle's version folder must hold only what its manifest lists.
+            cache = self.settings.server.state_dir / "cache" / "tensorrt"
         return BackendOptions(
             device=gpu or "CPU",
             precision="fp32",
             threads=threads,
             providers=providers,
             performance_hint=runtime.openvino_performance_hint,
-            cache_dir=runtime.cache_dir,
+            cache_dir=cache,
             parameters=params,
         )
 
