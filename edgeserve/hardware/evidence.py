@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from edgeserve.hardware.probes.cpu import CpuInfo
-    from edgeserve.hardware.profile import Candidate, DeviceProfile
+from edgeserve.hardware.probes.cpu import CpuInfo
 
 # Highest first; a CPU is in the first tier whose feature it has (normalized names, probes/cpu.py).
 X86_TIERS: tuple[str, ...] = ("amx", "avx512_vnni", "avx512", "avx2")
@@ -41,6 +39,22 @@ _VENDORS = {
     "arm": "arm", "nvidia": "nvidia", "qualcomm": "qualcomm", "apple": "apple",
 }  # fmt: skip
 _KEYS = {"cpu", "vendor", "isa", "model", "ms", "source", "date", "note"}
+
+
+class CandidateLike(Protocol):
+    """What the rule reads of a profile's candidate (profile.Candidate, which imports this module)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def note(self) -> str: ...
+
+
+C = TypeVar("C", bound=CandidateLike)
 
 
 class EvidenceError(ValueError):
@@ -72,10 +86,10 @@ class CpuClass:
 
 
 @dataclass(frozen=True)
-class Rule:
+class Rule(Generic[C]):
     """The profile's candidates in the order for this CPU, and what that order rests on."""
 
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[C, ...]
     cpu: CpuClass
     basis: str  # one line: the measurements it rests on, or that none applies here
     evidence: tuple[Measurement, ...] = ()
@@ -147,23 +161,22 @@ def _scores(evidence: tuple[Measurement, ...]) -> dict[str, float]:
     return {b: round(math.exp(sum(v) / len(v)), 3) for b, v in logs.items()}
 
 
-def rule_for(profile: DeviceProfile, cpu: CpuInfo) -> Rule:
-    """The profile's candidates ordered for this CPU by the measurements of its class, each CPU
+def rule_for(profile: str, listed: Sequence[C], measured: Sequence[Measurement], cpu: CpuInfo) -> Rule[C]:
+    """Profile `profile`'s candidates ordered for this CPU by the measurements of its class, each CPU
     candidate's note saying what its place rests on."""
     here = cpu_class(cpu)
-    measured = getattr(profile, "measurements", ())
     same = tuple(m for m in measured if m.isa == here.tier and m.vendor == here.vendor)
     evidence = same or tuple(m for m in measured if m.isa == here.tier)
     if not evidence:
         elsewhere = sorted({f"{m.vendor} {m.isa}" for m in measured})
         seen = f" (it has some for {', '.join(elsewhere)} CPUs)" if elsewhere else ""
-        basis = f"the profile's order, unmeasured on {here} CPUs: {profile.name} has no measurements for them"
+        basis = f"the profile's order, unmeasured on {here} CPUs: {profile} has no measurements for them"
         basis += seen
-        return Rule(tuple(_noted(c, basis) for c in profile.candidates), here, basis)
+        return Rule(tuple(_noted(c, basis) for c in listed), here, basis)
     scores = _scores(evidence)
-    slots = [i for i, c in enumerate(profile.candidates) if c.device == "CPU" and c.backend in scores]
-    ordered = sorted((profile.candidates[i] for i in slots), key=lambda c: scores[c.backend])  # stable
-    candidates = list(profile.candidates)
+    slots = [i for i, c in enumerate(listed) if c.device == "CPU" and c.backend in scores]
+    ordered = sorted((listed[i] for i in slots), key=lambda c: scores[c.backend])  # stable
+    candidates = list(listed)
     for slot, cand in zip(slots, ordered, strict=True):
         candidates[slot] = cand
     kind = f"measured on {here} CPUs" if same else f"measured on other vendors' {here.tier} CPUs"
@@ -180,7 +193,7 @@ def rule_for(profile: DeviceProfile, cpu: CpuInfo) -> Rule:
     )  # fmt: skip
 
 
-def _noted(cand: Candidate, basis: str) -> Candidate:
+def _noted(cand: C, basis: str) -> C:
     """An unmeasured CPU candidate says so (after the profile's own note); accelerators keep theirs."""
     if cand.device != "CPU":
         return cand

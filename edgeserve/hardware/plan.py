@@ -60,7 +60,8 @@ class Planner:
         self.runtimes = runtimes
         self.settings = settings
         self.guard = guard
-        self.rule = rule_for(profile, hw.cpu)  # the candidates in this CPU's order, with its evidence
+        # the candidates in this CPU's order, with what that order rests on
+        self.rule = rule_for(profile.name, profile.candidates, profile.measurements, hw.cpu)
 
     # -- box-wide --------------------------------------------------------------------------------
     def threads(self, instances: int = 1) -> tuple[int, str]:

@@ -140,11 +140,14 @@ def test_shipped_profiles_record_the_cpu_of_every_measurement() -> None:
     assert x86.measurements, "x86-cpu orders its CPU candidates from measurements"
     for m in x86.measurements:
         assert m.cpu and m.vendor and m.isa and m.model and m.source and len(m.ms) >= 2
-    on_amd = rule_for(x86, probe_hardware(FIXTURES / "aws-inferentia").cpu)
+    on_amd = rule_for(
+        x86.name, x86.candidates, x86.measurements, probe_hardware(FIXTURES / "aws-inferentia").cpu
+    )
     assert on_amd.basis.startswith("measured on amd avx2 CPUs") and "open_nsfw" in on_amd.basis
-    on_intel = rule_for(x86, probe_hardware(FIXTURES / "x86-cpu").cpu)
+    on_intel = rule_for(x86.name, x86.candidates, x86.measurements, probe_hardware(FIXTURES / "x86-cpu").cpu)
     assert on_intel.basis.startswith("the profile's order, unmeasured on intel amx CPUs")
-    on_arm = rule_for(profiles["arm-cpu"], probe_hardware(FIXTURES / "arm-rk3588").cpu)
+    arm = profiles["arm-cpu"]
+    on_arm = rule_for(arm.name, arm.candidates, arm.measurements, probe_hardware(FIXTURES / "arm-rk3588").cpu)
     assert on_arm.basis == (
         "the profile's order, unmeasured on arm dotprod CPUs: arm-cpu has no measurements for them"
     )
