@@ -2,11 +2,13 @@
 
 A load never waits for it: the load serves the best choice the evidence allowed (race.py), and this
 races the same candidates again in a daemon thread, at low priority:
-- its thread (and the runtime threads it creates: ONNX Runtime's pools, the layout pools) run at nice
-  19, so the served model's threads always go first;
 - a bounded CPU share (SHARE): after each turn it idles for as long as the turn took, times
   (1 - SHARE) / SHARE;
 - paused while any served model has requests queued, or a load-time race runs (it would time them);
+- at the served model's own scheduling priority, not niced: at nice 19 a busy box (the other work that
+  made the budget run out) leaves it a few percent of a core, so it would time the scheduler rather
+  than the runtimes and would not end within a minute; the share and the pauses keep it off the
+  requests' way instead;
 - its budget (BUDGET_S, or twice the load's budget when that is larger) counts only the time it ran.
 When it ends, the result is final and cached. If its winner is faster than what serves by more than
 the noise (race_result.clearly_faster), the model is reloaded, which switches atomically: the new
@@ -18,7 +20,6 @@ cache. Otherwise what serves stays, and the final result says so.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,6 @@ log = logging.getLogger("edgeserve.hardware.race")
 
 SHARE = 0.5  # of the wall time the background race may run
 BUDGET_S = 20.0  # active seconds (compile + timing), at least twice the load's budget
-NICE = 19
 POLL_S = 0.05  # how often a paused race looks again
 
 
@@ -85,8 +85,8 @@ class BackgroundRaces:
                 target=self._run, args=(racer, job, provisional, done), name=f"race-{job.name}", daemon=True
             )
             self._running[job.key] = thread
-        log.info("model %s: racing on in the background (%.0f%% CPU share, nice %d)", job.name,
-                 self.share * 100, NICE)  # fmt: skip
+        log.info("model %s: racing on in the background (%.0f%% of the time, paused while requests queue)",
+                 job.name, self.share * 100)  # fmt: skip
         thread.start()
 
     def wait(self, model: str, timeout_s: float) -> bool:
@@ -104,11 +104,7 @@ class BackgroundRaces:
 
     def _run(self, racer: Racer, job: Job, provisional: RaceResult, done: threading.Event) -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread only (Linux)
-        except (OSError, AttributeError):
-            log.debug("cannot lower the background race's priority", exc_info=True)
-        try:
-            self._finish(racer, job, provisional)
+            self.finish(racer, job, provisional)
         except Cancelled:
             log.info("model %s: background race stopped", job.name)
         except Exception:  # it must never take the server down: what serves stays
@@ -118,7 +114,8 @@ class BackgroundRaces:
                 self._running.pop(job.key, None)
             done.set()
 
-    def _finish(self, racer: Racer, job: Job, provisional: RaceResult) -> None:
+    def finish(self, racer: Racer, job: Job, provisional: RaceResult) -> RaceResult:
+        """Race `job` again (in the calling thread), cache the final result, switch if it won clearly."""
         entrants, _ = racer.entrants(job.plan, job.config)
         budget = max(self.budget_s, 2 * racer.budget_s)
         result = racer.race(job, entrants, budget, Pacer(self.share, self.busy, self._stop))
@@ -150,6 +147,7 @@ class BackgroundRaces:
             log.info("model %s: switching from %s to %s (measured faster in the background race)", job.name,
                      serving, winner)  # fmt: skip
             self.switch(job.name)
+        return result
 
 
 def served_label(racer: Racer, job: Job, provisional: RaceResult) -> str:
