@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/frontends/http -x`.
 # EDGESERVE_PYTHON=/usr/bin/python3 (any interpreter >= 3.10) tests on that Python instead, in its own
 # venv .venvs/<version> (scripts/setup-env.sh). In CI (CI=true) the whole suite is followed by
-# tests/ota, tests/security and tests/fleet on Debian's /usr/bin/python3 when that is another release:
+# tests/ota, tests/security and tests/fleet on Debian's /usr/bin/python3 when that is another build:
 # it is the Python most appliances run (3.11.2 on Debian 12 / Raspberry Pi OS bookworm).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
