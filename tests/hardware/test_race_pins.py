@@ -5,7 +5,10 @@ under the config's pins."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hw_helpers import settings
@@ -114,3 +117,42 @@ def test_a_pinned_precision_races_both_runtimes_at_that_precision(tmp_path: Path
     assert race is not None and {r.backend for r in race.rows} == {"onnxruntime", "openvino"}
     assert {r.precision for r in race.rows} == {"fp32"}, race.table()  # bf16 is no candidate, not a row
     assert all(r.status != REJECTED or r.score_ms is not None for r in race.rows), race.table()
+
+
+def test_a_real_server_serves_the_raced_layout_of_a_pinned_backend_and_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    from es_server import start_server
+
+    model = _model(tmp_path, 'backend: "onnxruntime"\n')
+    _selector(tmp_path)  # skips on a one-CPU box
+    env = {"EDGESERVE_RUNTIME_RACE_BUDGET_S": str(BUDGET_S)}
+
+    def served() -> tuple[dict[str, Any], list[float]]:
+        # generous: starting two runtimes and racing on a 2-core box under other tests' load is slow
+        server = start_server(model.parent, tmp_path, env=env, timeout=600.0)
+        try:
+            with urllib.request.urlopen(f"{server.base}/v2/models/wide/config", timeout=60) as response:
+                config = json.loads(response.read())
+            body = {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]}
+            request = urllib.request.Request(
+                f"{server.base}/v2/models/wide/infer", json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=60) as response:
+                answer = json.loads(response.read())
+        finally:
+            server.stop()
+        return config, answer["outputs"][0]["data"]
+
+    config, first = served()
+    choice = config["parameters"]["runtime_choice"]["string_value"]
+    assert "raced: onnxruntime fp32 " in choice and "backend pinned by config backend 'onnxruntime'" in choice
+    assert "openvino" not in choice  # only the pinned runtime was a candidate
+    winner = choice.split("raced: onnxruntime fp32 ")[1].split()[0]  # e.g. "2x1"
+    instances = int(winner.split("x")[0])
+    assert sum(int(g.get("count", 1)) for g in config["instance_group"]) == instances
+    again, second = served()  # the restart reads the cached race: the same layout, the same answers
+    assert "cached" in again["parameters"]["runtime_choice"]["string_value"]
+    assert f"raced: onnxruntime fp32 {winner}" in again["parameters"]["runtime_choice"]["string_value"]
+    assert second == first
