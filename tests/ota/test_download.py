@@ -178,11 +178,10 @@ def test_wrong_bytes_fail_the_hash_and_leave_nothing(
 def test_stall_is_retried_and_completes(bundle_server: BundleServer, payload: bytes, tmp_path: Path) -> None:
     url = bundle_server.add("/b", payload, stall_after=1_000_000, stall_s=10, times=1)
     dest = tmp_path / "b"
-    started = time.monotonic()
+    # No clock: the resumed second request below is what shows the stall was cut short, not waited out.
     assert download(url, dest, expected_sha256=sha(payload), stall_timeout_s=0.5, backoff_s=0.01) == sha(
         payload
     )
-    assert time.monotonic() - started < 4
     assert [(r.range, r.status) for r in bundle_server.requests("/b")] == [
         (None, 200),
         ("bytes=1000000-", 206),
@@ -280,10 +279,9 @@ def test_part_bigger_than_the_file_restarts_once(
 
 def test_not_found_fails_at_once(bundle_server: BundleServer, tmp_path: Path) -> None:
     url = bundle_server.url("/missing.tar")
-    started = time.monotonic()
+    # "At once" is one request and no backoff (a retry would be a second request), not a time bound.
     with pytest.raises(DownloadError, match="not found") as info:
         download(url, tmp_path / "b", attempts=5, backoff_s=1.0)
-    assert time.monotonic() - started < 1
     assert "HTTP 404" in str(info.value) and url in str(info.value)
     assert len(bundle_server.requests("/missing.tar")) == 1
     assert leftovers(tmp_path / "b") == []
@@ -352,10 +350,11 @@ def test_cancel_during_backoff(bundle_server: BundleServer, payload: bytes, tmp_
     started = time.monotonic()
     try:
         with pytest.raises(DownloadError, match="cancelled"):
-            download(url, tmp_path / "b", backoff_s=10.0, cancel=cancel)
+            download(url, tmp_path / "b", backoff_s=3600.0, cancel=cancel)
     finally:
         timer.cancel()
-    assert time.monotonic() - started < 2
+    # The backoff is an hour: ending well inside it shows the cancel cut it short, however slow the box.
+    assert time.monotonic() - started < 1800
     assert len(bundle_server.requests("/b")) == 1
 
 
