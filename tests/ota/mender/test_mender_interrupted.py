@@ -9,8 +9,9 @@ then. Two kills:
           starts in its own process group, lives on and finishes its state
   power   `mender` with the module and the installer it runs (a power cut of the client side)
 `<State>` is a kill as the state begins (or between the state before and it), `<State>:done` once its work
-is done (between it and the next). Every deployment here is of v2 onto a device serving v1, which
-Mender names `edgeserve-initial`; no kill lets Mender record v2, so every case ends on v1 and that name.
+is done (between it and the next). Every killed deployment is of v2 onto a device serving v1, which
+Mender names `edgeserve-initial`; no kill lets Mender record v2, so each case ends on v1 and that name
+(after the next install's rollback, for the one case `mender rollback` cannot settle: UNRECORDED).
 """
 
 from __future__ import annotations
