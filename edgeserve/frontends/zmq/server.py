@@ -67,7 +67,9 @@ class ZmqFrontend:
     def __init__(self, dataplane: DataPlane, settings: Settings) -> None:
         self.dataplane = dataplane
         # [] = the default: in a folder only the service user can write (endpoint.py)
-        self.default_endpoint = "" if settings.zmq.endpoints else f"ipc://{server_default(settings.server.state_dir)}"
+        self.default_endpoint = (
+            "" if settings.zmq.endpoints else f"ipc://{server_default(settings.server.state_dir)}"
+        )
         self.endpoints = list(settings.zmq.endpoints) or [self.default_endpoint]
         self.max_inflight = max(1, settings.zmq.max_inflight_per_client)
         self.inline_max_ns = max(0, settings.zmq.inline_max_us) * 1000
