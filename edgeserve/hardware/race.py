@@ -48,7 +48,6 @@ from edgeserve.hardware.race_timing import (
     MAX_ROUNDS,
     MIN_ROUNDS,
     PRUNE,
-    WARM_ROUNDS,
     Entrant,
     Scenario,
     Stopwatch,
@@ -327,8 +326,10 @@ class Racer:
         result.final = not watch.partial
         if watch.partial and len(ready) >= 2:
             # The evidence decides, not the rule: medians of the warm-up samples, with their spread.
+            counts = sorted({e.row.rounds for e in ready})
+            rounds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
             result.evidence = (
-                f"decided on {WARM_ROUNDS} warm-up rounds per candidate: the {budget:g}s budget ran out "
+                f"decided on {rounds} warm-up round(s) per candidate: the {budget:g}s budget ran out "
                 "before the timed rounds"
             )
         elif watch.partial:

@@ -29,8 +29,8 @@ from edgeserve.hardware.race_result import REJECTED, RaceResult, Row, clearly_fa
 
 log = logging.getLogger("edgeserve.hardware.race")
 
-SHARE = 0.5  # of the wall time the background race may run
-BUDGET_S = 20.0  # active seconds (compile + timing), at least twice the load's budget
+SHARE = 0.6  # of the wall time the background race may run (24 s of racing in about 40 s)
+BUDGET_S = 24.0  # active seconds (compile + timing), at least twice the load's budget
 POLL_S = 0.05  # how often a paused race looks again
 
 

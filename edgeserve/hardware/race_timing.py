@@ -57,6 +57,7 @@ class Entrant:
     estimate_s: float = 0.0  # one round of every scenario (the better warm-up round)
     warm_score: float = 0.0  # the warm-up's ms per inference (medians; geometric mean over the scenarios)
     warm_best: float = 0.0  # the same from each scenario's fastest warm-up sample
+    warm_worst: float = 0.0  # ... and from its slowest
     samples: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
@@ -86,6 +87,7 @@ class Stopwatch:
         self.pace = pace
         self.start = 0.0
         self.idle = 0.0  # seconds `pace` held the race back
+        self.warmed = 0  # candidates warmed up so far
         # True when the budget ran out before MIN_ROUNDS rounds: `time` then returns the candidates
         # scored on their warm-up rounds (the evidence there is), not a race
         self.partial = False
@@ -102,6 +104,7 @@ class Stopwatch:
         fewer than two could be warmed up and timed in the budget, one when it beat every other
         candidate by PRUNE x at warm-up (scored on its warm-up rounds)."""
         self.start = time.monotonic()
+        self.warmed = 0
         log.info("model %s: racing %d candidates within %gs: %s", self.name, len(entrants), self.budget_s,
                  ", ".join(e.row.label() for e in entrants))  # fmt: skip
         compile_s: dict[str, float] = {}
@@ -199,7 +202,7 @@ class Stopwatch:
             time.sleep(GAP_S)
             while (
                 not rounds
-                or (len(rounds) < WARM_ROUNDS and self.left() > 0)
+                or (len(rounds) < WARM_ROUNDS and self.left() > self._room(e, rounds))
                 or (len(rounds) < WARM_MAX and sum(rounds) < WARM_S)
             ):  # a second round only within the budget: a slow model must not overrun it twice
                 t1 = time.monotonic()
@@ -214,16 +217,28 @@ class Stopwatch:
         warm = {s.name: statistics.median(e.samples[s.name]) / 1e6 for s in self.scenarios}
         e.warm_score = _geomean([warm[s.name] / _items(e, s) for s in self.scenarios])
         e.warm_best = _geomean([min(e.samples[s.name]) / 1e6 / _items(e, s) for s in self.scenarios])
+        e.warm_worst = _geomean([max(e.samples[s.name]) / 1e6 / _items(e, s) for s in self.scenarios])
         e.row.ms = warm  # until timed
+        self.warmed += 1
         return True
+
+    def _room(self, e: Entrant, rounds: list[float]) -> float:
+        """Budget to keep after a warm-up round: while no other candidate is warm, enough for the next
+        one to compile and run a round (about this one's compile and three rounds: the untimed calls
+        cost one), so that one slow model's warm-up does not spend the budget that evidence needs."""
+        return 0.0 if self.warmed else e.row.compile_s + 3 * max(rounds)
 
     def _prune(self, entrants: list[Entrant], pruned: set[PlanOption]) -> None:
         """Drop a candidate whose best warm-up sample (noise only ever adds time: a spike on a shared
-        box must not drop the fastest) is PRUNE x slower than the best candidate's median."""
+        box must not drop the fastest) is PRUNE x slower than the best candidate's median, times the
+        best candidate's own spread (slowest / fastest sample): on a box where a CPU hog preempts the
+        runtimes' threads, samples of one candidate vary 2-4x, and that is no evidence of 'slower'."""
         warm = [e for e in entrants if e.instances]
-        best = min((e.warm_score for e in warm), default=0.0)
+        leader = min(warm, key=lambda e: e.warm_score, default=None)
+        best = leader.warm_score if leader is not None else 0.0
+        spread = leader.warm_worst / leader.warm_best if leader is not None and leader.warm_best > 0 else 1.0
         for e in warm:
-            if best > 0 and e.warm_best > self.prune * best:
+            if best > 0 and e.warm_best > self.prune * max(1.0, spread) * best:
                 e.row.status = SKIPPED
                 e.row.reason = (
                     f"clearly slower at warm-up ({e.warm_score / best:.1f}x the best): not timed further"
