@@ -135,6 +135,9 @@ def check_url(url: str, policy: UrlPolicy, *, redirect: bool = False) -> None:
     if not host:
         raise UrlRefused(f"{what} {url!r} refused: no host")
     address = parse_address(host)
+    if address is None and parts.netloc.rpartition("@")[2].startswith("["):
+        # urlsplit refuses this itself from 3.11.4 (and Debian's 3.11.2); 3.10's takes "[zz::1]" as a name
+        raise UrlRefused(f"{what} {url!r} refused: {host!r} in brackets is not an IP address")
     if address is not None:
         refusal = policy.refusal(address)
         if refusal is not None:
