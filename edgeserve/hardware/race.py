@@ -39,10 +39,12 @@ import numpy as np
 
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
+    MIN_MARGIN,
     REJECTED,
     RaceCache,
     RaceResult,
     Row,
+    clearly_faster,
 )
 from edgeserve.hardware.race_timing import (
     MAX_ROUNDS,
@@ -215,6 +217,8 @@ class Racer:
         result.inputs = job.source
         if result.fallback is None:
             self._pick(result, entrants, job.plan, job.name, job.version_dir, job.config, job.where)
+        if result.final:
+            _settle(result)
         return result
 
     def _still_accurate(
@@ -367,3 +371,19 @@ class Racer:
             result.winner = result.rows.index(row)
             return
         result.fallback = "no timed candidate passed the accuracy guard"
+
+
+def _settle(result: RaceResult) -> None:
+    """A full race on a noisy box (a CPU hog preempting the runtimes' threads) whose winner is not
+    clearly faster than the runner-up is provisional too: its order may be noise, and the background
+    race times longer. Where the spread is small (a quiet box), a near tie is final: either is as fast."""
+    winner = result.chosen
+    runner = next((r for r in result.ranked() if r is not winner and r.status != REJECTED), None)
+    if winner is None or runner is None or clearly_faster(winner, runner):
+        return
+    if max(winner.noise(), runner.noise()) <= MIN_MARGIN:
+        return
+    result.final = False
+    result.evidence = (
+        f"{runner.label()} ({runner.evidence()}) is within the noise of the winner ({winner.evidence()})"
+    )

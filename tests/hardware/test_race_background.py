@@ -111,6 +111,25 @@ def test_a_switch_needs_more_than_the_noise() -> None:
     assert not clearly_faster(Row("openvino", "CPU", "fp32", 1, 2), row(10, 9.9, 10.1))  # untimed
 
 
+def test_a_noisy_near_tie_is_provisional_a_clear_or_quiet_one_final() -> None:
+    from edgeserve.hardware.race import _settle
+    from edgeserve.hardware.race_result import RaceResult
+
+    def result(a: tuple[float, float, float], b: tuple[float, float, float]) -> RaceResult:
+        rows = [
+            Row(backend, "CPU", "fp32", 1, 2, score_ms=x[0], low_ms=x[1], high_ms=x[2])
+            for backend, x in (("openvino", a), ("onnxruntime", b))
+        ]
+        race = RaceResult("m", ["1 in flight"], rows, winner=0)
+        _settle(race)
+        return race
+
+    noisy = result((64, 40, 90), (70, 45, 100))  # a CPU hog: +-40%, 9% apart
+    assert not noisy.final and "within the noise" in noisy.evidence and "onnxruntime" in noisy.evidence
+    assert result((64, 60, 68), (90, 85, 95)).final  # clearly faster
+    assert result((64, 63.5, 64.5), (65, 64.5, 65.5)).final  # a quiet near tie: either is as fast
+
+
 def test_the_background_pace_waits_for_queued_requests_and_stops_on_shutdown() -> None:
     queued = threading.Event()
     queued.set()
