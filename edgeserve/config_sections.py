@@ -141,6 +141,8 @@ class RuntimeSection:
     allowed_precisions: list[str] = field(default_factory=lambda: ["fp32", "fp16", "bf16"])
     accuracy_tolerance: float = 1e-2  # max error (share of each output's range) a lower precision may add
     race_budget_s: float = 6.0  # load-time race of the viable runtimes per model (0 = the profile's rule)
+    # finish a provisional race (budget ran out, or a noisy near tie) in the background and switch
+    race_background: bool = True
     cache_dir: Path | None = None  # compiled models, engines, race results; unset = <state_dir>/cache
     device_profiles: Path | None = None  # extra folder of device profile TOMLs
     hardware_root: Path = Path("/")  # where the hardware probe reads /proc and /sys (tests, fixtures)

@@ -144,6 +144,9 @@ def start_server(
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
+        # no background race (hardware/race_background.py): a switch would reload a test's model under
+        # it; tests/hardware/test_race_background.py tests it
+        "EDGESERVE_RUNTIME_RACE_BACKGROUND": "false",
         **(env or {}),
     }
     with open(log_path, "wb") as log_file:

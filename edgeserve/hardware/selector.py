@@ -62,7 +62,8 @@ class PlanSelector:
         budget = settings.runtime.race_budget_s if self.hardware.is_live and guard is not None else 0.0
         self.racer = Racer(self.planner, RaceCache(default_cache_dir(settings)), budget)
         self.background = BackgroundRaces()
-        self.racer.background = self.background if budget > 0 else None
+        if budget > 0 and settings.runtime.race_background:
+            self.racer.background = self.background
         log.info(
             "device profile %s (%s); %s", self.profile.name, self.profile.source, self.hardware.cpu.summary()
         )
