@@ -8,6 +8,7 @@ corrupt or unwritable file only means the model is raced again: never a failed l
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,13 @@ class Row:
 
 
 def clearly_faster(a: Row, b: Row) -> bool:
-    """`a` beats `b` by more than the noise either showed (and by MIN_MARGIN at least)."""
+    """`a` beats `b` by more than the noise of the medians (and by MIN_MARGIN at least). A median of n
+    rounds wanders by about the samples' spread / sqrt(n): under a CPU hog single samples vary +-30%,
+    yet 7 rounds tell a 20% gain apart."""
     if a.score_ms is None or b.score_ms is None:
         return False
-    return a.score_ms * (1 + max(MIN_MARGIN, a.noise(), b.noise())) < b.score_ms
+    rounds = max(1, min(a.rounds, b.rounds))
+    return a.score_ms * (1 + max(MIN_MARGIN, max(a.noise(), b.noise()) / math.sqrt(rounds))) < b.score_ms
 
 
 @dataclass
