@@ -21,6 +21,7 @@ from typing import Any
 
 from edgeserve.config_allowlist import refused_keys
 from edgeserve.fleet.jsonlimits import JsonRefused, loads
+from edgeserve.ota.manifest import parse_rfc3339
 
 PREFIX = "es/v1"
 VERBS = ("deploy_bundle", "rollback", "activate_model", "deactivate_model", "set_config", "restart_runtime",
@@ -96,7 +97,7 @@ def parse_time(value: Any, field: str) -> datetime:
     if not isinstance(value, str):
         raise CommandError(f"'{field}' must be an RFC 3339 UTC time string")
     try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        moment = parse_rfc3339(value)  # the same on 3.10 and 3.11+ (fromisoformat is not)
     except ValueError:
         raise CommandError(f"'{field}' {value!r} is not an RFC 3339 time") from None
     if moment.tzinfo is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from edgeserve.fsutil import write_text_atomic
 from edgeserve.logs import safe
 from edgeserve.ota import archive
 from edgeserve.ota.errors import BundleRefused, StoreError
@@ -52,7 +53,7 @@ def hold_point(store: Store, point: str) -> None:
     """Test hook for the kill-at-every-step harness: with EDGESERVE_TEST_OTA_HOLD=<point>, stop here (after
     the journal write) until killed; `<ota>/held` says where. Unset on devices: costs one lookup."""
     if os.environ.get("EDGESERVE_TEST_OTA_HOLD") == point:
-        (store.root / "held").write_text(point)
+        write_text_atomic(store.root / "held", point)  # the harness reads it the moment it exists
         time.sleep(120)
 
 
