@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,10 +56,15 @@ from edgeserve.hardware.race_timing import (
     close,
 )
 
-if TYPE_CHECKING:
-    from edgeserve.hardware.race_background import BackgroundRaces
-
 log = logging.getLogger("edgeserve.hardware.race")
+
+
+class Finisher(Protocol):
+    """What finishes a provisional race while the model serves (race_background.BackgroundRaces): a
+    Protocol, so this module does not import the one that builds on it."""
+
+    def start(self, racer: Racer, job: Job, provisional: RaceResult) -> None: ...
+
 
 RACED_BACKENDS = ("onnxruntime", "openvino")
 PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's reasons for what pins rule out
@@ -98,7 +103,7 @@ class Racer:
         self.budget_s = budget_s
         self.max_rounds = max(MIN_ROUNDS, max_rounds)  # benchmarks time longer than a load does
         self.prune = prune  # math.inf: time every candidate that fits (a benchmark's reference)
-        self.background: BackgroundRaces | None = None  # finishes a race the budget cut short
+        self.background: Finisher | None = None  # finishes a race the budget cut short
 
     # -- candidates ------------------------------------------------------------------------------
     def _layouts(self, backend: str, pinned_instances: int, threads_param: bool) -> list[tuple[int, int]]:
