@@ -82,8 +82,18 @@ class PlanSelector:
             return False
 
         def switch(name: str) -> None:
-            if repository.is_ready(name) and not loop.is_closed():
-                asyncio.run_coroutine_threadsafe(_reload(repository, name), loop)
+            if not repository.is_ready(name) or loop.is_closed():
+                return
+            # A reload reads the model's folder: a model whose config or files came with a load request
+            # would come back as the folder has it, so it keeps what serves (the cache has the winner).
+            sent = [
+                m.origin for m in repository.ready_versions(name) if getattr(m, "origin", "local") != "local"
+            ]
+            if sent:
+                log.info("model %s: not switched (its %s came with a load request; load it again to switch)",
+                         name, "config" if sent[0] == "load-request-config" else "files")  # fmt: skip
+                return
+            asyncio.run_coroutine_threadsafe(_reload(repository, name), loop)
 
         self.background.attach(busy, switch)
 

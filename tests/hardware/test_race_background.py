@@ -244,3 +244,38 @@ async def test_a_provisional_choice_is_raced_on_and_switched_with_no_failed_requ
     assert final is not None and final.final and final.chosen is not None, final
     assert final.chosen.threads != 7 and "final" in final.summary()
     assert f"raced: {final.chosen.label()} " in after and "cached" in after  # served from the cache
+
+
+async def test_a_model_whose_config_came_with_a_load_request_is_not_switched_by_a_reload(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The switch reloads from the model's folder: for a model whose config came with a load request that
+    would silently bring back the folder's config, so the switch leaves it serving (a folder model is
+    switched). Checked from the decision, not from timings."""
+    selector = _selector(tmp_path, budget=0.0)  # no race at load: only the switch is under test
+    selector.settings.server.load_models = []
+    repo = ModelRepository(selector.settings, selector=selector)
+    selector.attach(repo, asyncio.get_running_loop())
+    await repo.start()
+    try:
+        sent = '{"max_batch_size": 2, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [256]}],' \
+            ' "output": [{"name": "scores", "data_type": "TYPE_FP32", "dims": [10]}]}'  # fmt: skip
+        await repo.load("wide", config_json=sent)
+        served = repo.get("wide")
+        assert served.config.max_batch_size == 2
+        with caplog.at_level("INFO", "edgeserve"):
+            await asyncio.to_thread(selector.background.switch, "wide")
+        assert "not switched (its config came with a load request" in caplog.text
+        assert repo.get("wide") is served and repo.get("wide").config.max_batch_size == 2
+
+        await repo.load("wide")  # now from its folder: a switch reloads it
+        folder_model = repo.get("wide")
+        assert folder_model.config.max_batch_size == 8
+        await asyncio.to_thread(selector.background.switch, "wide")
+        deadline = asyncio.get_running_loop().time() + GENEROUS_S
+        while repo.get("wide") is folder_model:
+            assert asyncio.get_running_loop().time() < deadline, "the folder model was not reloaded"
+            await asyncio.sleep(0.05)
+    finally:
+        await asyncio.to_thread(selector.close)
+        await repo.close()
