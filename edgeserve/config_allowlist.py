@@ -59,6 +59,7 @@ ALLOWED: dict[str, str] = {
     "runtime.openvino_performance_hint": "OpenVINO LATENCY / THROUGHPUT hint",
     "runtime.memory_profile": "runtime memory settings (small board / standard)",
     "runtime.race_budget_s": "time to race runtimes per model at load",
+    "runtime.race_background": "finish a race the load budget cut short while the model serves",
 }
 
 # Why the others are refused ("section.*" covers a whole section).
