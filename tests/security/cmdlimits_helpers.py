@@ -1,12 +1,17 @@
-"""Shared by tests/security/test_fleet_limits.py and test_trust_store.py: a device (`edgeserve run`
-with the fleet agent) on a real Mosquitto, whose state folder trusts the keys the test chooses, laid out
-as `<state>/trust/bundles/` and `<state>/trust/commands/`."""
+"""Shared by tests/security/test_fleet_limits.py, test_fleet_ledger_mqtt.py and test_trust_store.py: a device
+(`edgeserve run` with the fleet agent) on a real Mosquitto, whose state folder trusts the keys the test
+chooses, laid out as `<state>/trust/bundles/` and `<state>/trust/commands/`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "fleet"), str(TESTS / "ota"), str(TESTS / "supervisor")]
@@ -18,6 +23,7 @@ from commander import Commander  # noqa: E402
 from ota_fixtures import Fleet, edgeserve  # noqa: E402
 
 from edgeserve.ota.signing import keygen  # noqa: E402
+from edgeserve.settings_tools import OVERLAY  # noqa: E402
 
 __all__ = ["Appliance", "Commander", "Fleet", "Mosquitto", "edgeserve", "find_mosquitto", "needs_mosquitto"]
 FLEET, DEVICE = "lab", "cam-1"
@@ -75,3 +81,38 @@ def publish_desired(manager: Commander, body: dict[str, object] | bytes) -> None
         manager.client.publish(f"{manager.base}/desired", body, qos=1, retain=True).wait_for_publish(5)
     else:
         manager.set_desired(body)  # signed for the desired topic with the test command key
+
+
+@dataclass
+class Lab:
+    """A device with one installed bundle on a real broker, and a fleet manager talking to it."""
+
+    broker: Mosquitto
+    device: Appliance
+    manager: Commander
+    state: Path
+
+    def overlay(self) -> str | None:
+        path = self.state / OVERLAY
+        return path.read_text() if path.exists() else None
+
+    def ledger(self) -> dict[str, Any]:
+        path = self.state / "fleet" / "commands.json"
+        return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+@contextmanager
+def running_lab(tmp: Path) -> Iterator[Lab]:
+    broker = Mosquitto(tmp / "broker").start()
+    state = tmp / "state"
+    fleet = signer(tmp, "fleet", state)
+    trust(fleet, "bundles")
+    install_offline(fleet, 1)
+    device = start_device(broker, state, tmp)
+    manager = manager_for(broker)
+    try:
+        yield Lab(broker, device, manager, state)
+    finally:
+        manager.close()
+        device.stop()
+        broker.kill()

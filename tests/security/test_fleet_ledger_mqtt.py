@@ -12,22 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
 from cmdlimits_helpers import (
-    Appliance,
-    Commander,
-    Mosquitto,
-    install_offline,
-    manager_for,
+    Lab,
     needs_mosquitto,
-    signer,
-    start_device,
-    trust,
+    running_lab,
 )
 
 pytestmark = [needs_mosquitto(), pytest.mark.timeout(600)]
@@ -36,34 +28,10 @@ FLOOD = 1001  # one more than the 1000 entries the ledger used to keep, oldest f
 SET_INFO = {"logging": {"level": "INFO"}}
 
 
-@dataclass
-class Lab:
-    broker: Mosquitto
-    device: Appliance
-    manager: Commander
-    state: Path
-
-    def ledger(self) -> dict[str, Any]:
-        path = self.state / "fleet" / "commands.json"
-        return dict(json.loads(path.read_text())) if path.exists() else {}
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    tmp = tmp_path_factory.mktemp("fleet-ledger")
-    broker = Mosquitto(tmp / "broker").start()
-    state = tmp / "state"
-    fleet = signer(tmp, "fleet", state)
-    trust(fleet, "bundles")
-    install_offline(fleet, 1)
-    device = start_device(broker, state, tmp)
-    manager = manager_for(broker)
-    try:
-        yield Lab(broker, device, manager, state)
-    finally:
-        manager.close()
-        device.stop()
-        broker.kill()
+    with running_lab(tmp_path_factory.mktemp("fleet-ledger")) as running:
+        yield running
 
 
 def _text(cmd_id: str, args: Any) -> str:

@@ -12,25 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from cmdlimits_helpers import (
-    Appliance,
-    Commander,
-    Mosquitto,
-    install_offline,
-    manager_for,
+    Lab,
     needs_mosquitto,
     publish_desired,
-    signer,
-    start_device,
-    trust,
+    running_lab,
 )
-
-from edgeserve.settings_tools import OVERLAY
 
 pytestmark = [
     needs_mosquitto(),
@@ -38,38 +28,10 @@ pytestmark = [
 ]
 
 
-@dataclass
-class Lab:
-    broker: Mosquitto
-    device: Appliance
-    manager: Commander
-    state: Path
-
-    def overlay(self) -> str | None:
-        path = self.state / OVERLAY
-        return path.read_text() if path.exists() else None
-
-    def ledger(self) -> dict[str, Any]:
-        path = self.state / "fleet" / "commands.json"
-        return dict(json.loads(path.read_text())) if path.exists() else {}
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    tmp = tmp_path_factory.mktemp("fleet-limits")
-    broker = Mosquitto(tmp / "broker").start()
-    state = tmp / "state"
-    fleet = signer(tmp, "fleet", state)
-    trust(fleet, "bundles")
-    install_offline(fleet, 1)
-    device = start_device(broker, state, tmp)
-    manager = manager_for(broker)
-    try:
-        yield Lab(broker, device, manager, state)
-    finally:
-        manager.close()
-        device.stop()
-        broker.kill()
+    with running_lab(tmp_path_factory.mktemp("fleet-limits")) as running:
+        yield running
 
 
 FORBIDDEN: list[tuple[str, dict[str, dict[str, Any]]]] = [
