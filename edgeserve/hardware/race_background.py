@@ -67,14 +67,21 @@ class BackgroundRaces:
         self.budget_s = budget_s
         self.busy: Callable[[], bool] = lambda: False
         self.switch: Callable[[str], None] = lambda name: None
+        self.confirm: Callable[[str, RaceResult], None] = lambda name, result: None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._running: dict[str, threading.Thread] = {}  # race key -> thread
         self._done: dict[str, threading.Event] = {}  # model -> set when its background race ended
         self.attached = False  # only a server races on (`edgeserve detect` and tests stop at the load)
 
-    def attach(self, busy: Callable[[], bool], switch: Callable[[str], None]) -> None:
-        self.busy, self.switch, self.attached = busy, switch, True
+    def attach(
+        self,
+        busy: Callable[[], bool],
+        switch: Callable[[str], None],
+        confirm: Callable[[str, RaceResult], None] = lambda name, result: None,
+    ) -> None:
+        """`switch` reloads a model onto the new winner; `confirm` marks what serves final when it won."""
+        self.busy, self.switch, self.confirm, self.attached = busy, switch, confirm, True
 
     def start(self, racer: Racer, job: Job, provisional: RaceResult) -> None:
         with self._lock:
@@ -147,6 +154,8 @@ class BackgroundRaces:
             log.info("model %s: switching from %s to %s (measured faster in the background race)", job.name,
                      serving, winner)  # fmt: skip
             self.switch(job.name)
+        elif not self._stop.is_set():
+            self.confirm(job.name, result)
         return result
 
 

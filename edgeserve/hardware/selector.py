@@ -95,7 +95,20 @@ class PlanSelector:
                 return
             asyncio.run_coroutine_threadsafe(_reload(repository, name), loop)
 
-        self.background.attach(busy, switch)
+        def confirm(name: str, result: RaceResult) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._mark_final, repository, name, result)
+
+        self.background.attach(busy, switch, confirm)
+
+    def _mark_final(self, repository: Any, name: str, result: RaceResult) -> None:
+        """What serves won the background race: its config says so (on the loop, where it is read)."""
+        text = f"device profile {self.profile.name}: {result.summary()}"
+        for served in repository.ready_versions(name):
+            parameters = served.config.parameters
+            if "runtime_choice_final" in parameters:
+                parameters["runtime_choice"].string_value = text
+                parameters["runtime_choice_final"].string_value = "true"
 
     def close(self) -> None:
         """Stop the background races (their candidates are closed; what serves stays)."""

@@ -279,3 +279,31 @@ async def test_a_model_whose_config_came_with_a_load_request_is_not_switched_by_
     finally:
         await asyncio.to_thread(selector.close)
         await repo.close()
+
+
+async def test_a_background_race_that_keeps_what_serves_marks_it_final(model: Path, tmp_path: Path) -> None:
+    """No switch (what serves won, or the rest was within the noise): the served config says the choice is
+    final now, without a reload. Driven through the selector's confirm hook with a finished result."""
+    selector = _selector(tmp_path, budget=2.0)
+    selector.racer.background = None  # no background race of its own: this test hands it the outcome
+    repo = ModelRepository(selector.settings, selector=selector)
+    selector.attach(repo, asyncio.get_running_loop())
+    await repo.start()
+    try:
+        served = repo.get("wide")
+        parameters = served.config.parameters
+        assert "runtime_choice_final" in parameters
+        parameters["runtime_choice_final"].string_value = "false"  # as a provisional load leaves it
+        job = _job(selector, model)
+        finished = selector.racer.race(job, job.entrants)
+        finished.final = True
+        await asyncio.to_thread(selector.background.confirm, "wide", finished)
+        deadline = asyncio.get_running_loop().time() + GENEROUS_S
+        while parameters["runtime_choice_final"].string_value != "true":
+            assert asyncio.get_running_loop().time() < deadline, "the served config was not marked final"
+            await asyncio.sleep(0.01)  # the mark is applied on this loop
+        assert repo.get("wide") is served  # no reload
+        assert finished.summary() in parameters["runtime_choice"].string_value
+    finally:
+        await asyncio.to_thread(selector.close)
+        await repo.close()
