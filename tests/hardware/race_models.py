@@ -8,6 +8,14 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 from onnx_models import _save
 
+# The config of build_wide_mlp's model, as a Triton user writes it (the race tests add their batching).
+WIDE_CONFIG = """
+name: "wide"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "scores", data_type: TYPE_FP32, dims: [ 10 ] } ]
+"""
+
 
 def build_cancellation(path: Path, width: int = 64, offset: float = 1000.0) -> Path:
     """z = (x + offset) @ W - offset * colsum(W): exactly x @ W in fp32, but a bf16/fp16 MatMul sees

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hw_helpers import ROOT, settings
-from race_models import build_wide_mlp
+from race_models import WIDE_CONFIG, build_wide_mlp
 
 from edgeserve.hardware.probes import probe_hardware
 from edgeserve.hardware.race_result import OVER_BUDGET, REJECTED, TIMED, RaceCache, RaceResult
@@ -23,13 +23,7 @@ from edgeserve.repository.served import prepare_version
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
 pytest.importorskip("openvino", reason="openvino is not installed")
 
-CONFIG = """
-name: "wide"
-max_batch_size: 8
-input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
-output [ { name: "scores", data_type: TYPE_FP32, dims: [ 10 ] } ]
-dynamic_batching { preferred_batch_size: [ 4 ] }
-"""
+CONFIG = WIDE_CONFIG + "dynamic_batching { preferred_batch_size: [ 4 ] }\n"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hw_helpers import settings
-from race_models import build_wide_mlp
+from race_models import WIDE_CONFIG, build_wide_mlp
 
 from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends.base import BackendOptions
@@ -30,12 +30,7 @@ from edgeserve.scheduling.job import Job
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
 pytest.importorskip("openvino", reason="openvino is not installed")
 
-CONFIG = """
-name: "wide"
-max_batch_size: 8
-input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
-output [ { name: "scores", data_type: TYPE_FP32, dims: [ 10 ] } ]
-"""
+CONFIG = WIDE_CONFIG
 GENEROUS_S = 240.0  # a 2-core box under other tests' load compiles and times slowly: never a failure
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from hw_helpers import settings
-from race_models import build_wide_mlp
+from race_models import WIDE_CONFIG, build_wide_mlp
 
 from edgeserve.backends.options import PINNED_PARAMETER
 from edgeserve.hardware.race_result import REJECTED, RaceResult
@@ -24,13 +24,7 @@ from edgeserve.repository.served import prepare_version
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
 pytest.importorskip("openvino", reason="openvino is not installed")
 
-CONFIG = """
-name: "wide"
-max_batch_size: 8
-input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
-output [ { name: "scores", data_type: TYPE_FP32, dims: [ 10 ] } ]
-dynamic_batching { preferred_batch_size: [ 4 ] }
-"""
+CONFIG = WIDE_CONFIG + "dynamic_batching { preferred_batch_size: [ 4 ] }\n"
 # Generous: the race of this small model ends after its rounds, long before; a busy box must not make
 # it run out of budget (which would leave the rule's choice, and nothing to check).
 BUDGET_S = 120.0
