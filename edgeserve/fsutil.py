@@ -121,10 +121,18 @@ def seal_tree(root: Path, dir_mode: int = SEALED_DIR, file_mode: int = SEALED_FI
 
 def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a file, read in 1 MiB chunks (bundles and models can be larger than memory)."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
+        return sha256_fd(fh.fileno())
+
+
+def sha256_fd(fd: int) -> str:
+    """Hex SHA-256 of an open file from its start, in 1 MiB chunks (pread: the file offset is untouched),
+    so a caller that opened and checked the file hashes exactly what it checked."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest.hexdigest()
 
 

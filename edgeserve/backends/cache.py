@@ -28,14 +28,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from edgeserve.fsutil import fsync_dir, write_bytes_atomic
+from edgeserve.fsutil import fsync_dir, sha256_fd, write_bytes_atomic
 
 log = logging.getLogger("edgeserve.cache")
 
 SEAL_SUFFIX = ".seal"
 SEAL_FORMAT = "edgeserve seal v1"
 _MAX_SEAL_BYTES = 4096
-_CHUNK = 1 << 20
 T = TypeVar("T")
 
 
@@ -61,15 +60,6 @@ def why_not_ours(st: os.stat_result) -> str | None:
 def _open(path: Path) -> int:
     # O_NOFOLLOW: a symlink planted in the cache is refused, not followed to some file of ours.
     return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-
-
-def _hash_fd(fd: int) -> str:
-    digest = hashlib.sha256()
-    offset = 0
-    while chunk := os.pread(fd, _CHUNK, offset):
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
 
 
 def _read_fd(fd: int, size: int) -> bytes:
@@ -129,7 +119,7 @@ def _verified(fd: int, path: Path, read: Callable[[int, int], T]) -> T:
     data = read(fd, st.st_size)
     if (st.st_ino, st.st_mtime_ns) == (seal["ino"], seal["mtime_ns"]):
         return data  # unchanged since we sealed it, and nobody but us can have written it
-    digest = hashlib.sha256(data).hexdigest() if isinstance(data, bytes) else _hash_fd(fd)
+    digest = hashlib.sha256(data).hexdigest() if isinstance(data, bytes) else sha256_fd(fd)
     if digest != seal["sha256"]:
         sealed = str(seal["sha256"])[:16]
         raise Rejected(f"its content (sha256 {digest[:16]}...) is not what was sealed ({sealed}...)")
@@ -208,7 +198,7 @@ def seal_existing(path: Path) -> None:
         reason = why_not_ours(st)
         if reason is not None:
             raise Rejected(reason)
-        digest = _hash_fd(fd)
+        digest = sha256_fd(fd)
     finally:
         os.close(fd)
     _write_seal(path, digest, st)

@@ -18,7 +18,6 @@ checked at install (ota/manifest.py); here only the fields this check reads are 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from edgeserve.fsutil import sha256_fd
 from edgeserve.protocol.errors import RepositoryError, Status
 
 MANIFEST, SIGNATURE, MODELS = "manifest.json", "manifest.sig", "models"
@@ -35,7 +35,6 @@ TOP_LEVEL = frozenset({MANIFEST, SIGNATURE, MODELS})
 MAX_MANIFEST_BYTES = 4 * 2**20  # as the installer's cap
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _BUNDLE_DIR = re.compile(r"^.+-v[0-9]+$")
-_CHUNK = 1 << 20
 _CACHE_ENTRIES = 50_000  # files of the bundles checked in this process; past it the cache starts over
 
 StatKey = tuple[int, int, int, int, int]
@@ -110,15 +109,13 @@ def _digest(path: Path, st: os.stat_result) -> str | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
-    digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as fh:
         if _key(os.fstat(fh.fileno())) != _key(st):
             return None
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+        digest = sha256_fd(fh.fileno())
         if _key(os.fstat(fh.fileno())) != _key(st):
             return None
-    return digest.hexdigest()
+    return digest
 
 
 def _file_problem(path: Path, relative: str, st: os.stat_result, size: int, sha256: str) -> str | None:
