@@ -60,6 +60,7 @@ ALLOWED: dict[str, str] = {
     "runtime.memory_profile": "runtime memory settings (small board / standard)",
     "runtime.race_budget_s": "time to race runtimes per model at load",
     "runtime.race_background": "finish a race the load budget cut short while the model serves",
+    "runtime.race_max_batch_size": "batching: largest batch size raced where a config leaves it open",
 }
 
 # Why the others are refused ("section.*" covers a whole section).

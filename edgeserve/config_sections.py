@@ -153,6 +153,9 @@ class LoggingSection:
     level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     format: str = "text"  # text | json
     # A rotated log file; empty = stderr (journald under systemd adds its own bounds and timestamps).
+    # where a config leaves max_batch_size open, the race times its winner at batch 1, 2, 4 ... up to this
+    # and serves the knee (0 or 1: auto-complete's default_max_batch_size, unmeasured)
+    race_max_batch_size: int = 16
     file: Path | None = None
     max_bytes: int = 10 * 2**20  # per log file before it rotates
     backups: int = 3  # rotated files kept

@@ -20,6 +20,9 @@ every candidate warmed up is scored on its warm-up samples (medians, with their 
 is provisional (not final); only when fewer than two were warmed up does the rule's choice stay. A
 provisional result is finished by a background race at low priority (race_background.py). Results,
 provisional or final, are cached (race_result.py): a restart serves them at once.
+
+Where the config leaves `max_batch_size` open, the winner is then timed at a few batch sizes in what
+is left of the budget, and the knee serves (race_batch.py, batch_choice.py); cached with the result.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from edgeserve.hardware import race_batch
+from edgeserve.hardware.batch_choice import BatchChoice
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
     MIN_MARGIN,
@@ -91,6 +96,7 @@ class Job:
     completed: Any  # the auto-completed config
     digest: str
     key: str
+    batch_sizes: list[int] = field(default_factory=list)  # raced on the winner (none: the config's)
 
 
 class Racer:
@@ -181,7 +187,10 @@ class Racer:
         if cached_only:
             return None
         with _RACING:
+            start = time.monotonic()
             result = self.race(job, job.entrants)
+            if job.batch_sizes and result.chosen is not None:
+                self.race_batch(job, result, self.budget_s - (time.monotonic() - start))
         self.cache.put(job.digest, job.key, result)
         log.info("model %s: %s", name, result.summary())
         if not result.final and self.background is not None:
@@ -207,10 +216,36 @@ class Racer:
         assert plan.chosen.artifact is not None
         from edgeserve.hardware.accuracy import model_digest
 
+        sizes: list[int] = []
+        if race_batch.batch_open(config, completed, where):
+            most = max(e.row.instances for e in entrants)
+            cap = self.planner.settings.runtime.race_max_batch_size
+            sizes = race_batch.sizes_for(cap, feeds[1], most, self.planner.memory_budget())
         digest = model_digest(plan.chosen.artifact)
-        key = self._key(entrants, scenarios, feeds)
+        key = self._key(entrants, scenarios, feeds, sizes)
         return Job(plan, name, version_dir, config, where, entrants, rejected, scenarios, feeds, source,
-                   completed, digest, key)  # fmt: skip
+                   completed, digest, key, sizes)  # fmt: skip
+
+    def race_batch(
+        self, job: Job, result: RaceResult, budget_s: float, pace: Callable[[], float] | None = None
+    ) -> None:
+        """Time the winner at `job.batch_sizes` and put the choice in `result` (a provisional one makes
+        the result provisional: the background race times it again)."""
+        winner = result.chosen
+        assert winner is not None
+        fresh = next((e for e in self.entrants(job.plan, job.config)[0] if e.row.label() == winner.label()),
+                     None)  # fmt: skip
+        default = self.planner.settings.runtime.default_max_batch_size
+        if fresh is None:  # cannot happen: the winner is one of the job's candidates
+            result.batch = BatchChoice(0, default, layout=winner.label(), final=False, why="no candidate")
+            return
+        fresh.row = dataclasses.replace(winner, ms=dict(winner.ms))
+        sizes, base = job.batch_sizes, job.feeds[1]
+        result.batch = race_batch.measure(fresh, sizes, base, job.completed, budget_s, default, pace)
+        log.info("model %s: %s", job.name, result.batch.summary())
+        if not result.batch.final:
+            result.final = False
+            result.evidence = result.evidence or "the batch size is not measured yet"
 
     def race(
         self, job: Job, entrants: list[Entrant], budget_s: float | None = None,
@@ -301,7 +336,9 @@ class Racer:
             feeds[b] = {k: np.concatenate([v] * b) for k, v in base.items()}
         return scenarios, feeds, source
 
-    def _key(self, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any]) -> str:
+    def _key(
+        self, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any], sizes: list[int]
+    ) -> str:
         from edgeserve.hardware.accuracy import _cpu_model, _runtime_version
 
         planner = self.planner
@@ -317,6 +354,9 @@ class Racer:
             "scenarios": [(s.name, s.batch, s.saturate) for s in scenarios],
             "shapes": {b: {k: [str(v.dtype), list(v.shape)] for k, v in f.items()} for b, f in feeds.items()},
         }
+        if sizes:  # only then: the keys of models whose batch size is the config's stay as they were
+            data["batch_sizes"] = sizes
+            data["default_max_batch_size"] = planner.settings.runtime.default_max_batch_size
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _race(

@@ -14,7 +14,9 @@ When it ends, the result is final and cached. If its winner is faster than what 
 the noise (race_result.clearly_faster), the model is reloaded, which switches atomically: the new
 instances load beside the old ones, the served map changes in one assignment and the old version
 drains (manager.py), so no request fails or is dropped; the reload reads the final result from the
-cache. Otherwise what serves stays, and the final result says so.
+cache. Otherwise what serves stays, and the final result says so. Where the config leaves
+`max_batch_size` open, the winner's batch size is timed again too (race_batch.py); a different knee
+switches the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Pacer:
         self.busy = busy
         self.stop = stop
         self.mark = time.monotonic()
+        self.held = 0.0  # seconds held back in all
 
     def __call__(self) -> float:
         start = time.monotonic()
@@ -56,6 +59,7 @@ class Pacer:
         if self.stop.is_set():
             raise Cancelled
         self.mark = time.monotonic()
+        self.held += self.mark - start
         return self.mark - start
 
 
@@ -125,7 +129,10 @@ class BackgroundRaces:
         """Race `job` again (in the calling thread), cache the final result, switch if it won clearly."""
         entrants, _ = racer.entrants(job.plan, job.config)
         budget = max(self.budget_s, 2 * racer.budget_s)
-        result = racer.race(job, entrants, budget, Pacer(self.share, self.busy, self._stop))
+        pacer = Pacer(self.share, self.busy, self._stop)
+        started = time.monotonic()
+        result = racer.race(job, entrants, budget, pacer)
+        ran = time.monotonic() - started - pacer.held  # the batch sizes get what the race left
         serving = served_label(racer, job, provisional)
         current = next((r for r in result.rows if r.label() == serving and r.status != REJECTED), None)
         best = result.chosen
@@ -144,19 +151,32 @@ class BackgroundRaces:
             )
         if result.chosen is None and result.fallback is None:
             result.fallback = "no timed candidate passed the accuracy guard"
+        if job.batch_sizes and result.chosen is not None:
+            racer.race_batch(job, result, max(budget - ran, budget / 4), pacer)
+            if result.batch is not None:
+                result.batch.final = True  # as the runtime's: the background's evidence is the last word
         if not result.final:  # even the background budget ran out: its evidence is the last word
             result.evidence = result.evidence or "background race: warm-up rounds only"
         result.final = True
         racer.cache.put(job.digest, job.key, result)
         log.info("model %s: background race: %s", job.name, result.summary())
         winner = result.chosen.label() if result.chosen is not None else None
+        batch, served = _size(result), _size(provisional)
         if winner is not None and winner != serving and not self._stop.is_set():
             log.info("model %s: switching from %s to %s (measured faster in the background race)", job.name,
                      serving, winner)  # fmt: skip
             self.switch(job.name)
+        elif winner is not None and batch != served and not self._stop.is_set():
+            log.info("model %s: switching from batch size %s to %s (measured in the background race)",
+                     job.name, served or "default", batch or "default")  # fmt: skip
+            self.switch(job.name)
         elif not self._stop.is_set():
             self.confirm(job.name, result)
         return result
+
+
+def _size(result: RaceResult) -> int:
+    return result.batch.size if result.batch is not None else 0
 
 
 def served_label(racer: Racer, job: Job, provisional: RaceResult) -> str:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgeserve.hardware.batch_choice import BatchChoice
 from edgeserve.hardware.digest_cache import DigestCache
 
 log = logging.getLogger("edgeserve.hardware.race")
@@ -96,6 +97,8 @@ class RaceResult:
     # with no evidence; a background race at low priority finishes it (race_background.py).
     final: bool = True
     evidence: str = ""  # what the decision rests on, when it is not a full race
+    # The batch size, raced on the winner where the config leaves max_batch_size open (race_batch.py)
+    batch: BatchChoice | None = None
 
     @property
     def chosen(self) -> Row | None:
@@ -122,7 +125,10 @@ class RaceResult:
         text += f" ({', '.join(self.scenarios)}; {when}; {state}"
         if self.evidence:
             text += f"; {self.evidence}"
-        return text + ")"
+        text += ")"
+        if self.batch is not None:
+            text += f"; {self.batch.summary()}"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -132,6 +138,7 @@ class RaceResult:
             "chosen": chosen.label() if chosen else None,
             "final": self.final,
             "evidence": chosen.evidence() if chosen else (self.fallback or ""),
+            "batch": self.batch.summary() if self.batch is not None else None,
         }
         data.pop("cached")
         return data
@@ -155,6 +162,7 @@ class RaceResult:
             cached=True,
             final=bool(data.get("final", True)),
             evidence=str(data.get("evidence", "")),
+            batch=BatchChoice.from_dict(data["batch"]) if data.get("batch") else None,
         )
 
     def table(self) -> list[str]:

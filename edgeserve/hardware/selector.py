@@ -109,6 +109,8 @@ class PlanSelector:
             if "runtime_choice_final" in parameters:
                 parameters["runtime_choice"].string_value = text
                 parameters["runtime_choice_final"].string_value = "true"
+                if "batch_size_choice" in parameters and result.batch is not None:
+                    parameters["batch_size_choice"].string_value = result.batch.summary()
 
     def close(self) -> None:
         """Stop the background races (their candidates are closed; what serves stays)."""
@@ -195,10 +197,13 @@ class PlanSelector:
         if plan.pins.backend:  # only what the config fixes is fixed: the layout was raced
             text += f"; backend pinned by {plan.pins.backend_why}, instances x threads raced"
         first = choices[0]
+        shown = {"runtime_choice": text, "runtime_choice_final": str(race.final).lower()}
+        batch = race.batch.size if race.batch is not None else 0
+        if race.batch is not None:
+            shown["batch_size_choice"] = race.batch.summary()
         return BackendChoice(
             first.backend_name, first.model_path, first.options, text, tuple(choices[1:]),
-            instances=first.instances,
-            shown={"runtime_choice": text, "runtime_choice_final": str(race.final).lower()},
+            instances=first.instances, shown=shown, batch=batch,
         )  # fmt: skip
 
 

@@ -5,7 +5,8 @@
   output is dynamic, `default_max_batch_size` (4, as Triton); the batch axis then leaves `dims`;
 - inputs (all of them; a declared one must agree with the model) and outputs (all, unless the config
   lists a subset), with data types and dims;
-- dynamic_batching when max_batch_size > 1 and no scheduler is configured;
+- dynamic_batching when max_batch_size > 1 and no scheduler is configured, with
+  `preferred_batch_size` (the load-time race's measured batch size) where it set max_batch_size itself;
 - instance_group (one instance, see `DEFAULT_INSTANCE_COUNT`) and version_policy latest{1}.
 """
 
@@ -76,6 +77,7 @@ def complete(
     default_max_batch_size: int,
     gpu: bool = False,
     where: str = "config.pbtxt",
+    preferred_batch_size: int = 0,
 ) -> Any:
     """A completed copy of `config` (the argument is not changed)."""
     out = mc.ModelConfig()
@@ -91,7 +93,8 @@ def complete(
 
     declared_any = bool(out.input) or bool(out.output)
     batchable = can_batch(io)
-    if out.max_batch_size == 0 and not declared_any and batchable:
+    chose = out.max_batch_size == 0 and not declared_any and batchable
+    if chose:
         out.max_batch_size = max(0, default_max_batch_size)
     if out.max_batch_size > 0 and not batchable:
         fixed = next(t for t in (*io.inputs, *io.outputs) if not t.shape or t.shape[0] != -1)
@@ -129,6 +132,9 @@ def complete(
 
     if out.max_batch_size > 1 and out.WhichOneof("scheduling_choice") is None:
         out.dynamic_batching.SetInParent()
+    wanted = chose and 0 < preferred_batch_size <= out.max_batch_size
+    if wanted and out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size:
+        out.dynamic_batching.preferred_batch_size.append(preferred_batch_size)
     if not out.instance_group:
         kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
         out.instance_group.add(count=DEFAULT_INSTANCE_COUNT, kind=kind)

@@ -41,6 +41,9 @@ class BackendChoice:
     fallbacks: tuple[BackendChoice, ...] = ()
     instances: int = 0  # instances to load when the config does not set a count (0 = the config's)
     shown: Mapping[str, str] = field(default_factory=dict)  # put into the served config's parameters
+    # The batch size the race measured (its knee), where the config leaves max_batch_size open: the
+    # preferred batch size, and max_batch_size when above auto-complete's default (0 = the default)
+    batch: int = 0
 
 
 class BackendSelector(Protocol):

@@ -92,8 +92,9 @@ def _prepare_with(
     config = autocomplete.complete(
         raw_config, io, model_name=name, backend_name=backend.name,
         platform=backend.platforms[0] if backend.platforms else "", model_file=choice.model_path.name,
-        default_max_batch_size=default_max_batch_size, gpu=choice.options.device.upper().startswith("GPU"),
-        where=where,
+        default_max_batch_size=max(default_max_batch_size, choice.batch),
+        gpu=choice.options.device.upper().startswith("GPU"), where=where,
+        preferred_batch_size=choice.batch,  # measured by the race where the config leaves it open
     )  # fmt: skip
     validate(config, where, name, model_dir)
     check_paths(config, where, model_dir)  # again: the model's auto_complete_config may have named files

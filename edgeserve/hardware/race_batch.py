@@ -1,0 +1,152 @@
+"""The batch-size race: where the config leaves `max_batch_size` open, time the race's winner (its
+runtime, precision and instances x threads) at a few batch sizes and let batch_choice.py pick the knee.
+
+Open means: the config names no `max_batch_size` (absent, not 0: a config that sets it, to any
+value, keeps it), declares no tensors and no `preferred_batch_size` or sequence batcher, and the
+model's tensors have a dynamic first axis (so auto-complete would make it batch at the default).
+protobuf cannot tell an absent `max_batch_size` from 0, so the config.pbtxt text is read; a config
+that is not that file (one sent with a load request) keeps the default.
+
+Timing: SIZES up to `[runtime] race_max_batch_size`, without the sizes whose inputs would not fit
+the memory budget (ACTIVATIONS x the input bytes per inference, a rough guess on purpose: a size
+that still fails to run ends the list there). One untimed call per size, then interleaved rounds
+(1 2 4 8 16, 2 4 8 16 1, ...; MAX_ROUNDS, more while they are cheap, as the race's), each call after
+the race's idle gap, every instance busy with one batch (as the race's batch scenarios); medians of
+the time per inference. It runs in what is left of the load's race budget; a round that does not fit
+is not started, and with fewer than MIN_ROUNDS rounds the choice is provisional: the background race
+(race_background.py) times it again.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeserve.hardware.batch_choice import SIZES, BatchChoice, Timing
+from edgeserve.hardware.race_result import MIN_MARGIN
+from edgeserve.hardware.race_timing import (
+    CHEAP_MAX_ROUNDS,
+    CHEAP_ROUNDS_S,
+    GAP_S,
+    MIN_ROUNDS,
+    Entrant,
+    Scenario,
+    _quartiles,
+    close,
+    run_once,
+)
+
+MAX_ROUNDS = 15
+ACTIVATIONS = 64  # a batch's working memory ~ this x its input bytes (CNN activations are tens of x)
+_NAMED = re.compile(r"^\s*max_batch_size\s*:", re.MULTILINE)
+
+
+def batch_open(config: Any, completed: Any, where: str) -> bool:
+    """True when the plan chooses the batch size (see the module's docstring)."""
+    if config is None or int(config.max_batch_size) != 0 or int(completed.max_batch_size) <= 0:
+        return False  # set by the config, or the model cannot batch (auto-complete left it 0)
+    if config.input or config.output or config.WhichOneof("scheduling_choice") == "sequence_batching":
+        return False
+    if config.HasField("dynamic_batching") and config.dynamic_batching.preferred_batch_size:
+        return False  # the config's preferred sizes need the max it meant
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from edgeserve.protocol.model_config import parse_text
+
+    path = Path(where)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else None
+        parsed = parse_text(text, where) if text is not None else mc.ModelConfig()
+    except Exception:  # the load reports a config it cannot read; here it only means "not open"
+        return False
+    if parsed != config:
+        return False  # not this folder's config.pbtxt (a load request's): it may have named it
+    code = "\n".join(line.split("#", 1)[0] for line in (text or "").splitlines())
+    return _NAMED.search(code) is None
+
+
+def sizes_for(cap: int, base: dict[str, Any], instances: int, memory_budget: int | None) -> list[int]:
+    """The batch sizes to race: SIZES up to `cap` (and `cap` itself), within the memory budget."""
+    sizes = sorted({b for b in SIZES if b <= cap} | ({cap} if cap > 1 else set()))
+    per_item = sum(int(np.asarray(v).nbytes) for v in base.values()) * ACTIVATIONS * max(1, instances)
+    if memory_budget is not None:
+        sizes = [b for b in sizes if b == 1 or b * per_item <= memory_budget]
+    return sizes if len(sizes) > 1 else []
+
+
+def measure(
+    e: Entrant, sizes: list[int], base: dict[str, Any], config: Any, budget_s: float, default: int,
+    pace: Callable[[], float] | None = None, max_rounds: int = MAX_ROUNDS,
+) -> BatchChoice:  # fmt: skip
+    """Time `e` (a fresh entrant of the winner) at `sizes` within `budget_s` and decide."""
+    from edgeserve.backends.base import get_backend
+
+    start, idle = time.monotonic(), 0.0
+
+    def left() -> float:
+        return budget_s - (time.monotonic() - start - idle)
+
+    layout = e.row.label()
+    one = e.row.ms.get("1 in flight", 0.0) / 1e3  # the race's figure: a first guess of a round
+    guess = e.row.compile_s + MIN_ROUNDS * one * sum(sizes)
+    if guess > left():
+        why = f"the {budget_s:.1f}s left of the race budget would not fit it (about {guess:.1f}s)"
+        return BatchChoice(0, default, layout=layout, final=False, why=why)
+    cfg = copy.deepcopy(config)
+    cfg.max_batch_size = max(sizes)  # a backend may size its buffers from it
+    feeds = {b: {k: np.concatenate([v] * b) for k, v in base.items()} for b in sizes}
+    samples: dict[int, list[int]] = {}
+    rounds = 0
+    try:
+        backend = get_backend(e.option.backend)
+        for _ in range(e.row.instances):
+            e.instances.append(backend.load(e.artifact, cfg, e.options))
+        e.pool = ThreadPoolExecutor(e.row.instances, thread_name_prefix="race-batch")
+        for b in sizes:
+            try:
+                run_once(e, _scenario(b), feeds[b])  # first calls allocate: not timed
+            except Exception:  # out of memory, or a runtime limit: this size and above are not raced
+                break
+            samples[b] = []
+        timed = list(samples)
+        durations: list[float] = []
+        # a round starts only when one more (as long as the median so far) fits what is left; rounds
+        # that cheap go on to CHEAP_MAX_ROUNDS, as the race's: microsecond medians need samples
+        while (
+            len(timed) > 1
+            and (rounds < max_rounds or (rounds < CHEAP_MAX_ROUNDS and sum(durations) < CHEAP_ROUNDS_S))
+            and (not durations or statistics.median(durations) < left())
+        ):
+            t0, held = time.monotonic(), idle
+            shift = rounds % len(timed)
+            for b in timed[shift:] + timed[:shift]:
+                if pace is not None:
+                    idle += pace()
+                time.sleep(GAP_S)  # the previous call's worker threads go idle first
+                samples[b].append(run_once(e, _scenario(b), feeds[b]))
+            durations.append(time.monotonic() - t0 - (idle - held))
+            rounds += 1
+    finally:
+        close(e)
+    if rounds == 0 or len(samples) < 2:
+        return BatchChoice(0, default, layout=layout, final=rounds > 0, why="fewer than 2 batch sizes ran")
+    timings = {b: _timing(s, b * e.row.instances) for b, s in samples.items()}
+    final = rounds >= MIN_ROUNDS
+    return BatchChoice.decide(timings, rounds, MIN_MARGIN, default, layout, final)
+
+
+def _scenario(b: int) -> Scenario:
+    return Scenario(f"batch {b}", b, True)  # a batch per instance in flight
+
+
+def _timing(samples: list[int], items: int) -> Timing:
+    low, high = _quartiles(samples)
+    return Timing(statistics.median(samples) / 1e6 / items, low / 1e6 / items, high / 1e6 / items)
