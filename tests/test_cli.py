@@ -57,7 +57,11 @@ def test_models_list_load_unload(tmp_path: Path, server_factory: ServerFactory) 
     table = edgeserve("models", "list", *url).stdout
     assert "mlp" in table and "UNAVAILABLE" in table
     assert edgeserve("models", "load", "mlp", *url).returncode == 0
-    assert "READY" in edgeserve("models", "list", *url).stdout
+    table = edgeserve("models", "list", *url).stdout
+    assert "READY" in table
+    # the plan under the model: what serves and whether it is final (the config named the backend)
+    plan = next(line for line in table.splitlines() if line.strip().startswith("plan ("))
+    assert "onnxruntime" in plan and ("(final)" in plan or "(provisional" in plan or "(rule)" in plan), table
     missing = edgeserve("models", "load", "nope", *url)
     assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
 
