@@ -98,11 +98,13 @@ class GroupHost:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def attach(self, label: str, channel: socket.socket, region_fd: int) -> None:
-        """Hand a member's channel and region to the worker; OSError/ConnectionError when it is gone."""
+    def attach(
+        self, label: str, channel: socket.socket, region_fd: int, events: socket.socket, events_fd: int
+    ) -> None:
+        """Hand a member's channels and regions to the worker; OSError/ConnectionError when it is gone."""
         body = json.dumps({"op": "attach", "label": label}).encode()
         with self._lock:
-            socket.send_fds(self.sock, [body], [channel.fileno(), region_fd])
+            socket.send_fds(self.sock, [body], [channel.fileno(), region_fd, events.fileno(), events_fd])
             reply = self.sock.recv(MAX_GROUP_MESSAGE)
         if not reply:
             raise ConnectionError(f"the group worker (pid {self.pid}) closed its channel")

@@ -1,7 +1,8 @@
 """The worker process of a `python_worker_group` (inside the worker; the server's side is group.py).
 
-The server sends `{"op": "attach", "label": ...}` with two fds (a member's control channel and its
-shared-memory file) over the group channel (SOCK_SEQPACKET); each member is then served on a thread
+The server sends `{"op": "attach", "label": ...}` with four fds (a member's control channel and its
+shared-memory file, its event channel and that channel's shared memory) over the group channel
+(SOCK_SEQPACKET); each member is then served on a thread
 of its own by the same `Stub` a worker of its own runs, its model.py imported under a name of its own
 (`model_1`, `model_2`, ...). The worker ends when the server closes the group channel (its last
 member left, or the server died).
@@ -85,7 +86,7 @@ def serve_group(sock: socket.socket, make_stub: Callable[..., Any]) -> int:
     """Attach members until the server closes the group channel."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
         except OSError:
             return 0
         if not data:
@@ -94,16 +95,18 @@ def serve_group(sock: socket.socket, make_stub: Callable[..., Any]) -> int:
             return 0  # the server closed the channel: no member left, or the server is gone
         try:
             message = json.loads(data)
-            if not isinstance(message, dict) or message.get("op") != "attach" or len(fds) != 2:
-                raise ValueError(f"expected an attach message with 2 fds, got {len(fds)} fds")
+            if not isinstance(message, dict) or message.get("op") != "attach" or len(fds) != 4:
+                raise ValueError(f"expected an attach message with 4 fds, got {len(fds)} fds")
             region = wire.Region(fds[1])
+            events = wire.Region(fds[3])
         except (ValueError, OSError) as exc:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             sock.send(json.dumps({"error": str(exc)}).encode())
             continue
-        stub = make_stub(socket.socket(fileno=fds[0]), region, f"model_{next(_names)}")
+        stub = make_stub(socket.socket(fileno=fds[0]), region, f"model_{next(_names)}",
+                         events=(socket.socket(fileno=fds[2]), events))  # fmt: skip
         label = str(message.get("label", ""))[:200]
         threading.Thread(target=_member, args=(stub,), name=f"member {label}", daemon=True).start()
         sock.send(json.dumps({"ok": True}).encode())

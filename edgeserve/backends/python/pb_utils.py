@@ -1,182 +1,83 @@
-"""The part of Triton's `triton_python_backend_utils` that simple Python models use.
+"""Triton's `triton_python_backend_utils` inside a worker (`import triton_python_backend_utils as pb_utils`).
 
-Inside a worker, `import triton_python_backend_utils as pb_utils` gives this module. Covered:
-Tensor (name, as_numpy), InferenceRequest (inputs, get_input_tensor_by_name, requested output
-names, parameters, request_id), InferenceResponse (output_tensors, error), TritonError (with its
-status codes), TritonModelException, get_input_tensor_by_name / get_output_tensor_by_name,
-get_input_config_by_name / get_output_config_by_name, triton_string_to_numpy and the type maps,
-Logger, and the auto-complete `ModelConfig` (as_dict, add_input, add_output, set_max_batch_size,
-max_batch_size, set_dynamic_batching, set_model_transaction_policy). Not covered: BLS
-(InferenceRequest.exec), decoupled response senders, DLPack.
+Covered: Tensor (as_numpy, to_dlpack/from_dlpack on CPU tensors, shape, is_cpu), InferenceRequest
+(execute()'s requests, and BLS calls: exec, exec(decoupled=True), async_exec), InferenceResponse
+(outputs or error), InferenceResponseSender (decoupled models), TritonError with its codes,
+TritonModelException, the get_*_by_name helpers, the type maps, Logger, MetricFamily / Metric
+(custom metrics), get_model_dir, using_decoupled_model_transaction_policy, the TRITONSERVER_* flags
+and the auto-complete `ModelConfig`. Not covered (raise naming themselves): request rescheduling
+(set_release_flags), GPU tensors.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+from edgeserve.backends.python import pb_bls
+from edgeserve.backends.python.pb_bls import (
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+    InferenceRequest,
+    InferenceResponseSender,
+)
+from edgeserve.backends.python.pb_core import (
+    Array,
+    InferenceResponse,
+    Logger,
+    Tensor,
+    TritonError,
+    TritonModelException,
+    get_input_tensor_by_name,
+    get_output_tensor_by_name,
+    numpy_to_triton_type,
+    triton_string_to_numpy,
+    triton_to_numpy_type,
+)
+from edgeserve.backends.python.pb_metrics import MetricFamily
 
-Array = npt.NDArray[Any]
+__all__ = [
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
+    "TRITONSERVER_REQUEST_RELEASE_ALL",
+    "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "Array",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InferenceResponseSender",
+    "Logger",
+    "MetricFamily",
+    "ModelConfig",
+    "Tensor",
+    "TritonError",
+    "TritonModelException",
+    "get_input_config_by_name",
+    "get_input_tensor_by_name",
+    "get_model_dir",
+    "get_output_config_by_name",
+    "get_output_tensor_by_name",
+    "numpy_to_triton_type",
+    "triton_string_to_numpy",
+    "triton_to_numpy_type",
+    "using_decoupled_model_transaction_policy",
+]  # fmt: skip
 
-_TYPE_NUMPY: dict[str, Any] = {
-    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}  # fmt: skip
-# Triton's numeric TRITONSERVER_DataType values (triton_to_numpy_type / numpy_to_triton_type)
-_TRITON_CODES: dict[int, Any] = {
-    1: np.bool_, 2: np.uint8, 3: np.uint16, 4: np.uint32, 5: np.uint64, 6: np.int8, 7: np.int16,
-    8: np.int32, 9: np.int64, 10: np.float16, 11: np.float32, 12: np.float64, 13: np.object_,
-}  # fmt: skip
-
-
-def triton_string_to_numpy(triton_type_string: str) -> Any:
-    """'TYPE_FP32' -> numpy.float32; 'TYPE_STRING' -> numpy.object_."""
-    return _TYPE_NUMPY[triton_type_string]
-
-
-def triton_to_numpy_type(data_type: int) -> Any:
-    return _TRITON_CODES.get(data_type)
-
-
-def numpy_to_triton_type(data_type: Any) -> int | None:
-    if data_type in (np.object_, np.bytes_, np.str_, object, bytes, str):
-        return 13
-    for code, numpy_type in _TRITON_CODES.items():
-        if np.dtype(numpy_type) == np.dtype(data_type):
-            return code
-    return None
-
-
-class TritonError(Exception):
-    """An error for one response: `InferenceResponse(error=TritonError("..."))`. The code is
-    INTERNAL unless given (as Triton); edgeserve maps it to the request's status."""
-
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self._message = str(message)
-        self._code = int(code)
-
-    def message(self) -> str:
-        return self._message
-
-    def code(self) -> int:
-        return self._code
-
-
-class TritonModelException(Exception):
-    """Raised by the utilities on misuse; raising it in execute() fails the batch with its message."""
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 
-class Tensor:
-    def __init__(self, name: str, data: Any) -> None:
-        if not isinstance(name, str):
-            raise TritonModelException("Tensor name must be a str")
-        array = np.asarray(data)
-        if array.dtype.kind in ("U", "S"):
-            array = array.astype(np.object_)
-        self._name = name
-        self._array = array
-
-    def name(self) -> str:
-        return self._name
-
-    def as_numpy(self) -> Array:
-        return self._array
-
-    def shape(self) -> list[int]:
-        return list(self._array.shape)
-
-    def is_cpu(self) -> bool:
-        return True
-
-    def triton_dtype(self) -> int | None:
-        return numpy_to_triton_type(self._array.dtype.type)
-
-    def __repr__(self) -> str:
-        return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
+def get_model_dir() -> str:
+    """The model's version folder (where model.py is), as Triton's pb_utils.get_model_dir()."""
+    link = pb_bls.find_link()
+    return link.model_dir if link is not None else ""
 
 
-class InferenceRequest:
-    """One request as execute() sees it. Calling other models (BLS `exec`) is not supported."""
-
-    def __init__(
-        self,
-        inputs: Sequence[Tensor] = (),
-        requested_output_names: Sequence[str] = (),
-        request_id: str = "",
-        parameters: str | dict[str, Any] = "{}",
-        model_name: str = "",
-        correlation_id: int | str = 0,
-        flags: int = 0,
-        **_: Any,
-    ) -> None:
-        self._correlation_id = correlation_id
-        self._flags = flags
-        self._inputs = list(inputs)
-        self._requested = list(requested_output_names)
-        self._id = request_id
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
-        self._model_name = model_name
-
-    def inputs(self) -> list[Tensor]:
-        return list(self._inputs)
-
-    def requested_output_names(self) -> list[str]:
-        return list(self._requested)
-
-    def request_id(self) -> str:
-        return self._id
-
-    def parameters(self) -> str:
-        return self._parameters
-
-    def correlation_id(self) -> int | str:
-        """The sequence's ID (0 outside a sequence and in a Direct batch's empty slot)."""
-        return self._correlation_id
-
-    def flags(self) -> int:
-        """Triton's sequence flags: 1 = START, 2 = END (both on a one-request sequence)."""
-        return self._flags
-
-    def is_cancelled(self) -> bool:
-        return False
-
-    def exec(self, *_: Any, **__: Any) -> Any:
-        raise TritonModelException("edgeserve's Python backend does not support BLS (InferenceRequest.exec)")
-
-    async_exec = exec
-
-
-class InferenceResponse:
-    def __init__(self, output_tensors: Sequence[Tensor] = (), error: TritonError | None = None) -> None:
-        self._outputs = list(output_tensors)
-        self._error = error
-
-    def output_tensors(self) -> list[Tensor]:
-        return list(self._outputs)
-
-    def has_error(self) -> bool:
-        return self._error is not None
-
-    def error(self) -> TritonError | None:
-        return self._error
-
-
-def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
-    return next((t for t in request.inputs() if t.name() == name), None)
-
-
-def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
-    return next((t for t in response.output_tensors() if t.name() == name), None)
+def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
+    if isinstance(model_config, str):
+        model_config = json.loads(model_config)
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
 
 
 def _config_entry(model_config: Any, kind: str, name: str) -> dict[str, Any] | None:
@@ -194,21 +95,6 @@ def get_input_config_by_name(model_config: Any, name: str) -> dict[str, Any] | N
 
 def get_output_config_by_name(model_config: Any, name: str) -> dict[str, Any] | None:
     return _config_entry(model_config, "output", name)
-
-
-def _log(message: str, level: str = "INFO") -> None:
-    print(f"[python model] {level}: {message}", file=sys.stderr, flush=True)
-
-
-class Logger:
-    """pb_utils.Logger: lines go to the server's log (the worker's stderr)."""
-
-    INFO, WARNING, ERROR, VERBOSE = "INFO", "WARNING", "ERROR", "VERBOSE"
-    log = staticmethod(_log)
-    log_info = staticmethod(functools.partial(_log, level=INFO))
-    log_warn = staticmethod(functools.partial(_log, level=WARNING))
-    log_error = staticmethod(functools.partial(_log, level=ERROR))
-    log_verbose = staticmethod(functools.partial(_log, level=VERBOSE))
 
 
 class ModelConfig:
@@ -242,9 +128,17 @@ class ModelConfig:
         self._config.setdefault("dynamic_batching", {})
 
     def set_model_transaction_policy(self, policy: dict[str, Any]) -> None:
-        if policy.get("decoupled"):
-            raise ValueError("edgeserve's Python backend does not support decoupled models")
-        self._config["model_transaction_policy"] = dict(policy)
+        unknown = set(policy) - {"decoupled"}
+        if unknown:
+            raise ValueError(f"model_transaction_policy has no field {', '.join(sorted(unknown))}")
+        current = self._config.get("model_transaction_policy", {}).get("decoupled")
+        wanted = bool(policy.get("decoupled", False))
+        if current is not None and bool(current) != wanted:
+            raise ValueError(
+                f"trying to change decoupled property in auto-complete-config for model "
+                f"'{self._config.get('name', '')}', which is already set to {current}"
+            )
+        self._config["model_transaction_policy"] = {"decoupled": wanted}
 
     def add_input(self, input: dict[str, Any]) -> None:
         self._add("input", input)

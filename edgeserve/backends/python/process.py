@@ -1,10 +1,11 @@
 """One worker process of a Python model, seen from the server: spawn, ask, kill.
 
 The worker is a fresh interpreter (`python -m edgeserve.backends.python.worker`, never a fork of the
-server, whose gRPC/ZeroMQ threads a fork would copy in a broken state) that inherits exactly two fds:
-its end of a socketpair (the control channel) and the shared-memory file (wire.py). A model in a
-`python_worker_group` gets the same two fds, handed to its group's running worker (group.py), and
-shares that process with the group's other members.
+server, whose gRPC/ZeroMQ threads a fork would copy in a broken state) that inherits exactly four fds:
+its end of a socketpair (the control channel) and the shared-memory file (wire.py), and its end of
+the event channel and that channel's shared memory (channel.py). A model in a `python_worker_group`
+gets the same four fds, handed to its group's running worker (group.py), and shares that process
+with the group's other members.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeserve.backends import memory
-from edgeserve.backends.python import group, wire
+from edgeserve.backends.python import channel, group, wire
 from edgeserve.backends.python.group import GroupKey
 
 KILL_GRACE_S = 1.0
@@ -104,25 +105,34 @@ class Worker:
         self.spec = spec
         self.host: group.GroupHost | None = None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fd = wire.create_region_fd(spec.label.replace(" ", "_").replace("'", ""))
+        label = spec.label.replace(" ", "_").replace("'", "")
+        fd = wire.create_region_fd(label)
+        events, events_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        events_fd = wire.create_region_fd(f"{label}-events", 2 * channel.HALF)  # sparse until written
         try:
             if spec.group is not None:
                 self.host = group.join(spec.group, spawn)
                 try:
-                    self.host.attach(spec.label, child, fd)
+                    self.host.attach(spec.label, child, fd, events_child, events_fd)
                 except (OSError, ValueError):
                     group.leave(self.host, 1.0)
                     raise
                 self.process = self.host.process
             else:
-                arguments = ["--control-fd", str(child.fileno()), "--shm-fd", str(fd), "--label", spec.label]
-                self.process = spawn(arguments, (child.fileno(), fd))
+                arguments = ["--control-fd", str(child.fileno()), "--shm-fd", str(fd),
+                             "--event-fd", str(events_child.fileno()), "--event-shm-fd", str(events_fd),
+                             "--label", spec.label]  # fmt: skip
+                self.process = spawn(arguments, (child.fileno(), fd, events_child.fileno(), events_fd))
         except BaseException:
             parent.close()
+            events.close()
             os.close(fd)
+            os.close(events_fd)
             raise
         finally:
             child.close()
+            events_child.close()
+        self.events = channel.Channel(events, wire.Region(events_fd), "server", label)
         self.sock = parent
         self.sock.settimeout(READ_TIMEOUT_S)  # for the read once poll said a reply is there
         self.region = wire.Region(fd)
@@ -224,5 +234,8 @@ class Worker:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self.region.close()
+        self.events.close()
+        self.events.sock.close()
+        self.events.region.close()
         if self.host is not None:
             group.leave(self.host, KILL_GRACE_S)

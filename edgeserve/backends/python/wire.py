@@ -91,6 +91,9 @@ def recv(sock: socket.socket) -> Header:
 
 # Request parameters Triton turns into request fields (not part of request.parameters()).
 _NOT_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+# The models a BLS call came through ("a,b"), as the calling instance sets it on the request: a
+# call into a model already on the chain whose instances are all busy would wait forever.
+CHAIN_PARAMETER = "edgeserve_bls_chain"
 
 
 def request_entry(info: RequestInfo | None) -> Header:
@@ -98,10 +101,15 @@ def request_entry(info: RequestInfo | None) -> Header:
     if info is None:
         return {"id": "", "params": "{}", "corrid": 0, "flags": 0}
     params = {
-        k: v for k, v in info.parameters.items() if k not in _NOT_PARAMETERS and not k.startswith("triton_")
-    }
-    return {"id": info.request_id, "params": json.dumps(params, default=str),
-            "corrid": info.correlation_id, "flags": info.flags}  # fmt: skip
+        k: v for k, v in info.parameters.items()
+        if k not in _NOT_PARAMETERS and k != CHAIN_PARAMETER and not k.startswith("triton_")
+    }  # fmt: skip
+    entry: Header = {"id": info.request_id, "params": json.dumps(params, default=str),
+                     "corrid": info.correlation_id, "flags": info.flags}  # fmt: skip
+    chain = info.parameters.get(CHAIN_PARAMETER)
+    if isinstance(chain, str) and chain:
+        entry["chain"] = chain
+    return entry
 
 
 # -- shared memory ------------------------------------------------------------------------------
@@ -172,23 +180,27 @@ def _encoded(array: Array, datatype: str) -> tuple[bytes | None, int]:
     return None, int(array.nbytes)
 
 
-def write_tensors(
-    region: Region, tensors: Iterable[tuple[str, Array]], start: int
-) -> tuple[list[Header], int]:
-    """Copy `tensors` into the region from `start` (one copy each); their descriptors and the end."""
-    prepared: list[tuple[str, Array, str, bytes | None, int]] = []
+Prepared = list[tuple[str, Array, str, "bytes | None", int]]
+
+
+def prepare_tensors(tensors: Iterable[tuple[str, Array]]) -> tuple[Prepared, int]:
+    """The tensors as they will be written (BYTES serialized once) and the bytes they need from an
+    aligned start."""
+    prepared: Prepared = []
+    size = 0
     for name, value in tensors:
         array = np.asarray(value)
         datatype = datatypes.from_numpy(array.dtype)
         data, nbytes = _encoded(array, datatype)
         prepared.append((name, array, datatype, data, nbytes))
-    offset = align(start)
-    end = offset
-    for *_, nbytes in prepared:
-        end = align(end) + nbytes
-    region.reserve(end)
-    buffer = region.buffer
+        size = align(size) + nbytes
+    return prepared, size
+
+
+def write_prepared(buffer: Any, prepared: Prepared, start: int) -> list[Header]:
+    """Copy prepared tensors into `buffer` from `start` (aligned; one copy each); their descriptors."""
     headers: list[Header] = []
+    offset = align(start)
     for name, array, datatype, data, nbytes in prepared:
         offset = align(offset)
         if data is not None:
@@ -198,7 +210,17 @@ def write_tensors(
             np.copyto(target, array, casting="no")
         headers.append({"n": name, "t": datatype, "s": list(array.shape), "o": offset, "b": nbytes})
         offset += nbytes
-    return headers, end
+    return headers
+
+
+def write_tensors(
+    region: Region, tensors: Iterable[tuple[str, Array]], start: int
+) -> tuple[list[Header], int]:
+    """Copy `tensors` into the region from `start` (one copy each); their descriptors and the end."""
+    prepared, size = prepare_tensors(tensors)
+    end = align(start) + size
+    region.reserve(end)
+    return write_prepared(region.buffer, prepared, start), end
 
 
 def read_tensor(region: Region, header: Mapping[str, Any], copy: bool) -> Array:

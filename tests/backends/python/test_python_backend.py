@@ -296,7 +296,7 @@ def test_pb_utils_surface() -> None:
     assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
     tensor = pb_utils.Tensor("T", np.array(["a", "b"]))
     assert tensor.name() == "T" and tensor.as_numpy().dtype == np.object_
-    request = pb_utils.InferenceRequest([tensor], ["OUT"], "id-1")
+    request = pb_utils.InferenceRequest(inputs=[tensor], requested_output_names=["OUT"], request_id="id-1")
     assert pb_utils.get_input_tensor_by_name(request, "T") is tensor
     assert pb_utils.get_input_tensor_by_name(request, "U") is None
     assert request.request_id() == "id-1" and json.loads(request.parameters()) == {}
