@@ -88,6 +88,7 @@ class HangWatch:
     _closed: bool
     _stopping: bool
     replaced: int
+    _check_streams: Callable[[int], None]  # decoupled.py: live streams past their deadline
 
     def _claim(self, jobs: list[Job]) -> list[Job]:
         raise NotImplementedError
@@ -107,6 +108,7 @@ class HangWatch:
     def check_running(self, now_ns: int) -> None:
         """Watchdog (its own thread): answer executing jobs past their deadline; replace an instance
         whose batch has run longer than the hang timeout."""
+        self._check_streams(now_ns)
         if not self._batches:
             return
         timed_out: list[Job] = []

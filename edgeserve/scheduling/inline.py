@@ -44,6 +44,7 @@ class InlineRuns:
     _delay_ns: int
     compute_ewma_ns: int
     inline_runs: int
+    decoupled: bool
 
     def _execute(self, instance: Instance, jobs: list[Job], taken_ns: int, index: int) -> None:
         raise NotImplementedError
@@ -59,6 +60,8 @@ class InlineRuns:
         recent compute time is under `max_compute_ns` (the caller is blocked that long) and, if it
         batches with a window, under that window of at most INLINE_WINDOW_MAX_NS. False: nothing
         happened, `submit` it instead."""
+        if self.decoupled:  # its sends may wait on a slow reader: never on a frontend's thread
+            return False
         ewma = self.compute_ewma_ns
         limit = max_compute_ns
         if self._delay_ns:

@@ -17,6 +17,9 @@ Arrays = dict[str, npt.NDArray[Any]]
 # or on the closing thread for jobs still queued at close();
 # with this job's outputs (already split out of the batch) or the error that ended it.
 JobCallback = Callable[["Arrays | BaseException"], None]
+# A decoupled model's job (scheduling/decoupled.py): each response in order, (outputs, an error, or
+# None for a final flag without a response; final). The last call has final True.
+StreamCallback = Callable[["Arrays | BaseException | None", bool], None]
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class Job:
     # Set by the requester (an ensemble whose other step failed) when it no longer wants the answer:
     # a scheduler that finds it still queued answers it CANCELLED instead of running it.
     cancelled: bool = False
+    on_response: StreamCallback | None = None  # set for a decoupled model's job (0..N responses)
     # Filled by the scheduler:
     shape_key: tuple[Any, ...] = ()
     deadline_ns: int = 0  # 0 = none

@@ -8,7 +8,8 @@ from the head job's enqueue, for more. Idle workers also wake at the nearest que
 timed-out REJECT job fails promptly.
 
 Copies: a batch of one job hands the job's arrays to the backend as they are; a batch of several
-concatenates each input once into the batch buffer. Outputs go back to each job as row views.
+gathers each input once into a reused buffer (buffers.py). Outputs go back to each job as row
+views.
 
 Inline runs: a frontend may run a job on its own thread (`try_run_inline`, inline.py).
 
@@ -37,6 +38,8 @@ import numpy as np
 from edgeserve.backends.base import RequestInfo
 from edgeserve.backends.options import DEFAULT_HANG_TIMEOUT_S
 from edgeserve.protocol.errors import InferenceError, Status
+from edgeserve.scheduling.buffers import BatchBuffers
+from edgeserve.scheduling.decoupled import DecoupledRuns
 from edgeserve.scheduling.hangs import _WATCHDOG, HangWatch, InstanceFactory
 from edgeserve.scheduling.inline import INLINE_WINDOW_MAX_NS, InlineRuns
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job, answer
@@ -71,7 +74,7 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
+class Scheduler(ModelVersionScheduler, DecoupledRuns, InlineRuns, HangWatch):
     def __init__(self, model_name: str, version: int, config: ModelConfig, instances: list[Instance],
                  stats: ModelStats, *, hard_queue_cap: int = DEFAULT_HARD_QUEUE_CAP,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
@@ -80,7 +83,10 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
         self._init_version(model_name, version, config, instances, stats)
         self._queue = JobQueue.from_config(config, hard_queue_cap)
         self._batching = bool(config.HasField("dynamic_batching") and config.max_batch_size > 0)
+        self.decoupled = bool(config.model_transaction_policy.decoupled)  # decoupled.py
+        self._live: dict[int, Job] = {}
         self._max_rows = int(config.max_batch_size) if self._batching else 0
+        self._buffers = BatchBuffers(self._max_rows)  # reused gather buffers (buffers.py)
         self._delay_ns = 0
         self._target_rows = self._max_rows
         if self._batching:
@@ -233,12 +239,13 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
             self._closed = True
             self._accepting = False
             self._stopping = True
-            leftover = self._queue.pop_all()
+            leftover = self._queue.pop_all() + self._end_all_live()
             self._work.notify_all()
             if self._executing == 0:
                 self._notify_idle()
         self._fail(leftover, self._unloading(), "OTHER")
         alive = self._join(join_timeout_s)
+        self._buffers.clear()
         with self._lock:  # an inline run still holds its instance
             self._idle.wait_for(lambda: not self._claimed, join_timeout_s)
         for index, instance in enumerate(self._instances):
@@ -347,7 +354,7 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
         with self._lock:
             for job in jobs:
                 job.cancelled = True
-            queued = self._claim(self._queue.remove(jobs))
+            queued = self._claim(self._queue.remove(jobs)) + self._end_live(jobs)
             if queued and self._is_idle():
                 self._notify_idle()
         if queued:
@@ -373,6 +380,8 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
         return live
 
     def _execute(self, instance: Instance, jobs: list[Job], taken_ns: int, index: int) -> None:
+        if self.decoupled:
+            return self._execute_decoupled(instance, jobs, taken_ns, index)
         single = len(jobs) == 1
         rows = jobs[0].batch_size if single else sum(job.batch_size for job in jobs)
         entry = (jobs, taken_ns)
@@ -383,10 +392,12 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
         per_request = getattr(instance, "infer_requests", None)
         results: Sequence[Arrays | BaseException]
         try:
-            inputs = self._assemble(jobs) if per_request is None else {}
+            batch = [job.inputs for job in jobs] if per_request is None else []
+            inputs, lease = self._buffers.gather(batch) if batch else ({}, None)
             infer_start = time.monotonic_ns()
             if per_request is None:
                 outputs = instance.infer(inputs)
+                self._buffers.release(lease, outputs)  # unless an output is a view of it
             else:
                 infos = [RequestInfo(job.request_id, parameters=job.parameters) for job in jobs]
                 results = per_request([job.inputs for job in jobs], infos)
@@ -429,13 +440,6 @@ class Scheduler(ModelVersionScheduler, InlineRuns, HangWatch):
         output_end = time.monotonic_ns()
         self.stats.record_execution(rows, infer_start - taken_ns, infer_end - infer_start,
                                     output_end - infer_end, timings)  # fmt: skip
-
-    @staticmethod
-    def _assemble(jobs: list[Job]) -> Arrays:
-        if len(jobs) == 1:
-            return jobs[0].inputs  # no copy: the request's own views go to the runtime
-        names = jobs[0].inputs.keys()
-        return {name: np.concatenate([job.inputs[name] for job in jobs], axis=0) for name in names}
 
     def _split(self, jobs: list[Job], outputs: dict[str, Any], rows: int) -> Sequence[Arrays]:
         if len(jobs) == 1:

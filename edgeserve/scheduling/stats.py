@@ -29,6 +29,7 @@ _BUCKETS_NS: tuple[int, ...] = tuple(round(b * 1e9) for b in LATENCY_BUCKETS_S)
 # The `reason` label Triton puts on nv_inference_request_failure.
 FAILURE_REASONS: tuple[str, ...] = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
+MAX_RESPONSE_KEYS = 64  # response_stats keys kept per model (decoupled streams)
 _INFERENCE_STATS_KEYS = (
     "success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss",
 )  # fmt: skip
@@ -135,6 +136,7 @@ class ModelStats:
         self._request_hist = Histogram()
         self._queue_hist = Histogram()
         self._compute_infer_hist = Histogram()
+        self._responses: dict[int, list[int]] = {}  # decoupled: response index -> [success, fail]
 
     # -- recording ------------------------------------------------------------------------------
     def record_success(self, request_ns: int, queue_ns: int, compute_input_ns: int, compute_infer_ns: int,
@@ -159,6 +161,16 @@ class ModelStats:
             self._stats["cache_hit"].add(lookup_ns)
             self._request_hist.observe(request_ns)
             self._last_inference_ms = time.time_ns() // 1_000_000
+
+    def record_response(self, index: int, failed: bool) -> None:
+        """One response of a decoupled request (its `index`-th); indexes past MAX_RESPONSE_KEYS - 1
+        share the last key, so a long stream cannot grow the statistics."""
+        key = min(index, MAX_RESPONSE_KEYS - 1)
+        with self._lock:
+            counts = self._responses.get(key)
+            if counts is None:
+                counts = self._responses[key] = [0, 0]
+            counts[1 if failed else 0] += 1
 
     def record_cache_miss(self, lookup_ns: int) -> None:
         """A cacheable request that ran the model: lookup + insertion time."""
@@ -235,7 +247,10 @@ class ModelStats:
                 "inference_stats": {key: self._stats[key].as_dict() for key in _INFERENCE_STATS_KEYS},
                 "batch_stats": batch_stats,
                 "memory_usage": [],
-                "response_stats": {},
+                "response_stats": {
+                    str(key): {"success": {"count": ok, "ns": 0}, "fail": {"count": failed, "ns": 0}}
+                    for key, (ok, failed) in sorted(self._responses.items())
+                },
             }
 
     def snapshot(self) -> StatsSnapshot:

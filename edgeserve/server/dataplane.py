@@ -13,9 +13,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from edgeserve import __version__
+from edgeserve.backends.streams import decoupled_error
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry, ShmLease
 from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg, unavailable
@@ -24,9 +25,12 @@ from edgeserve.scheduling.cache import ResponseCache
 from edgeserve.scheduling.job import CURRENT_CLIENT, Arrays, Job
 from edgeserve.scheduling.queue import QUEUE_FULL_MESSAGE
 from edgeserve.server import validation
+from edgeserve.server.answers import LoopAnswer
+from edgeserve.server.answers import on_loop as on_loop
 from edgeserve.server.contracts import RepositoryLike, ServedModelLike
 from edgeserve.server.logsettings import LogSettings
 from edgeserve.server.outputs import ResponseAssembler
+from edgeserve.server.streaming import ResponseStream, stream_bounds
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -49,57 +53,6 @@ EXTENSIONS: tuple[str, ...] = (
 )
 
 ResponseCallback = Callable[["InferResponse | InferenceError"], None]
-_T = TypeVar("_T")
-
-
-def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[_T], None]) -> Callable[[_T], None]:
-    """`callback` run on `loop`'s thread: directly when called there (an inline run, an immediate
-    refusal), else through `call_soon_threadsafe` (a worker thread). RuntimeError when the loop is
-    closed (the server is gone and nobody waits)."""
-    here = threading.get_ident()
-
-    def call(result: _T) -> None:
-        if threading.get_ident() == here:
-            callback(result)
-        else:
-            loop.call_soon_threadsafe(callback, result)
-
-    return call
-
-
-class _LoopAnswer:
-    """`DataPlane.infer`'s answer, settled on the loop (`deliver`, through `on_loop`): one given
-    while `submit` runs (an inline run, a refusal) is kept for `infer` to return without a future;
-    a later one (from a worker) resolves `future`."""
-
-    __slots__ = ("deliver", "future", "loop", "result")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.result: InferResponse | InferenceError | None = None
-        self.future: asyncio.Future[InferResponse] | None = None
-        self.deliver: ResponseCallback = on_loop(loop, self._settle)
-
-    def _settle(self, result: InferResponse | InferenceError) -> None:
-        # `deliver` holds this method, so the answer was in a reference cycle with it: with the result
-        # (the output tensors) in the cycle, a response lived until the cyclic GC ran (seen: hundreds
-        # of MB of frames kept on an idle server). Settled once: the cycle goes now.
-        self.deliver = _settled
-        future = self.future
-        if future is None:  # still inside `submit` (the future is made before any worker answer lands)
-            if self.result is None:
-                self.result = result
-        elif not future.done():
-            if isinstance(result, InferenceError):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-
-def _settled(result: InferResponse | InferenceError) -> None:
-    """An answer's `deliver` once it was settled (on_done is called once; a second call is dropped)."""
-
-
 # Admission (`[server] max_inflight` = 0): the server takes this many times what its models' queues
 # hold (their wait-based soft caps, plus a batch per instance) in flight at once, across frontends,
 # and never fewer than MIN_AUTO_INFLIGHT; more are refused at once, before their tensors are read.
@@ -266,7 +219,7 @@ class DataPlane:
         self, request: InferRequest, *, admitted: bool = False, inline_max_ns: int = 0
     ) -> InferResponse:
         """`inline_max_ns`: as `submit`'s, on the event loop: keep it to tens of µs (the loop waits)."""
-        answer = _LoopAnswer(asyncio.get_running_loop())
+        answer = LoopAnswer(asyncio.get_running_loop())
         self.submit(request, answer.deliver, admitted=admitted, inline_max_ns=inline_max_ns)
         result, answer.result = answer.result, None
         if result is None:  # queued: a worker answers through the loop
@@ -288,6 +241,7 @@ class DataPlane:
         inline_max_ns: int = 0,
         admitted: bool = False,
         on_demand: bool = True,
+        stream: ResponseStream | None = None,
     ) -> bool:
         """Queue `request`; `on_done` is called once, on a worker thread or (for errors found
         before queueing) right here, with the response or an InferenceError.
@@ -301,14 +255,29 @@ class DataPlane:
         for the memory budget) loads it and waits for it (at most its timeout), then runs.
 
         `admitted`: the caller already counted the request in flight (`admit()`); otherwise it is
-        admitted here. Either way it leaves the in-flight count when `on_done` is called."""
+        admitted here. Either way it leaves the in-flight count when `on_done` is called.
+
+        `stream` (from `submit_stream`): a decoupled model's responses go there; without it a
+        decoupled model is refused with Triton's error (unary ModelInfer, HTTP /infer)."""
         if not admitted:
             try:
                 self.admit()
             except InferenceError as exc:
                 on_done(exc)
                 return False
-        first_on_done, on_done = on_done, self._releasing(on_done)
+        first_on_done = on_done
+        answered = [False]
+
+        def release_once() -> None:
+            if not answered[0]:
+                answered[0] = True
+                self.release()
+
+        def releasing(result: InferResponse | InferenceError) -> None:
+            release_once()
+            first_on_done(result)
+
+        on_done = releasing
         if self.shutting_down:
             on_done(unavailable("server is shutting down"))
             return False
@@ -320,6 +289,9 @@ class DataPlane:
             label = served.name
             if self._touch is not None:
                 self._touch(label)
+            decoupled = bool(served.config.model_transaction_policy.decoupled)
+            if decoupled and stream is None:
+                raise decoupled_error()
             for tensor in request.inputs:
                 if tensor.shm is not None:
                     if tensor.data is not None:
@@ -345,7 +317,7 @@ class DataPlane:
                 lease.release()
             if served is not None:
                 served.stats.record_fail(time.monotonic_ns() - request.arrival_ns)
-            elif on_demand and self._load_first(exc, request, first_on_done, on_done):
+            elif on_demand and self._load_first(exc, request, first_on_done, on_done, stream):
                 return False  # submitted again once the model serves
             on_done(exc)
             return False
@@ -358,27 +330,45 @@ class DataPlane:
 
         model = served
 
-        def job_done(result: Arrays | BaseException) -> None:
+        def build(result: Arrays | BaseException) -> InferResponse | InferenceError:
             try:
                 if isinstance(result, BaseException):
-                    error = result if isinstance(result, InferenceError) else internal(str(result))
-                    on_done(error)
-                else:
-                    on_done(self._outputs.response(request, model, result, output_names, output_leases))
+                    return result if isinstance(result, InferenceError) else internal(str(result))
+                return self._outputs.response(request, model, result, output_names, output_leases)
             except InferenceError as exc:
-                on_done(exc)
+                return exc
             except Exception as exc:
                 log.exception("building the response for request %s failed", request.id)
-                on_done(internal(f"internal error building the response: {exc}"))
+                return internal(f"internal error building the response: {exc}")
+
+        def release_leases() -> None:
+            if leases:
+                # Drop this request's references to the client's memory (a thread's stale local
+                # can keep a finished request alive), so an unregistered region's mapping goes now.
+                inputs.clear()
+                for tensor in request.inputs:
+                    tensor.data = None
+            for lease in leases:
+                lease.release()
+
+        def job_done(result: Arrays | BaseException) -> None:
+            try:
+                on_done(build(result))
             finally:
-                if leases:
-                    # Drop this request's references to the client's memory (a thread's stale local
-                    # can keep a finished request alive), so an unregistered region's mapping goes now.
-                    inputs.clear()
-                    for tensor in request.inputs:
-                        tensor.data = None
-                for lease in leases:
-                    lease.release()
+                release_leases()
+
+        def respond(result: Arrays | BaseException | None, final: bool) -> None:
+            """A decoupled model's responses (scheduling/decoupled.py), into `stream`, in order."""
+            assert stream is not None
+            if not final:
+                if result is not None:
+                    stream.put(build(result), False)
+            elif result is not None:
+                job_done(result)
+            else:  # the final flag alone
+                release_once()
+                release_leases()
+                stream.put(None, True)
 
         cache = self.response_cache
         ticket = cache.begin(model, request.parameters, inputs, output_names) if cache is not None else None
@@ -396,7 +386,13 @@ class DataPlane:
             request_id=request.id,
             parameters=request.parameters,
             outputs=tuple(output_names),
+            on_response=respond if decoupled else None,
         )
+        if decoupled:
+            job.done = lambda result: respond(result, True)
+        cancel = getattr(model.scheduler, "cancel", None)
+        if stream is not None and cancel is not None:
+            stream.on_cancel(lambda: cancel([job]))
         try:
             if inline_max_ns and model.scheduler.try_run_inline(job, inline_max_ns):
                 return True
@@ -404,14 +400,36 @@ class DataPlane:
         except InferenceError as exc:
             for lease in leases:
                 lease.release()
-            if on_demand and self._load_first(exc, request, first_on_done, on_done):
+            if on_demand and self._load_first(exc, request, first_on_done, on_done, stream):
                 return False  # its model was being unloaded for memory: runs once loaded again
             on_done(exc)
         return False
 
+    def submit_stream(
+        self, request: InferRequest, notify: Callable[[], None], *, admitted: bool = False
+    ) -> ResponseStream:
+        """Submit `request` for 0..N responses (any model: one that is not decoupled answers once,
+        final). The frontend takes them from the returned stream when `notify` is called (on the
+        thread that produced them: hand it to your own) and calls `cancel()` on it when its client
+        goes away. Never runs inline: a decoupled model's sends may wait on the reader."""
+        capacity, stall_s = self._stream_bounds(request)
+        stream = ResponseStream(notify, capacity, stall_s)
+
+        def final(result: InferResponse | InferenceError) -> None:
+            stream.put(result, True)
+
+        self.submit(request, final, admitted=admitted, stream=stream)
+        return stream
+
+    def _stream_bounds(self, request: InferRequest) -> tuple[int, float]:
+        try:
+            return stream_bounds(self.repository.get(request.model_name, request.model_version).config)
+        except Exception:  # an unknown model: `submit` answers why; any bounds do
+            return stream_bounds(None)
+
     def _load_first(
         self, error: InferenceError, request: InferRequest, retry_done: ResponseCallback,
-        on_done: ResponseCallback,
+        on_done: ResponseCallback, stream: ResponseStream | None = None,
     ) -> bool:  # fmt: skip
         """Start (or join) the load of a load-on-first-use / evicted model; the request is submitted
         again when it serves, or answered UNAVAILABLE. False: not such a model, answer `error` now."""
@@ -428,24 +446,12 @@ class DataPlane:
                 for tensor in request.inputs:  # shm inputs are resolved again
                     if tensor.shm is not None:
                         tensor.data = None
-                self.submit(request, retry_done, admitted=True, on_demand=False)
+                self.submit(request, retry_done, admitted=True, on_demand=False, stream=stream)
             else:
                 on_done(failure if isinstance(failure, InferenceError) else internal(str(failure)))
 
         loading.add_done_callback(loaded)
         return True
-
-    def _releasing(self, on_done: ResponseCallback) -> ResponseCallback:
-        """`on_done` that first takes its request out of the in-flight count (once)."""
-        answered = [False]
-
-        def answer(result: InferResponse | InferenceError) -> None:
-            if not answered[0]:
-                answered[0] = True
-                self.release()
-            on_done(result)
-
-        return answer
 
     def log_settings(self, updates: dict[str, Any] | None = None) -> dict[str, Any]:
         """Triton's log settings; `updates` (all or nothing) change the real logging levels/format."""
