@@ -94,6 +94,10 @@ class Server:
                 log.warning("zmq frontend unavailable: %s", exc)
             else:
                 frontends.append(ZmqFrontend(self.dataplane, self.settings))
+        if self.settings.metrics.port:  # Triton's metrics port (8002): /metrics alone
+            from edgeserve.frontends.http.metrics_listener import MetricsFrontend
+
+            frontends.append(MetricsFrontend(self.dataplane, self.settings))
         return frontends
 
     async def start(self) -> None:

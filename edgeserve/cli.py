@@ -32,6 +32,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         overrides["http"]["port"] = args.http_port
     if args.grpc_port is not None:
         overrides["grpc"]["port"] = args.grpc_port
+    if args.metrics_port is not None:
+        overrides["metrics"] = {"port": args.metrics_port}
     if args.zmq_endpoint:
         overrides["zmq"]["endpoints"] = args.zmq_endpoint
     for flag, section in (("no_http", "http"), ("no_grpc", "grpc"), ("no_zmq", "zmq")):
@@ -71,8 +73,8 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     path = _config_path(args)
     if path is not None:
         flags += ["--config", str(path)]
-    for name in ("model_repository", "model_control_mode", "host", "http_port", "grpc_port", "log_level",
-                 "state_dir"):  # fmt: skip
+    for name in ("model_repository", "model_control_mode", "host", "http_port", "grpc_port", "metrics_port",
+                 "log_level", "state_dir"):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
@@ -317,6 +319,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address for HTTP and gRPC (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int)
     parser.add_argument("--grpc-port", type=int)
+    parser.add_argument("--metrics-port", type=int, help="Triton's metrics port (default 8002; 0 = off)")
     parser.add_argument("--zmq-endpoint", action="append", help="ZeroMQ endpoint (repeatable)")
     parser.add_argument("--no-http", action="store_true")
     parser.add_argument("--no-grpc", action="store_true")

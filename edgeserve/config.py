@@ -24,6 +24,7 @@ from edgeserve.config_sections import (
     GrpcSection,
     HttpSection,
     LoggingSection,
+    MetricsSection,
     OtaSection,
     RepositorySection,
     RuntimeSection,
@@ -48,6 +49,7 @@ __all__ = [
     "GrpcSection",
     "HttpSection",
     "LoggingSection",
+    "MetricsSection",
     "OtaSection",
     "RepositorySection",
     "RuntimeSection",
@@ -68,6 +70,7 @@ class Settings:
     repository: RepositorySection = field(default_factory=RepositorySection)
     http: HttpSection = field(default_factory=HttpSection)
     grpc: GrpcSection = field(default_factory=GrpcSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     zmq: ZmqSection = field(default_factory=ZmqSection)
     shm: ShmSection = field(default_factory=ShmSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
@@ -92,6 +95,8 @@ class Settings:
         for section, port in (("http", self.http.port), ("grpc", self.grpc.port)):
             if not 0 <= port <= 65535:
                 fail(f"{section}.port", f"{port} is not a TCP port (0-65535; 0 picks a free one)")
+        if not 0 <= self.metrics.port <= 65535 or not self.metrics.address.strip():
+            fail("metrics.port", "port must be 0 (no metrics listener) or a TCP port, address a host or IP")
         self._validate_limits(fail)
         self._validate_listeners(fail)
         inline_limits = {"http": self.http.inline_max_us, "grpc": self.grpc.inline_max_us}

@@ -93,6 +93,8 @@ REFUSED: dict[str, str] = {
     "http.token": CREDENTIAL,
     "http.admin_loopback_only": ACCESS,
     "http.restricted_api": ACCESS,
+    "metrics.port": LISTENER,
+    "metrics.address": LISTENER,
     "zmq.enabled": LISTENER,
     "zmq.endpoints": LISTENER,
     "shm.allow_client_shm": ACCESS,

@@ -94,6 +94,16 @@ class GrpcSection:
     restricted_protocol: RestrictedGroups = field(default_factory=RestrictedGroups)  # Triton's groups
 
 
+@dataclass
+class MetricsSection:
+    """Triton's metrics port: the `/metrics` page of the HTTP port (same access rules) on its own listener."""
+
+    # Triton's --metrics-port. 0 = no metrics listener (the HTTP port still serves /metrics). A port in
+    # use is logged and the server serves on without it: metrics never keep inference down.
+    port: int = 8002
+    address: str = "127.0.0.1"  # "0.0.0.0" serves the LAN: plain HTTP; [http] token applies to it
+
+
 MAX_SPIN_US = 10_000
 
 

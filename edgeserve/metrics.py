@@ -2,7 +2,8 @@
 
 `render(served)` builds a fresh `CollectorRegistry` per scrape (never prometheus_client's global
 one) from a collector over the served model versions, the process/system gauges and any collectors
-other parts registered with `register_collector` (the registry shared by all parts).
+other parts registered with `register_collector` (the registry shared by all parts), then the Python
+models' custom metrics (edgeserve/custom_metrics.py, rendered as Triton prints them).
 
 Triton prints its counters without the `_total` suffix (`nv_inference_count`, not
 `nv_inference_count_total`) and Grafana dashboards built for Triton query those names, so the
@@ -23,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from edgeserve.custom_metrics import CUSTOM_METRICS
 from edgeserve.scheduling.stats import FAILURE_REASONS, Histogram, ModelStats
 
 log = logging.getLogger("edgeserve.metrics")
@@ -84,7 +86,9 @@ def render(served: Iterable[object]) -> tuple[bytes, str]:
         extra = list(_extra)
     for collector in extra:
         registry.register(collector)
-    return _HEADER_FIX.sub(rb"# \1 \2 ", generate_latest(registry)), CONTENT_TYPE
+    builtin = _HEADER_FIX.sub(rb"# \1 \2 ", generate_latest(registry))
+    # the custom families' names never collide with these (custom_metrics.RESERVED_PREFIXES)
+    return builtin + CUSTOM_METRICS.render().encode(), CONTENT_TYPE
 
 
 def _counter(name: str) -> Metric:

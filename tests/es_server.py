@@ -147,6 +147,8 @@ def start_server(
         # no background race (hardware/race_background.py): a switch would reload a test's model under
         # it; tests/hardware/test_race_background.py tests it
         "EDGESERVE_RUNTIME_RACE_BACKGROUND": "false",
+        # no listener on Triton's fixed metrics port 8002 (servers run side by side); --metrics-port wins
+        "EDGESERVE_METRICS_PORT": "0",
         **(env or {}),
     }
     with open(log_path, "wb") as log_file:
