@@ -138,8 +138,9 @@ class RaceResult:
             "chosen": chosen.label() if chosen else None,
             "final": self.final,
             "evidence": chosen.evidence() if chosen else (self.fallback or ""),
-            "batch": self.batch.summary() if self.batch is not None else None,
         }
+        if self.batch is not None:  # the batch size, where the config left it open
+            data["plan"]["batch"] = self.batch.summary()
         data.pop("cached")
         return data
 
