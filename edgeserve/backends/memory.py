@@ -69,6 +69,9 @@ class MemoryProfile:
     # beyond are handed back (the region keeps the size of the largest call, so without this a large
     # call's pages stayed resident in the server and the worker both).
     worker_region_keep: int
+    # Dynamic batching: bytes of free gather buffers kept per model version (scheduling/buffers.py),
+    # so a batch is gathered into pages already mapped instead of fresh ones faulted in per batch.
+    batch_buffer_bytes: int
 
 
 STANDARD = MemoryProfile(
@@ -84,6 +87,7 @@ STANDARD = MemoryProfile(
     worker_mmap_threshold=32 << 20,
     worker_trim_threshold=16 << 20,
     worker_region_keep=16 << 20,
+    batch_buffer_bytes=64 << 20,
 )
 SMALL = MemoryProfile(
     name="small",
@@ -98,6 +102,7 @@ SMALL = MemoryProfile(
     worker_mmap_threshold=4 << 20,
     worker_trim_threshold=8 << 20,
     worker_region_keep=1 << 20,
+    batch_buffer_bytes=8 << 20,
 )
 _current = STANDARD
 
@@ -163,12 +168,13 @@ def tune_server_process(settings: Any, environ: Any = None) -> MemoryProfile:
     use(profile)
     env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(profile.onednn_primitive_cache))
     # glibc read its environment when the process started: what it did not get there is set now.
+    # 0 = glibc's own default (a fixed threshold would also stop glibc's dynamic one).
     for name, option, value in (
         ("MALLOC_ARENA_MAX", _M_ARENA_MAX, profile.malloc_arena_max),
         ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, profile.server_mmap_threshold),
         ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, profile.server_mmap_threshold * 2),
     ):
-        if name not in env:
+        if name not in env and value > 0:
             mallopt(option, value)
     if profile.server_trim_growth > 0:
         Janitor(profile.server_trim_growth).start()

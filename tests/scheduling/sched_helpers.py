@@ -61,6 +61,8 @@ class GatedInstance:
         if open_gate:
             self.gate.set()
         self.calls: list[dict[str, np.ndarray]] = []  # the arrays exactly as the scheduler passed them
+        # their values at the call: a batch's gathered input is a pooled buffer the next batch reuses
+        self.seen: list[dict[str, np.ndarray]] = []
         self.fail_on_call: dict[int, Exception] = {}
         self.threads: list[str] = []  # the thread each call ran on
         self.max_active = 0  # most calls inside infer() at once (an instance must never exceed 1)
@@ -77,6 +79,7 @@ class GatedInstance:
             self.max_active = max(self.max_active, self._active)
         try:
             self.calls.append(dict(inputs))
+            self.seen.append({name: np.array(array, copy=True) for name, array in inputs.items()})
             self.threads.append(threading.current_thread().name)
             number = len(self.calls)
             self._entered.release()

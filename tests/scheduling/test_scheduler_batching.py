@@ -60,7 +60,7 @@ def test_max_batch_size_caps_rows_and_order_is_kept(make_scheduler, reference):
     _assert_mlp_answers(jobs, reference)
     assert scheduler.wait_idle(WAIT_S)
     # batches of 4, 4, 2 rows, each taking the queue in arrival order
-    assert [c["INPUT0"][:, 0].tolist() for c in instance.calls[1:]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [c["INPUT0"][:, 0].tolist() for c in instance.seen[1:]] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert batch_sizes(scheduler.stats.to_dict()) == {1: 1, 4: 2, 2: 1}
 
 
