@@ -1,9 +1,9 @@
 """Triton's metrics port ([metrics] port, --metrics-port): a real server, scraped with aiohttp as a
-Prometheus scraper or Triton's custom_metrics client would."""
+Prometheus scraper or Triton's custom_metrics client would (a LAN peer's view:
+tests/security/test_metrics_port.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +16,6 @@ from onnx_models import write_model
 from prometheus_client.parser import text_string_to_metric_families
 
 CONFIG = 'backend: "onnxruntime"\nmax_batch_size: 4\n'
-
-
-def lan_address() -> str | None:
-    """A non-loopback IPv4 address of this box (None when it has none: the LAN checks are skipped)."""
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            if address.family == socket.AF_INET and not address.address.startswith("127."):
-                return str(address.address)
-    return None
 
 
 def listening(server: RunningServer, port: int) -> list[str]:
@@ -119,32 +110,3 @@ def test_port_zero_is_off_and_a_port_in_use_does_not_keep_the_server_down(repo: 
         assert ports == {off.http_port, off.grpc_port}
     finally:
         off.stop()
-
-
-async def test_a_lan_bind_is_off_unless_configured_and_then_asks_for_the_http_token(
-    server: tuple[RunningServer, int], repo: Path, tmp_path: Path
-) -> None:
-    lan = lan_address()
-    if lan is None:
-        pytest.skip("this box has no non-loopback IPv4 address to dial")
-    _, port = server
-    # the default: nothing answers on the LAN address
-    with pytest.raises(OSError), socket.create_connection((lan, port), timeout=5):
-        pass
-    lan_port = free_port()
-    env = {"EDGESERVE_METRICS_ADDRESS": "0.0.0.0", "EDGESERVE_HTTP_TOKEN": "s3cret-token"}
-    running = await asyncio.to_thread(
-        start_server, repo, tmp_path, args=["--metrics-port", str(lan_port)], env=env
-    )
-    try:
-        assert listening(running, lan_port) == ["0.0.0.0"]
-        assert "plain HTTP beyond loopback" in running.log()
-        # a peer on the network (its source address is the LAN one) needs the [http] token, as on 8000
-        status, _, text = await fetch(f"http://{lan}:{lan_port}/metrics")
-        assert status == 401, text
-        assert "nv_inference" not in text
-        auth = {"Authorization": "Bearer s3cret-token"}
-        assert (await fetch(f"http://{lan}:{lan_port}/metrics", headers=auth))[0] == 200
-        assert (await fetch(f"http://127.0.0.1:{lan_port}/metrics"))[0] == 200  # loopback: no token
-    finally:
-        await asyncio.to_thread(running.stop)
