@@ -147,6 +147,9 @@ def start_server(
         # no background race (hardware/race_background.py): a switch would reload a test's model under
         # it; tests/hardware/test_race_background.py tests it
         "EDGESERVE_RUNTIME_RACE_BACKGROUND": "false",
+        # auto-completed models keep max_batch_size 4 (no batch-size race: what it serves depends on the
+        # box's speed); tests/hardware/test_race_batch_server.py turns it on
+        "EDGESERVE_RUNTIME_RACE_MAX_BATCH_SIZE": "0",
         # no listener on Triton's fixed metrics port 8002 (servers run side by side); --metrics-port wins
         "EDGESERVE_METRICS_PORT": "0",
         **(env or {}),

@@ -40,7 +40,8 @@ def test_the_server_serves_the_raced_batch_size_and_again_after_a_restart(tmp_pa
     model = tmp_path / "repo" / "wide"
     build_wide_mlp(model / "1" / "model.onnx")
     (model / "config.pbtxt").write_text('backend: "onnxruntime"\n')  # the batch size is left open
-    env = {"EDGESERVE_RUNTIME_RACE_BUDGET_S": str(BUDGET_S)}
+    # es_server turns the batch-size race off for other tests: on here, with the default cap
+    env = {"EDGESERVE_RUNTIME_RACE_BUDGET_S": str(BUDGET_S), "EDGESERVE_RUNTIME_RACE_MAX_BATCH_SIZE": "16"}
 
     def served() -> tuple[dict[str, Any], list[float]]:
         # generous: starting a runtime and racing on a 2-core box under other tests' load is slow
