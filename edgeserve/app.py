@@ -15,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from edgeserve.backends.streams import install_caller
 from edgeserve.config import ConfigError, Settings
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
 from edgeserve.logs import set_level
 from edgeserve.metrics import register_collector, unregister_collector
 from edgeserve.protocol.errors import InferenceError
 from edgeserve.scheduling.cache import MIB, ResponseCache
+from edgeserve.server.bls import DataPlaneCaller
 from edgeserve.server.dataplane import DataPlane
 from edgeserve.settings_tools import changed_fields, is_live
 
@@ -119,6 +121,8 @@ class Server:
         attach = getattr(self.repository.selector, "attach", None)
         if attach is not None:  # background races (hardware/race_background.py) pause and switch here
             attach(self.repository, asyncio.get_running_loop())
+        # BLS calls (Python models, also from initialize) reach the models through this data plane
+        install_caller(DataPlaneCaller(self.dataplane))
         await self.repository.start()
         log.info("server ready=%s models=%d", self.dataplane.ready(), len(self.repository.served()))
 
@@ -131,6 +135,7 @@ class Server:
         if close is not None:  # no background race may switch a model while it unloads
             await asyncio.to_thread(close)
         await self.repository.close()
+        install_caller(None)
         self.shm.close()
         unregister_collector(self.response_cache.collector)
         self.response_cache.clear()

@@ -406,12 +406,12 @@ class DataPlane:
         return False
 
     def submit_stream(
-        self, request: InferRequest, notify: Callable[[], None], *, admitted: bool = False
+        self, request: InferRequest, notify: Callable[[ResponseStream], None], *, admitted: bool = False
     ) -> ResponseStream:
         """Submit `request` for 0..N responses (any model: one that is not decoupled answers once,
-        final). The frontend takes them from the returned stream when `notify` is called (on the
-        thread that produced them: hand it to your own) and calls `cancel()` on it when its client
-        goes away. Never runs inline: a decoupled model's sends may wait on the reader."""
+        final). The frontend takes them from the stream when `notify(stream)` is called (on the
+        producing thread, maybe before this returns: hand it to your own) and calls its `cancel()`
+        when its client goes away. Never inline: a decoupled model's sends may wait on the reader."""
         capacity, stall_s = self._stream_bounds(request)
         stream = ResponseStream(notify, capacity, stall_s)
 

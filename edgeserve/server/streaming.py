@@ -1,7 +1,7 @@
 """One decoupled request's responses on their way from the model to a frontend, with backpressure.
 
 The model's threads `put` responses (through the scheduler's ResponseSink); the frontend `take`s them
-when told (`notify`, called once each time the buffer goes from drained to holding something). The
+when told (`notify(stream)`, called once each time the buffer goes from drained to holding something). The
 buffer holds at most `capacity` responses: a model sending faster than its reader reads waits in
 `put`, and when the reader takes nothing for `stall_s` the request ends as cancelled (the model sees
 `cancelled`, its later responses are dropped), so a stuck reader never grows the server's memory.
@@ -57,7 +57,10 @@ class ResponseStream:
                  "capacity", "peak", "stall_s", "taken")  # fmt: skip
 
     def __init__(
-        self, notify: Callable[[], None], capacity: int = DEFAULT_CAPACITY, stall_s: float = DEFAULT_STALL_S
+        self,
+        notify: Callable[[ResponseStream], None],
+        capacity: int = DEFAULT_CAPACITY,
+        stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         self._notify = notify
         self.capacity = capacity
@@ -108,7 +111,7 @@ class ResponseStream:
             signal = not self._signalled
             self._signalled = True
         if signal:
-            self._notify()
+            self._notify(self)
         return True
 
     def _stalled(self) -> bool:  # lock held
@@ -124,7 +127,7 @@ class ResponseStream:
             if cancel is not None:
                 cancel()
             if signal:
-                self._notify()
+                self._notify(self)
         finally:
             self._cond.acquire()
         return False

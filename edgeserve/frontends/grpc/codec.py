@@ -339,19 +339,20 @@ def encode_response(response: InferResponse, limit: int = 2**31 - 1) -> bytes:
     return wire.join(parts)
 
 
-def encode_stream_response(response: InferResponse, limit: int = 2**31 - 1) -> bytes:
-    parts, size = response_parts(response, True, limit)
+def encode_stream_response(response: InferResponse, limit: int = 2**31 - 1, final: bool = True) -> bytes:
+    parts, size = response_parts(response, final, limit)
     return wire.join(wire.wrap_stream_response(parts, size))
 
 
 def encode_stream_error(
-    error: InferenceError | str, request_id: str = "", model_name: str = "", model_version: str = ""
-) -> bytes:
+    error: InferenceError | str, request_id: str = "", model_name: str = "", model_version: str = "",
+    final: bool = True,
+) -> bytes:  # fmt: skip
     message = error.message if isinstance(error, InferenceError) else error
     msg = service_pb2.ModelStreamInferResponse(error_message=message)
     inner = msg.infer_response
     inner.id = request_id
     inner.model_name = model_name
     inner.model_version = model_version
-    inner.parameters["triton_final_response"].bool_param = True
+    inner.parameters["triton_final_response"].bool_param = final
     return bytes(msg.SerializeToString())

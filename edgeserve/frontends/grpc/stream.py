@@ -11,6 +11,14 @@ Half-close: the handler finishes once every submitted request is answered. Cance
 stopping): the reader is cancelled; requests still running finish in the scheduler and their
 answers are dropped with the stream's queue.
 
+Decoupled models (Triton's `model_transaction_policy { decoupled: true }`): a request gets 0..N
+responses, in order, each with `triton_final_response`; a final flag without a response is sent as an
+empty response only when the request set `triton_enable_empty_final_response`. Their responses come
+from the data plane's bounded ResponseStream: the handler takes them as it writes, so a client that
+reads slowly slows the model (HTTP/2 flow control, then the stream's bound), never the server's memory.
+When the stream ends (cancel, client gone, server stopping), each live request is cancelled: its model
+sees `cancelled`.
+
 Idle: a stream with nothing in flight that sends nothing for `idle_timeout_s` is ended with
 DEADLINE_EXCEEDED (0 = never), so idle streams cannot pile up against `max_concurrent_rpcs`.
 """
@@ -35,11 +43,13 @@ from edgeserve.server.dataplane import on_loop
 
 if TYPE_CHECKING:
     from edgeserve.server.dataplane import DataPlane
+    from edgeserve.server.streaming import ResponseStream
 
 log = logging.getLogger("edgeserve.grpc")
 
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpcio ships no type hints)
 
+_EMPTY_FINAL = "triton_enable_empty_final_response"
 _READER_DONE = object()
 _IDLE = object()
 
@@ -47,12 +57,13 @@ _IDLE = object()
 class _Meta:
     """What an error answer needs to name its request."""
 
-    __slots__ = ("id", "model_name", "model_version")
+    __slots__ = ("empty_final", "id", "model_name", "model_version")
 
     def __init__(self, request_id: str = "", model_name: str = "", model_version: str = "") -> None:
         self.id = request_id
         self.model_name = model_name
         self.model_version = model_version
+        self.empty_final = False  # triton_enable_empty_final_response (decoupled models)
 
 
 def grpc_error_mode(context: Context) -> bool:
@@ -97,6 +108,17 @@ class StreamHandler:
         def deliver(meta: _Meta, result: InferResponse | InferenceError) -> None:
             answers.put_nowait((meta, result))
 
+        live: set[ResponseStream] = set()  # decoupled requests whose final response is not written
+
+        def make_notify(meta: _Meta) -> Any:
+            wake = on_loop(loop, answers.put_nowait)
+
+            def notify(stream: ResponseStream) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                    wake((meta, stream))
+
+            return notify
+
         def make_callback(meta: _Meta) -> Any:
             def answer(result: InferResponse | InferenceError) -> None:
                 deliver(meta, result)
@@ -140,6 +162,10 @@ class StreamHandler:
                         continue
                     request.shm_client = client
                     try:
+                        if self._decoupled(msg.model_name, msg.model_version):
+                            meta.empty_final = bool(request.parameters.get(_EMPTY_FINAL))
+                            live.add(self.dataplane.submit_stream(request, make_notify(meta), admitted=True))
+                            continue
                         self.dataplane.submit(
                             request, make_callback(meta), admitted=True, inline_max_ns=self.inline_max_ns
                         )
@@ -178,6 +204,21 @@ class StreamHandler:
                         f"stream idle for {self.idle_timeout_s:g} s ([grpc] stream_idle_timeout_s); closed",
                     )
                 meta, result = item
+                if not isinstance(result, (InferResponse, InferenceError)):  # a decoupled request's stream
+                    payloads, ended = self._stream_payloads(meta, result)
+                    for payload in payloads:
+                        if isinstance(payload, InferenceError):  # the request's error, ended it
+                            if abort_on_error:
+                                await context.abort(grpc_code(payload), payload.message)
+                            payload = codec.encode_stream_error(
+                                payload, meta.id, meta.model_name, meta.model_version
+                            )
+                        await context.write(payload)
+                    if ended and result in live:
+                        live.discard(result)
+                        state["inflight"] -= 1
+                        slots.release()
+                    continue
                 state["inflight"] -= 1
                 slots.release()
                 payload = self._encode(meta, result)
@@ -187,6 +228,8 @@ class StreamHandler:
                     payload = codec.encode_stream_error(payload, meta.id, meta.model_name, meta.model_version)
                 await context.write(payload)
         finally:
+            for stream in live:  # the client went away or the stream ended: the models see cancelled
+                stream.cancel()
             if timer[0] is not None:
                 timer[0].cancel()
             if not reader_task.done():
@@ -197,6 +240,42 @@ class StreamHandler:
                 pass
             except Exception as exc:  # the client went away mid-read, typically
                 log.debug("stream reader ended: %r", exc)
+
+    def _decoupled(self, name: str, version: str) -> bool:
+        try:
+            return bool(self.dataplane.model_config(name, version).model_transaction_policy.decoupled)
+        except InferenceError:
+            return False  # unknown or loading: the unary path answers why
+
+    def _stream_payloads(
+        self, meta: _Meta, stream: ResponseStream
+    ) -> tuple[list[bytes | InferenceError], bool]:
+        """What to write for the responses a decoupled request's stream holds now, in order, and
+        whether its final one is among them."""
+        payloads: list[bytes | InferenceError] = []
+        ended = False
+        for result, final in stream.take():
+            ended = ended or final
+            if result is None:  # the final flag alone
+                if meta.empty_final:
+                    empty = InferResponse(meta.model_name, meta.model_version, meta.id)
+                    payloads.append(codec.encode_stream_response(empty, self.max_message_bytes, True))
+                continue
+            if isinstance(result, InferenceError):
+                if final:
+                    payloads.append(result)
+                else:  # an error response, more follow
+                    payloads.append(codec.encode_stream_error(
+                        result, meta.id, meta.model_name, meta.model_version, final=False
+                    ))  # fmt: skip
+                continue
+            try:
+                payloads.append(codec.encode_stream_response(result, self.max_message_bytes, final))
+            except InferenceError as exc:
+                payloads.append(codec.encode_stream_error(
+                    exc, meta.id, meta.model_name, meta.model_version, final=final
+                ))  # fmt: skip
+        return payloads, ended
 
     def _encode(self, meta: _Meta, result: InferResponse | InferenceError) -> bytes | InferenceError:
         if isinstance(result, InferenceError):
