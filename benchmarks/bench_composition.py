@@ -1,0 +1,311 @@
+"""Model composition (issue 35): one pipeline, pre-process (Python) -> ONNX classifier -> post-process
+(Python, argmax), on a 224 x 224 image whose normalised tensor (3 x 224 x 224 FP32, 602 KB) crosses
+between the steps, composed four ways and timed side by side:
+
+    three calls   the client calls pre, classifier and post itself (tritonclient gRPC), the 602 KB
+                  tensor comes back to it and goes out again
+    ensemble      one call to a Triton ensemble of the three models
+    BLS           one call to a Python model that pre-processes, calls the classifier with
+                  pb_utils.InferenceRequest(...).exec() and post-processes
+    Ray Serve     the same three steps as Ray Serve deployments composed with DeploymentHandles, called
+                  through a handle (only when `ray[serve]` imports; skipped with the reason otherwise)
+
+plus the cost of one BLS hop above the called model's own time (a Python model times its exec() of the
+classifier on the 602 KB tensor; the classifier's statistics give its own compute time) and a decoupled
+model's stream (gRPC ModelStreamInfer, responses per second).
+
+    python benchmarks/bench_composition.py                      # 3 rounds of 200 calls per way
+    python benchmarks/bench_composition.py --calls 50 --rounds 1 --clients 2
+
+The ways take turns each round (latency: one client, back to back; throughput: --clients threads). A
+way whose models do not load or answer is reported with its error, not timed. Progress on stderr, the
+markdown table on stdout. Only the processes started here are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+from common import Result, cpu_flags, machine_facts, merge, progress, run_threads
+from composition_models import image, write_repository
+from es_server import RunningServer, start_server
+
+Call = Callable[[], None]
+MODELS = ("pre", "classifier", "post", "pipeline", "pipeline_bls", "bls_hop", "stream")
+
+
+def grpc_ways(server: RunningServer, expected: int) -> dict[str, Call | str]:
+    """Each way's call, or why it cannot run (its check failed)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    img = image()
+
+    def infer(model: str, name: str, array: np.ndarray, datatype: str, output: str) -> np.ndarray:
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        result: np.ndarray = client.infer(model, [tensor], outputs=[grpcclient.InferRequestedOutput(output)]
+                                          ).as_numpy(output)  # fmt: skip
+        return result
+
+    def three_calls() -> int:
+        norm = infer("pre", "IMAGE", img, "UINT8", "NORM")
+        logits = infer("classifier", "NORM", norm, "FP32", "LOGITS")
+        return int(infer("post", "LOGITS", logits, "FP32", "CLASS")[0])
+
+    ways: dict[str, Callable[[], int]] = {
+        "three calls": three_calls,
+        "ensemble": lambda: int(infer("pipeline", "IMAGE", img, "UINT8", "CLASS")[0]),
+        "BLS": lambda: int(infer("pipeline_bls", "IMAGE", img, "UINT8", "CLASS")[0]),
+    }
+    return {name: checked(call, expected) for name, call in ways.items()}
+
+
+def checked(call: Callable[[], int], expected: int) -> Call | str:
+    try:
+        got = call()
+    except Exception as exc:  # the way does not work (yet): its row says why
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    if got != expected:
+        return f"answered class {got}, expected {expected}"
+    return lambda: None if call() == expected else _wrong()
+
+
+def _wrong() -> None:
+    raise AssertionError("wrong class")
+
+
+def reference_class() -> int:
+    """The pipeline in this process with onnxruntime: what every way must answer."""
+    import onnxruntime as ort
+    from composition_models import classifier_onnx
+
+    with tempfile.TemporaryDirectory() as folder:
+        session = ort.InferenceSession(
+            str(classifier_onnx(Path(folder) / "c.onnx")), providers=["CPUExecutionProvider"]
+        )
+        mean = (np.array([0.485, 0.456, 0.406], np.float32) * 255).reshape(1, 3, 1, 1)
+        scale = 1 / (np.array([0.229, 0.224, 0.225], np.float32) * 255).reshape(1, 3, 1, 1)
+        norm = np.ascontiguousarray((image().transpose(0, 3, 1, 2).astype(np.float32) - mean) * scale)
+        return int(np.argmax(session.run(["LOGITS"], {"NORM": norm})[0], axis=1)[0])
+
+
+def ray_way(expected: int) -> tuple[Call | str, Callable[[], None]]:
+    """(the call, or why Ray Serve is not timed; its shutdown)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        return f"skipped: ray[serve] does not import here ({exc}); not installed by this bench", lambda: None
+    from composition_models import classifier_onnx
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    onnx_path = str(classifier_onnx(folder / "c.onnx"))
+
+    @serve.deployment
+    class Pre:
+        def __call__(self, img: np.ndarray) -> np.ndarray:
+            mean = (np.array([0.485, 0.456, 0.406], np.float32) * 255).reshape(1, 3, 1, 1)
+            scale = 1 / (np.array([0.229, 0.224, 0.225], np.float32) * 255).reshape(1, 3, 1, 1)
+            return np.ascontiguousarray((img.transpose(0, 3, 1, 2).astype(np.float32) - mean) * scale)
+
+    @serve.deployment
+    class Classifier:
+        def __init__(self, path: str) -> None:
+            import onnxruntime as ort
+
+            self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+        def __call__(self, norm: np.ndarray) -> np.ndarray:
+            return self.session.run(["LOGITS"], {"NORM": norm})[0]  # type: ignore[no-any-return]
+
+    @serve.deployment
+    class Post:
+        def __call__(self, logits: np.ndarray) -> int:
+            return int(np.argmax(logits, axis=1)[0])
+
+    @serve.deployment
+    class Pipeline:
+        def __init__(self, pre: Any, classifier: Any, post: Any) -> None:
+            self.pre, self.classifier, self.post = pre, classifier, post
+
+        async def __call__(self, img: np.ndarray) -> int:
+            norm = await self.pre.remote(img)
+            logits = await self.classifier.remote(norm)
+            return int(await self.post.remote(logits))
+
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    bound: Any = cast(Any, Pipeline).bind(cast(Any, Pre).bind(), cast(Any, Classifier).bind(onnx_path),
+                                          cast(Any, Post).bind())  # fmt: skip
+    handle = serve.run(bound)
+    img = image()
+
+    def stop() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    return checked(lambda: int(handle.remote(img).result()), expected), stop
+
+
+PHASES = ("compute_input", "compute_infer", "compute_output")
+
+
+def bls_hop(server: RunningServer, calls: int) -> dict[str, float] | str:
+    """The BLS exec() p50 and the classifier's phases per execution during those calls (us): its own time
+    is compute_input + compute_infer (what a direct call also spends); the hop is exec() above that."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    norm = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    tensor = grpcclient.InferInput("NORM", list(norm.shape), "FP32")
+    tensor.set_data_from_numpy(norm)
+
+    def phases() -> dict[str, int]:
+        stats = client.get_inference_statistics("classifier", as_json=True)["model_stats"][0]
+        ns = {k: int(stats["inference_stats"][k].get("ns", 0)) for k in PHASES}
+        return {**ns, "executions": int(stats.get("execution_count", 0))}
+
+    try:
+        client.infer("bls_hop", [tensor])
+        before = phases()
+        hops = [int(client.infer("bls_hop", [tensor]).as_numpy("HOP_NS")[0]) for _ in range(calls)]
+        after = phases()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    executions = max(1, after["executions"] - before["executions"])
+    figures = {k: (after[k] - before[k]) / executions / 1e3 for k in PHASES}
+    figures["exec"] = statistics.median(hops) / 1e3
+    figures["own"] = figures["compute_input"] + figures["compute_infer"]
+    figures["hop"] = figures["exec"] - figures["own"]
+    return figures
+
+
+def stream_rate(server: RunningServer, per_request: int, requests: int) -> float | str:
+    """Responses per second of the decoupled `stream` model over one gRPC stream."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    done: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: done.put(error if error is not None else result))
+    count = np.array([per_request], np.int32)
+    tensor = grpcclient.InferInput("COUNT", [1], "INT32")
+    tensor.set_data_from_numpy(count)
+    try:
+        start, received = time.perf_counter(), 0
+        for _ in range(requests):
+            client.async_stream_infer("stream", [tensor], enable_empty_final_response=True)
+            while True:
+                item = done.get(timeout=120)  # a stream that stalls ends the row, not the bench
+                if isinstance(item, Exception):
+                    return f"{type(item).__name__}: {str(item)[:160]}"
+                final = item.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+                received += 1
+        seconds = time.perf_counter() - start
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    finally:
+        client.stop_stream()
+    if received != per_request * requests:
+        return f"received {received} responses, expected {per_request * requests}"
+    return received / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=200, help="calls per way and round (latency)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=4, help="threads of the throughput runs")
+    parser.add_argument(
+        "--stream", type=int, default=1000, help="responses per streamed request (10 requests)"
+    )
+    args = parser.parse_args()
+    expected = reference_class()
+    with tempfile.TemporaryDirectory(prefix="bench-composition-") as folder:
+        tmp = Path(folder)
+        repo = write_repository(tmp / "repo")
+        progress("starting edgeserve serve (loading pre, classifier, post, pipeline, pipeline_bls, ...)")
+        server = start_server(repo, tmp, args=["--no-zmq", "--log-level", "WARNING"], timeout=300)
+        stop_ray: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            ways = grpc_ways(server, expected)
+            progress("Ray Serve: starting" if _has_ray() else "Ray Serve: ray is not installed here")
+            ways["Ray Serve"], stop_ray = ray_way(expected)
+            latency: dict[str, list[Result]] = {}
+            throughput: dict[str, list[Result]] = {}
+            for round_no in range(1, args.rounds + 1):
+                for name, call in ways.items():
+                    if isinstance(call, str):
+                        continue
+                    progress(f"round {round_no}/{args.rounds}: {name}")
+                    latency.setdefault(name, []).append(run_threads(name, call, 1, args.calls, 300))
+                    throughput.setdefault(name, []).append(
+                        run_threads(name, call, args.clients, args.calls * 2, 300))  # fmt: skip
+            progress("one BLS hop")
+            hop = bls_hop(server, args.calls)
+            progress("decoupled stream")
+            rate = stream_rate(server, args.stream, 10)
+        finally:
+            stop_ray()
+            server.stop()
+    report(ways, latency, throughput, hop, rate, args)
+    return 0
+
+
+def _has_ray() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+Hop = dict[str, float] | str
+
+
+def report(ways: dict[str, Call | str], latency: dict[str, list[Result]], throughput: dict[str, list[Result]],
+           hop: Hop, rate: float | str, args: argparse.Namespace) -> None:  # fmt: skip
+    print(f"{machine_facts()}; CPU flags: {cpu_flags(('avx2', 'avx512f', 'avx512_vnni', 'amx_tile'))}")
+    print(
+        f"{args.rounds} rounds x {args.calls} calls per way (latency: 1 client; throughput: {args.clients})\n"
+    )
+    print("| way | p50 ms | p90 ms | throughput req/s | errors |")
+    print("|---|---:|---:|---:|---|")
+    for name, call in ways.items():
+        if isinstance(call, str):
+            print(f"| {name} | - | - | - | did not run: {call} |")
+            continue
+        lat, thr = merge(latency[name]), merge(throughput[name])
+        p90 = float(np.percentile(lat.latencies_s, 90)) * 1e3
+        errors = lat.errors + thr.errors
+        note = f"{errors}: {lat.first_error or thr.first_error}" if errors else "0"
+        print(f"| {name} | {lat.p50_ms:.2f} | {p90:.2f} | {thr.throughput:.0f} | {note} |")
+    print()
+    if isinstance(hop, str):
+        print(f"One BLS hop: did not run: {hop}")
+    else:
+        print(f"One BLS hop (602 KB NORM in, LOGITS out): exec() p50 {hop['exec']:.0f} us; the classifier's "
+              f"own time {hop['own']:.0f} us per execution (compute_input + compute_infer); the hop above "
+              f"it {hop['hop']:.0f} us (target < 300 us); the classifier's compute_output phase for these "
+              f"calls {hop['compute_output']:.0f} us (part of the hop)")  # fmt: skip
+    if isinstance(rate, str):
+        print(f"Decoupled stream: did not run: {rate}")
+    else:
+        print(
+            f"Decoupled stream (gRPC ModelStreamInfer, 10 requests x {args.stream} responses): "
+            f"{rate:.0f} responses/s"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
