@@ -75,6 +75,7 @@ RACED_BACKENDS = ("onnxruntime", "openvino")
 PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's reasons for what pins rule out
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
 RACE_VERSION = 3  # bump when what is timed changes, so old cache entries are not reused
+ONE = "nothing to race: the config fixes the runtime and its layout"  # the batch size may still be open
 # One race at a time in this process: two models loading in parallel must not time each other's load.
 _RACING = threading.Lock()
 
@@ -189,7 +190,7 @@ class Racer:
         with _RACING:
             start = time.monotonic()
             result = self.race(job, job.entrants)
-            if job.batch_sizes and result.chosen is not None:
+            if job.batch_sizes:
                 self.race_batch(job, result, self.budget_s - (time.monotonic() - start))
         self.cache.put(job.digest, job.key, result)
         log.info("model %s: %s", name, result.summary())
@@ -204,7 +205,7 @@ class Racer:
         if plan.chosen.option.backend not in RACED_BACKENDS or plan.chosen.option.device != "CPU":
             return None  # accelerators (engines that build for minutes) keep the rule's order
         entrants, rejected = self.entrants(plan, config)
-        if len(entrants) < 2:
+        if not entrants:
             return None
         multi = any(e.row.instances > 1 for e in entrants)
         try:
@@ -221,6 +222,8 @@ class Racer:
             most = max(e.row.instances for e in entrants)
             cap = self.planner.settings.runtime.race_max_batch_size
             sizes = race_batch.sizes_for(cap, feeds[1], most, self.planner.memory_budget())
+        if len(entrants) < 2 and not sizes:
+            return None  # one candidate, and the config fixes the batch size too
         digest = model_digest(plan.chosen.artifact)
         key = self._key(entrants, scenarios, feeds, sizes)
         return Job(plan, name, version_dir, config, where, entrants, rejected, scenarios, feeds, source,
@@ -232,7 +235,10 @@ class Racer:
         """Time the winner at `job.batch_sizes` and put the choice in `result` (a provisional one makes
         the result provisional: the background race times it again)."""
         winner = result.chosen
-        assert winner is not None
+        if winner is None and result.fallback == ONE:
+            winner = job.entrants[0].row
+        if winner is None:  # the rule's choice, with no evidence: the background race times it all
+            return
         fresh = next((e for e in self.entrants(job.plan, job.config)[0] if e.row.label() == winner.label()),
                      None)  # fmt: skip
         default = self.planner.settings.runtime.default_max_batch_size
@@ -252,6 +258,9 @@ class Racer:
         pace: Callable[[], float] | None = None,
     ) -> RaceResult:  # fmt: skip
         """Time `entrants` (fresh ones: rows are filled in) and pick the winner."""
+        if len(entrants) == 1:  # what serves is fixed: only the batch size is raced (race_batch)
+            names = [s.name for s in job.scenarios]
+            return RaceResult(job.name, names, [entrants[0].row], fallback=ONE, inputs=job.source)
         result = self._race(job.name, entrants, job.scenarios, job.feeds, job.completed, budget_s, pace)
         result.rows.extend(dataclasses.replace(r) for r in job.rejected)
         result.inputs = job.source

@@ -151,7 +151,7 @@ class BackgroundRaces:
             )
         if result.chosen is None and result.fallback is None:
             result.fallback = "no timed candidate passed the accuracy guard"
-        if job.batch_sizes and result.chosen is not None:
+        if job.batch_sizes:
             racer.race_batch(job, result, max(budget - ran, budget / 4), pacer)
             if result.batch is not None:
                 result.batch.final = True  # as the runtime's: the background's evidence is the last word
@@ -166,7 +166,7 @@ class BackgroundRaces:
             log.info("model %s: switching from %s to %s (measured faster in the background race)", job.name,
                      serving, winner)  # fmt: skip
             self.switch(job.name)
-        elif winner is not None and batch != served and not self._stop.is_set():
+        elif batch != served and not self._stop.is_set():
             log.info("model %s: switching from batch size %s to %s (measured in the background race)",
                      job.name, served or "default", batch or "default")  # fmt: skip
             self.switch(job.name)

@@ -147,9 +147,13 @@ class PlanSelector:
         if race is not None and race.chosen is not None:
             return self._raced(race, plan, config, version_dir)
         shown: dict[str, str] = {}
+        batch = 0
         if race is not None:
             reason += f"; {race.summary()}"
             shown = {"runtime_choice": reason, "runtime_choice_final": str(race.final).lower()}
+            if race.batch is not None:  # one candidate: only the batch size was raced
+                shown["batch_size_choice"] = race.batch.summary()
+                batch = race.batch.size
         fallbacks: tuple[BackendChoice, ...] = ()
         if not plan.pins.backend:
             fallbacks = tuple(
@@ -169,6 +173,7 @@ class PlanSelector:
             reason,
             fallbacks,
             shown=shown,
+            batch=batch,
         )
 
     def _raced(self, race: RaceResult, plan: ModelPlan, config: Any, version_dir: Path) -> BackendChoice:

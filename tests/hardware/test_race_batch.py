@@ -196,6 +196,24 @@ def test_the_race_measures_the_batch_size_and_the_served_config_takes_its_knee(
     assert list(config.input[0].dims) == [256]  # the batch axis left dims, as for any batching model
 
 
+def test_a_config_that_fixes_runtime_and_layout_still_has_its_open_batch_size_raced(tmp_path: Path) -> None:
+    model = _model(
+        tmp_path,
+        'backend: "onnxruntime"\ninstance_group [ { count: 2, kind: KIND_CPU } ]\n'
+        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n',
+    )
+    selector = _selector(tmp_path)
+    race = _race(selector, model)
+    assert race is not None and race.chosen is None and race.fallback is not None, "one candidate"
+    assert "the config fixes the runtime and its layout" in race.fallback
+    assert race.batch is not None and race.batch.final and race.batch.layout.startswith("onnxruntime fp32 2x")
+    prepared = _prepare(selector, model)
+    assert prepared.choice.backend_name == "onnxruntime" and len(prepared.instances) == 2
+    assert prepared.config.max_batch_size == race.batch.max_batch_size
+    assert list(prepared.config.dynamic_batching.preferred_batch_size) == [race.batch.size]
+    assert prepared.config.parameters["batch_size_choice"].string_value == race.batch.summary()
+
+
 def test_a_config_that_sets_max_batch_size_is_never_changed(tmp_path: Path) -> None:
     selector = _selector(tmp_path)
     for text, served in ((WIDE_CONFIG, 8), ('backend: "onnxruntime"\nmax_batch_size: 0\n', 4)):
