@@ -141,12 +141,6 @@ class PythonBackend:
         if "auto_complete_config" in source:
             _check_origin(model_path, options)
             config = self._auto_complete(model_path, raw_config, where)
-        if config.model_transaction_policy.decoupled:
-            raise InferenceError(
-                Status.UNSUPPORTED,
-                f"{where}: model_transaction_policy.decoupled: edgeserve's Python backend answers each "
-                "request with one response (no decoupled models)",
-            )
         if not config.input or not config.output:
             kind = "inputs" if not config.input else "outputs"
             raise InferenceError(
@@ -204,7 +198,8 @@ class PythonBackend:
         hang = _hang_timeout_s(options)
         label = f"model '{name}' version {version} instance {index}"
         spec = WorkerSpec(model_path, label, args, call_timeout_s=hang + HANG_GRACE_S if hang > 0 else 0.0,
-                          group=_group(model_path, config, name))  # fmt: skip
+                          group=_group(model_path, config, name),
+                          decoupled=bool(config.model_transaction_policy.decoupled))  # fmt: skip
         worker = start_worker(spec)
         return PythonInstance(spec, declared_io(config), worker)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -198,9 +199,10 @@ class Channel:
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self) -> None:
+        reader = _Reader(self.sock)
         try:
             while True:
-                message = wire.recv(self.sock)
+                message = reader.next()
                 number = message.get("a")
                 if number is None:
                     self.handler(message)
@@ -233,3 +235,32 @@ class Channel:
             self.sock.shutdown(socket.SHUT_RDWR)
         if self._thread is None:
             self._shut()
+
+
+class _Reader:
+    """Messages from a stream where several may arrive in one read (many senders, unlike the control
+    channel's strict call/reply, which wire.recv reads one at a time)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def _fill(self, count: int) -> None:
+        while len(self.buffer) < count:
+            chunk = self.sock.recv(max(1 << 16, count - len(self.buffer)))
+            if not chunk:
+                raise wire.PeerGone("the event channel closed")
+            self.buffer += chunk
+
+    def next(self) -> wire.Header:
+        self._fill(4)
+        length = int.from_bytes(self.buffer[:4], "little")
+        if length > wire.MAX_MESSAGE:
+            raise wire.PeerGone(f"an event message of {length} bytes (broken peer)")
+        self._fill(4 + length)
+        body = bytes(self.buffer[4 : 4 + length])
+        del self.buffer[: 4 + length]
+        message = json.loads(body)
+        if not isinstance(message, dict):
+            raise ValueError("an event message that is not a JSON object")
+        return message

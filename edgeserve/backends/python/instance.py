@@ -21,14 +21,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edgeserve.backends import memory
+from edgeserve.backends import memory, streams
 from edgeserve.backends.base import Array, ModelIO, RequestInfo
-from edgeserve.backends.python import wire
+from edgeserve.backends.python import events, wire
 from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerStopped, WorkerTimeout
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -99,6 +100,8 @@ class PythonInstance:
         self._closed = False
         self._calls = 0  # execute calls sent; each reply must carry its call's number
         self._region_keep = memory.current().worker_region_keep
+        self._model = spec.args.get("model_name", "")
+        events.count_instance(self._model, 1)
         self._watch(worker)
 
     @property
@@ -109,6 +112,8 @@ class PythonInstance:
     # -- calls -------------------------------------------------------------------------------------
     def infer(self, inputs: Mapping[str, Array], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         """One call of execute() with one request (the batch the scheduler assembled)."""
+        if self.spec.decoupled:
+            raise streams.decoupled_error()
         result = self._execute([inputs], outputs)[0]
         if isinstance(result, InferenceError):
             raise result
@@ -125,11 +130,35 @@ class PythonInstance:
             raise InferenceError(
                 Status.INTERNAL, f"{self.spec.label}: {len(infos)} infos for {len(batch)} requests"
             )
+        if self.spec.decoupled:
+            raise streams.decoupled_error()
         return self._execute(batch, None, infos)
+
+    def infer_decoupled(
+        self, batch: Sequence[Mapping[str, Array]], infos: Sequence[RequestInfo],
+        sinks: Sequence[streams.ResponseSink],
+    ) -> None:  # fmt: skip
+        """streams.StreamingInstance: one execute() of a decoupled model; its responses reach the
+        sinks as the model sends them (also after this returned). A failure of the call (execute()
+        raised, the worker died or hung) ends each request that is still open with the error."""
+        if len(infos) != len(batch) or len(sinks) != len(batch):
+            raise InferenceError(Status.INTERNAL, f"{self.spec.label}: {len(batch)} requests, "
+                                 f"{len(infos)} infos, {len(sinks)} sinks")  # fmt: skip
+        opened: list[tuple[events.Events, list[int]]] = []
+        try:
+            self._execute(batch, None, infos, sinks, opened)
+        except InferenceError as exc:
+            if opened:  # registered: end those still open (the worker's end may have ended them)
+                opened[0][0].fail(opened[0][1], exc)
+                return
+            for sink in sinks:
+                with contextlib.suppress(InferenceError):
+                    sink.send(None, final=True, error=exc)
 
     def _execute(
         self, batch: Sequence[Mapping[str, Array]], outputs: Sequence[str] | None,
-        infos: Sequence[RequestInfo] | None = None,
+        infos: Sequence[RequestInfo] | None = None, sinks: Sequence[streams.ResponseSink] | None = None,
+        opened: list[tuple[events.Events, list[int]]] | None = None,
     ) -> list[dict[str, Array] | InferenceError]:  # fmt: skip
         with self._call:
             worker = self._live_worker()
@@ -142,6 +171,12 @@ class PythonInstance:
             self._calls += 1
             call = self._calls
             message = {"op": "execute", "call": call, "size": worker.region.size, "requests": requests}
+            if sinks is not None and opened is not None:
+                rids = worker.dispatch.open(sinks)
+                opened.append((worker.dispatch, rids))
+                for request, rid in zip(requests, rids, strict=True):
+                    request["rid"] = rid
+                message["decoupled"] = True
             label = self.spec.label
             try:
                 reply = worker.request(message, self.spec.call_timeout_s, self._stop)
@@ -175,6 +210,8 @@ class PythonInstance:
                 )
             if "error" in reply:  # execute() raised, or returned the wrong thing: the whole batch fails
                 raise InferenceError(_status(reply.get("status")), f"{label}: {reply['error']}")
+            if sinks is not None:
+                return []
             responses = reply.get("responses")
             if not isinstance(responses, list) or len(responses) != len(batch):
                 raise InferenceError(Status.INTERNAL, f"{label}: a bad reply from the Python worker")
@@ -312,6 +349,7 @@ class PythonInstance:
             self._closed = True
             worker, self._worker = self._worker, None
             restarter = self._restarter
+        events.count_instance(self._model, -1)
         self._stop.set()
         if worker is not None:
             if self._call.acquire(blocking=False):

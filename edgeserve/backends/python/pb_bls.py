@@ -265,6 +265,7 @@ class InferenceResponseSender:
         self._rid = rid
         self._closed = False
         self._cancelled = False
+        self._fresh = False
         self._lock = threading.Lock()
 
     def send(self, response: pb_utils.InferenceResponse | None = None, flags: int = 0) -> None:
@@ -301,9 +302,12 @@ class InferenceResponseSender:
             if block is not None:
                 channel.arena.free(block)
         self._cancelled = bool(answer.get("cancelled"))
+        self._fresh = True
 
     def is_cancelled(self) -> bool:
-        if self._cancelled or self._closed:
+        # The server said with its answer to the last send: a loop of send + is_cancelled asks once.
+        fresh, self._fresh = self._fresh, False
+        if self._cancelled or self._closed or fresh:
             return self._cancelled
         try:
             answer = self._link.channel.call({"op": "cancelled", "r": self._rid})

@@ -167,5 +167,3 @@ class Logger:
     log_warn = staticmethod(functools.partial(_log, level=WARNING))
     log_error = staticmethod(functools.partial(_log, level=ERROR))
     log_verbose = staticmethod(functools.partial(_log, level=VERBOSE))
-
-

@@ -27,6 +27,7 @@ from typing import Any
 
 from edgeserve.backends import memory
 from edgeserve.backends.python import channel, group, wire
+from edgeserve.backends.python.events import Events
 from edgeserve.backends.python.group import GroupKey
 
 KILL_GRACE_S = 1.0
@@ -55,6 +56,7 @@ class WorkerSpec:
     call_timeout_s: float = 0.0  # 0 = no limit on one execute
     start_timeout_s: float = 300.0  # import + initialize
     group: GroupKey | None = None  # share the group's worker process (group.py)
+    decoupled: bool = False  # model_transaction_policy { decoupled: true }
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -133,6 +135,8 @@ class Worker:
             child.close()
             events_child.close()
         self.events = channel.Channel(events, wire.Region(events_fd), "server", label)
+        # reading from the start: initialize() may already declare metrics or call models
+        self.dispatch = Events(self.events, spec.args.get("model_name", ""), spec.label)
         self.sock = parent
         self.sock.settimeout(READ_TIMEOUT_S)  # for the read once poll said a reply is there
         self.region = wire.Region(fd)

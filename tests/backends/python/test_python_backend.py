@@ -353,12 +353,16 @@ def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tm
         instance.close()
 
 
-def test_decoupled_models_are_refused(backend: PythonBackend, tmp_path: Path) -> None:
-    config_text = 'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+def test_decoupled_models_are_accepted(backend: PythonBackend, tmp_path: Path) -> None:
+    """model_transaction_policy { decoupled: true } loads (issue 35; test_python_decoupled.py runs them)."""
+    config_text = (
+        'backend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+        'input [{ name: "IN" data_type: TYPE_INT32 dims: [1] }]\n'
+        'output [{ name: "OUT" data_type: TYPE_INT32 dims: [1] }]\n'
+    )
     path = write_model(tmp_path / "repo", "decoupled", "class TritonPythonModel:\n    pass\n", config_text)
-    with pytest.raises(InferenceError) as raised:
-        backend.inspect_config(path, parse_pbtxt(path.parent.parent / "config.pbtxt"), "decoupled")
-    assert raised.value.status is Status.UNSUPPORTED and "decoupled" in raised.value.message
+    _, config = backend.inspect_config(path, parse_pbtxt(path.parent.parent / "config.pbtxt"), "decoupled")
+    assert config.model_transaction_policy.decoupled
 
 
 def test_a_worker_killed_while_idle_is_replaced_by_the_next_call(load: Any) -> None:
