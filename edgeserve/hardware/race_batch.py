@@ -50,16 +50,19 @@ _NAMED = re.compile(r"^\s*max_batch_size\s*:", re.MULTILINE)
 
 
 def batch_open(config: Any, completed: Any, where: str) -> bool:
-    """True when the plan chooses the batch size (see the module's docstring)."""
-    if config is None or int(config.max_batch_size) != 0 or int(completed.max_batch_size) <= 0:
+    """True when the plan chooses the batch size (see the module's docstring); `config` None: no
+    config.pbtxt (`edgeserve detect --model`), as the server's empty one."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from edgeserve.protocol.model_config import parse_text
+
+    config = config if config is not None else mc.ModelConfig()
+    if int(config.max_batch_size) != 0 or int(completed.max_batch_size) <= 0:
         return False  # set by the config, or the model cannot batch (auto-complete left it 0)
     if config.input or config.output or config.WhichOneof("scheduling_choice") == "sequence_batching":
         return False
     if config.HasField("dynamic_batching") and config.dynamic_batching.preferred_batch_size:
         return False  # the config's preferred sizes need the max it meant
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    from edgeserve.protocol.model_config import parse_text
 
     path = Path(where)
     try:
@@ -112,7 +115,7 @@ def measure(
         e.pool = ThreadPoolExecutor(e.row.instances, thread_name_prefix="race-batch")
         for b in sizes:
             try:
-                run_once(e, _scenario(b), feeds[b])  # first calls allocate: not timed
+                run_once(e, _scenario(b, e), feeds[b])  # first calls allocate: not timed
             except Exception:  # out of memory, or a runtime limit: this size and above are not raced
                 break
             samples[b] = []
@@ -131,7 +134,7 @@ def measure(
                 if pace is not None:
                     idle += pace()
                 time.sleep(GAP_S)  # the previous call's worker threads go idle first
-                samples[b].append(run_once(e, _scenario(b), feeds[b]))
+                samples[b].append(run_once(e, _scenario(b, e), feeds[b]))
             durations.append(time.monotonic() - t0 - (idle - held))
             rounds += 1
     finally:
@@ -143,8 +146,9 @@ def measure(
     return BatchChoice.decide(timings, rounds, MIN_MARGIN, default, layout, final)
 
 
-def _scenario(b: int) -> Scenario:
-    return Scenario(f"batch {b}", b, True)  # a batch per instance in flight
+def _scenario(b: int, e: Entrant) -> Scenario:
+    """A batch per instance in flight (one instance: called directly, no pool hand-off to time)."""
+    return Scenario(f"batch {b}", b, e.row.instances > 1)
 
 
 def _timing(samples: list[int], items: int) -> Timing:

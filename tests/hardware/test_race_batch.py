@@ -20,6 +20,7 @@ from edgeserve.hardware.race_batch import batch_open, sizes_for
 from edgeserve.hardware.race_result import MIN_MARGIN, RaceResult
 from edgeserve.hardware.runtimes import inventory
 from edgeserve.hardware.selector import PlanSelector
+from edgeserve.protocol.model_config import parse_json
 from edgeserve.repository import autocomplete
 from edgeserve.repository.config import parse_pbtxt
 from edgeserve.repository.served import prepare_version
@@ -117,6 +118,11 @@ def _open(tmp_path: Path, text: str | None, sent: Any = None, model: Path | None
 def test_only_an_absent_max_batch_size_is_the_plans_to_choose(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
     assert _open(tmp_path, None)  # no config.pbtxt at all
+    assert batch_open(None, autocomplete.complete(  # `edgeserve detect --model` passes None for it
+        parse_json("{}", "none"), get_backend("onnxruntime").inspect(tmp_path / "m" / "1" / "model.onnx"),
+        model_name="m", backend_name="onnxruntime", platform="", model_file="model.onnx",
+        default_max_batch_size=4,
+    ), str(tmp_path / "m" / "config.pbtxt"))  # fmt: skip
     assert _open(tmp_path, 'backend: "onnxruntime"\n')
     assert _open(tmp_path, 'backend: "onnxruntime"\n# max_batch_size: 8 (a comment)\n')
     assert _open(tmp_path, 'backend: "onnxruntime"\ndynamic_batching { max_queue_delay_microseconds: 100 }\n')
@@ -126,8 +132,6 @@ def test_only_an_absent_max_batch_size_is_the_plans_to_choose(tmp_path: Path) ->
     assert not _open(tmp_path, "dynamic_batching { preferred_batch_size: [ 8 ] }\n")  # needs its max
     assert not _open(tmp_path, 'input [ { name: "x", data_type: TYPE_FP32, dims: [ -1, 256 ] } ]\n')
     # a config sent with a load request (not the folder's file): it may have named it
-    from edgeserve.protocol.model_config import parse_json
-
     sent = parse_json('{"backend": "onnxruntime"}', "load request")
     assert not _open(tmp_path, 'backend: "openvino"\n', sent=sent)
     # a model whose first axis is fixed cannot batch: auto-complete leaves max_batch_size 0
