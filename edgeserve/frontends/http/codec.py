@@ -146,7 +146,7 @@ def _input_shape(entry: dict[str, Any], what: str) -> tuple[int, ...]:
 
 
 def decode_request(
-    model_name: str, model_version: str, body: bytes, header_length: int | None
+    model_name: str, model_version: str, body: bytes | memoryview, header_length: int | None
 ) -> tuple[InferRequest, bool]:
     """Decode a JSON (+ binary) infer request; returns it and the request's binary_data_output flag."""
     view = memoryview(body)
@@ -240,7 +240,9 @@ def _requested_output(entry: Any, index: int) -> RequestedOutput:
     return out
 
 
-def decode_raw_request(model_name: str, model_version: str, body: bytes, config: ModelConfig) -> InferRequest:
+def decode_raw_request(
+    model_name: str, model_version: str, body: bytes | memoryview, config: ModelConfig
+) -> InferRequest:
     """`Inference-Header-Content-Length: 0`: the whole body is the single input, batch 1."""
     if len(config.input) != 1:
         raise invalid_arg(

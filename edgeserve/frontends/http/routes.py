@@ -14,6 +14,7 @@ from aiohttp import web
 
 from edgeserve.frontends.http import codec
 from edgeserve.frontends.http.admin import config_to_json
+from edgeserve.frontends.http.tensor_body import read_tensor_body
 from edgeserve.frontends.peer import transport_peer
 from edgeserve.frontends.shm.registry import TRITON_OWNER, ShmClient
 from edgeserve.protocol.errors import InferenceError, Status, invalid_arg, unavailable, unsupported
@@ -234,7 +235,10 @@ class Routes:
         # nothing on the tensors (aiohttp drains the unread body and keeps the connection).
         self.dataplane.admit(name, version)
         try:
-            body = await read_body(request, self.max_input_bytes)
+            # binary tensors: into an aligned buffer (tensor_body.py); else as any other body
+            body = await read_tensor_body(request, self.max_input_bytes) or await read_body(
+                request, self.max_input_bytes
+            )
             header_length = codec.parse_header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
             if header_length == 0:
                 infer_request = codec.decode_raw_request(
@@ -275,8 +279,18 @@ class Routes:
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[assignment]
         return web.Response(body=payload, headers=headers)
 
-    async def generate(self, request: web.Request) -> web.Response:
-        raise unsupported("the generate extension is not supported by edgeserve; use /infer")
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """Triton's generate extension (/generate and /generate_stream): generate.py."""
+        from edgeserve.frontends.http.generate import handle
+
+        name, version = _model(request)
+        self.dataplane.admit(name, version)  # before the body is read, as /infer
+        try:
+            raw = await read_body(request, self.max_input_bytes)
+        except BaseException:
+            self.dataplane.release()
+            raise
+        return await handle(self.dataplane, request, raw)
 
     # repository
     def _check_repository(self, request: web.Request) -> None:
