@@ -137,3 +137,114 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 """
+
+# Same inputs and outputs as add_sub (pymodels.ADD_SUB_CONFIG): the BLS models below call add_sub.
+BLS_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [
+  {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1, 4 ] }},
+  {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ -1, 4 ] }}
+]
+output [
+  {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1, 4 ] }},
+  {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ -1, 4 ] }}
+]
+instance_group [{{ kind: KIND_CPU, count: 1 }}]
+"""
+
+# BLS, sync: the request's parameter "target" names the model to call (default add_sub) and "cast"
+# sends INPUT0 as int32 (a wrong dtype). An error response of the call is passed on as
+# "<code>: <message>" (the client sees Triton's code).
+BLS_SYNC = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            params = json.loads(request.parameters())
+            in0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            if params.get("cast"):
+                in0 = pb_utils.Tensor("INPUT0", in0.as_numpy().astype(np.int32))
+            in1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
+            call = pb_utils.InferenceRequest(
+                model_name=params.get("target", "add_sub"), inputs=[in0, in1],
+                requested_output_names=["OUTPUT0", "OUTPUT1"])
+            result = call.exec()
+            if result.has_error():
+                error = result.error()
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"{error.code()}: {error.message()}")))
+                continue
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.get_output_tensor_by_name(result, "OUTPUT0"),
+                pb_utils.get_output_tensor_by_name(result, "OUTPUT1")]))
+        return responses
+"""
+
+# BLS, async: two calls in flight at once (asyncio.gather), OUTPUT0 from the first, OUTPUT1 the second.
+BLS_ASYNC = """
+import asyncio
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            inputs = [pb_utils.get_input_tensor_by_name(request, n) for n in ("INPUT0", "INPUT1")]
+            calls = [pb_utils.InferenceRequest(model_name="add_sub", inputs=inputs,
+                                               requested_output_names=[name]).async_exec()
+                     for name in ("OUTPUT0", "OUTPUT1")]
+            first, second = await asyncio.gather(*calls)
+            for result in (first, second):
+                if result.has_error():
+                    raise pb_utils.TritonModelException(result.error().message())
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.get_output_tensor_by_name(first, "OUTPUT0"),
+                pb_utils.get_output_tensor_by_name(second, "OUTPUT1")]))
+        return responses
+"""
+
+# BLS into a decoupled model (repeat): sums the OUT of every response of one call.
+BLS_DECOUPLED_CONFIG = """
+name: "bls_decoupled"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [
+  { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+BLS_DECOUPLED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        family = pb_utils.MetricFamily(name="bls_calls", description="BLS calls made",
+                                       kind=pb_utils.MetricFamily.COUNTER)
+        self.calls = family.Metric(labels={"target": "repeat"})
+
+    def execute(self, requests):
+        request = requests[0]
+        call = pb_utils.InferenceRequest(model_name="repeat", requested_output_names=["OUT"],
+                                         inputs=[pb_utils.get_input_tensor_by_name(request, "IN")])
+        total, count = 0, 0
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                raise pb_utils.TritonModelException(response.error().message())
+            if response.output_tensors():
+                total += int(pb_utils.get_output_tensor_by_name(response, "OUT").as_numpy()[0])
+                count += 1
+        self.calls.increment(1)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("SUM", np.array([total], np.int32)),
+                                            pb_utils.Tensor("COUNT", np.array([count], np.int32))])]
+"""
