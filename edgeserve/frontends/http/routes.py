@@ -279,8 +279,18 @@ class Routes:
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # type: ignore[assignment]
         return web.Response(body=payload, headers=headers)
 
-    async def generate(self, request: web.Request) -> web.Response:
-        raise unsupported("the generate extension is not supported by edgeserve; use /infer")
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """Triton's generate extension (/generate and /generate_stream): generate.py."""
+        from edgeserve.frontends.http.generate import handle
+
+        name, version = _model(request)
+        self.dataplane.admit(name, version)  # before the body is read, as /infer
+        try:
+            raw = await read_body(request, self.max_input_bytes)
+        except BaseException:
+            self.dataplane.release()
+            raise
+        return await handle(self.dataplane, request, raw)
 
     # repository
     def _check_repository(self, request: web.Request) -> None:

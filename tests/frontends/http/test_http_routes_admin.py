@@ -71,7 +71,8 @@ async def test_unknown_paths_and_methods(api: Api) -> None:
     assert await api.json("GET", "/v2/models/add_sub/versions/x/ready", status=404) == "Not Found"
     assert "Method Not Allowed" in await api.json("POST", "/v2/health/ready", status=405)
     assert "Method Not Allowed" in await api.json("GET", "/v2/models/add_sub/infer", status=405)
-    assert "not supported" in await api.json("POST", "/v2/models/add_sub/generate", {}, status=501)
+    # the generate extension (generate.py): a body without the model's inputs is the data plane's 400
+    assert "INPUT0" in await api.json("POST", "/v2/models/add_sub/generate", {}, status=400)
 
 
 # -- repository ----------------------------------------------------------------------------------------------
