@@ -45,7 +45,9 @@ from edgeserve.hardware.batch_choice import BatchChoice
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
     MIN_MARGIN,
+    OVER_BUDGET,
     REJECTED,
+    SKIPPED,
     RaceCache,
     RaceResult,
     Row,
@@ -62,6 +64,7 @@ from edgeserve.hardware.race_timing import (
 )
 
 log = logging.getLogger("edgeserve.hardware.race")
+FINAL_ROUNDS = 5  # fewer timed rounds per candidate leave the race provisional (see _settle)
 
 
 class Finisher(Protocol):
@@ -428,11 +431,31 @@ class Racer:
 
 
 def _settle(result: RaceResult) -> None:
-    """A full race on a noisy box (a CPU hog preempting the runtimes' threads) whose winner is not
-    clearly faster than the runner-up is provisional too: its order may be noise, and the background
-    race times longer. Where the spread is small (a quiet box), a near tie is final: either is as fast."""
+    """A race is final only when it measured enough. Provisional (the background race times longer):
+    - a candidate was left out for the budget (never compiled, or cut before the timed rounds): the
+      race never measured it, and a rule or a guess must not stand in for that;
+    - the winner or the runner-up (not one dropped as PRUNE x slower) has fewer than FINAL_ROUNDS
+      timed rounds: under a CPU hog a 3-round
+      median was 15-30% off a 30-second one (bench_plan, 2026-11-29), and its spread says little;
+    - on a noisy box (a CPU hog preempting the runtimes' threads) the winner is not clearly faster
+      than the runner-up: its order may be noise. Where the spread is small (a quiet box), a near
+      tie is final: either is as fast."""
     winner = result.chosen
     runner = next((r for r in result.ranked() if r is not winner and r.status != REJECTED), None)
+    left_out = [r.label() for r in result.rows if r.status == OVER_BUDGET]
+    if winner is not None and left_out:
+        result.final = False
+        result.evidence = f"not raced within the budget: {', '.join(left_out)}"
+        return
+    rival = next((r for r in result.ranked() if r is not winner and r.status not in (REJECTED, SKIPPED)),
+                 None)  # fmt: skip
+    if winner is not None and rival is not None and min(winner.rounds, rival.rounds) < FINAL_ROUNDS:
+        result.final = False
+        result.evidence = (
+            f"{min(winner.rounds, rival.rounds)} round(s) of {winner.label()} and {rival.label()}: "
+            f"fewer than {FINAL_ROUNDS} do not settle an order"
+        )
+        return
     if winner is None or runner is None or clearly_faster(winner, runner):
         return
     if max(winner.noise(), runner.noise()) <= MIN_MARGIN:

@@ -20,7 +20,7 @@ from edgeserve.backends import onnxruntime as ortb
 from edgeserve.backends.base import BackendOptions
 from edgeserve.hardware.race import Racer
 from edgeserve.hardware.race_background import Cancelled, Pacer
-from edgeserve.hardware.race_result import REJECTED, RaceCache, Row, clearly_faster
+from edgeserve.hardware.race_result import OVER_BUDGET, REJECTED, SKIPPED, RaceCache, Row, clearly_faster
 from edgeserve.hardware.runtimes import inventory
 from edgeserve.hardware.selector import PlanSelector
 from edgeserve.repository.config import parse_pbtxt
@@ -114,12 +114,17 @@ def test_a_noisy_near_tie_is_provisional_a_clear_or_quiet_one_final() -> None:
     from edgeserve.hardware.race import _settle
     from edgeserve.hardware.race_result import RaceResult
 
-    def result(a: tuple[float, float, float], b: tuple[float, float, float]) -> RaceResult:
+    def result(
+        a: tuple[float, float, float],
+        b: tuple[float, float, float],
+        rounds: int = 9,
+        extra: list[Row] | None = None,
+    ) -> RaceResult:
         rows = [
-            Row(backend, "CPU", "fp32", 1, 2, score_ms=x[0], low_ms=x[1], high_ms=x[2])
+            Row(backend, "CPU", "fp32", 1, 2, score_ms=x[0], low_ms=x[1], high_ms=x[2], rounds=rounds)
             for backend, x in (("openvino", a), ("onnxruntime", b))
         ]
-        race = RaceResult("m", ["1 in flight"], rows, winner=0)
+        race = RaceResult("m", ["1 in flight"], rows + (extra or []), winner=0)
         _settle(race)
         return race
 
@@ -127,6 +132,20 @@ def test_a_noisy_near_tie_is_provisional_a_clear_or_quiet_one_final() -> None:
     assert not noisy.final and "within the noise" in noisy.evidence and "onnxruntime" in noisy.evidence
     assert result((64, 60, 68), (90, 85, 95)).final  # clearly faster
     assert result((64, 63.5, 64.5), (65, 64.5, 65.5)).final  # a quiet near tie: either is as fast
+    # 3 rounds under a hog called ORT 53 vs OV 57 on ppocr_rec; 30 s of rounds said OV 63 vs ORT 74
+    few = result((53.1, 53.1, 56.3), (57.2, 53.8, 60.7), rounds=3)
+    assert not few.final and "3 round(s)" in few.evidence
+    # a candidate the budget left out (never compiled) was not measured: nothing is final yet
+    skipped = Row("onnxruntime", "CPU", "fp32", 2, 1, status=OVER_BUDGET, reason="not compiled")
+    left_out = result((64, 60, 68), (90, 85, 95), extra=[skipped])
+    assert not left_out.final and "onnxruntime fp32 2x1" in left_out.evidence
+    # a rival dropped at warm-up as PRUNE x slower needs no more rounds
+    pruned = Row("openvino", "CPU", "fp32", 2, 1, score_ms=300, low_ms=290, high_ms=310, rounds=2,
+                 status=SKIPPED)  # fmt: skip
+    alone = RaceResult("m", ["1 in flight"], [Row("onnxruntime", "CPU", "fp32", 1, 2, score_ms=60, low_ms=59,
+                                                 high_ms=61, rounds=2), pruned], winner=0)  # fmt: skip
+    _settle(alone)
+    assert alone.final
 
 
 def test_the_background_pace_waits_for_queued_requests_and_stops_on_shutdown() -> None:
