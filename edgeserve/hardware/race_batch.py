@@ -42,6 +42,7 @@ from edgeserve.hardware.race_timing import (
     _quartiles,
     close,
     run_once,
+    short,
 )
 
 MAX_ROUNDS = 15
@@ -107,11 +108,14 @@ def measure(
     cfg.max_batch_size = max(sizes)  # a backend may size its buffers from it
     feeds = {b: {k: np.concatenate([v] * b) for k, v in base.items()} for b in sizes}
     samples: dict[int, list[int]] = {}
-    rounds = 0
+    rounds, failed = 0, ""
     try:
-        backend = get_backend(e.option.backend)
-        for _ in range(e.row.instances):
-            e.instances.append(backend.load(e.artifact, cfg, e.options))
+        try:
+            backend = get_backend(e.option.backend)
+            for _ in range(e.row.instances):
+                e.instances.append(backend.load(e.artifact, cfg, e.options))
+        except Exception as exc:  # never a failed load: the default serves, and the log says why
+            return BatchChoice(0, default, layout=layout, why=f"{layout} did not load again: {short(exc)}")
         e.pool = ThreadPoolExecutor(e.row.instances, thread_name_prefix="race-batch")
         for b in sizes:
             try:
@@ -125,6 +129,7 @@ def measure(
         # that cheap go on to CHEAP_MAX_ROUNDS, as the race's: microsecond medians need samples
         while (
             len(timed) > 1
+            and not failed
             and (rounds < max_rounds or (rounds < CHEAP_MAX_ROUNDS and sum(durations) < CHEAP_ROUNDS_S))
             and (not durations or statistics.median(durations) < left())
         ):
@@ -132,18 +137,26 @@ def measure(
             shift = rounds % len(timed)
             for b in timed[shift:] + timed[:shift]:
                 if pace is not None:
-                    idle += pace()
+                    idle += pace()  # raises when the server stops (the background race's pace)
                 time.sleep(GAP_S)  # the previous call's worker threads go idle first
-                samples[b].append(run_once(e, _scenario(b, e), feeds[b]))
-            durations.append(time.monotonic() - t0 - (idle - held))
-            rounds += 1
+                try:
+                    samples[b].append(run_once(e, _scenario(b, e), feeds[b]))
+                except Exception as exc:
+                    failed = f"batch {b} failed: {short(exc)}"
+                    break
+            else:
+                durations.append(time.monotonic() - t0 - (idle - held))
+                rounds += 1
     finally:
         close(e)
-    if rounds == 0 or len(samples) < 2:
-        return BatchChoice(0, default, layout=layout, final=rounds > 0, why="fewer than 2 batch sizes ran")
-    timings = {b: _timing(s, b * e.row.instances) for b, s in samples.items()}
-    final = rounds >= MIN_ROUNDS
-    return BatchChoice.decide(timings, rounds, MIN_MARGIN, default, layout, final)
+    if failed or len(samples) < 2:
+        why = failed or f"only batch 1 ran on {layout}"
+        return BatchChoice(0, default, layout=layout, why=why)  # final: timing it again would not help
+    if rounds == 0:
+        why = f"the {budget_s:.1f}s left of the race budget ended before a round"
+        return BatchChoice(0, default, layout=layout, final=False, why=why)
+    timings = {b: _timing(s[:rounds], b * e.row.instances) for b, s in samples.items()}
+    return BatchChoice.decide(timings, rounds, MIN_MARGIN, default, layout, rounds >= MIN_ROUNDS)
 
 
 def _scenario(b: int, e: Entrant) -> Scenario:

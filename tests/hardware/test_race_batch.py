@@ -283,3 +283,45 @@ def test_a_batch_size_that_does_not_fit_the_budget_is_provisional_and_finished_i
     assert final.final and final.batch is not None and final.batch.final and final.batch.size > 0
     assert switched == ["wide"]  # a batch size where the default served: the model is reloaded onto it
     assert selector.racer.cache.get(job.digest, job.key) is not None
+
+
+def test_a_batch_size_that_fails_or_a_load_that_fails_leaves_the_default(tmp_path: Path) -> None:
+    """Never a failed load: a model that says it batches but runs only batch 1 (a MatMul whose inner
+    dimension is the batch axis), or a winner that no longer loads, keeps auto-complete's default,
+    final, and says why."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx_models import _save
+
+    from edgeserve.hardware.race_batch import measure
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["x"], ["t"]),  # [256, N]
+            helper.make_node("MatMul", ["t", "W"], ["m"]),  # [256, N] @ [1, 256]: only N == 1 runs
+            helper.make_node("ReduceSum", ["m"], ["s"], keepdims=0),
+            helper.make_node("Mul", ["x", "s"], ["y"]),  # [N, 256]: the signature says it batches
+        ],
+        "batch_one_only",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 256])],
+        [numpy_helper.from_array(np.full((1, 256), 1e-3, np.float32), "W")],
+    )
+    model = tmp_path / "repo" / "one"
+    _save(graph, model / "1" / "model.onnx")
+    (model / "config.pbtxt").write_text('backend: "onnxruntime"\n')
+    selector = _selector(tmp_path)
+    config = parse_pbtxt(model / "config.pbtxt")
+    where = str(model / "config.pbtxt")
+    job = selector.racer.prepare(selector.plan("one", model / "1", config, where), "one", model / "1",
+                                 config, where)  # fmt: skip
+    assert job is not None and job.batch_sizes == [1, 2, 4, 8, 16]
+    entrant = job.entrants[0]
+    choice = measure(entrant, job.batch_sizes, job.feeds[1], job.completed, BUDGET_S, 4)
+    assert (choice.size, choice.max_batch_size, choice.final) == (0, 4, True)
+    assert choice.why == f"only batch 1 ran on {entrant.row.label()}" and not entrant.instances
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model any more")
+    gone = dataclasses.replace(entrant, artifact=broken)
+    choice = measure(gone, job.batch_sizes, job.feeds[1], job.completed, BUDGET_S, 4)
+    assert choice.size == 0 and choice.final and "did not load again" in choice.why
+    assert "auto-complete's default serves" in choice.summary()
