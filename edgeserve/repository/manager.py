@@ -10,6 +10,7 @@ most `LOAD_PARALLELISM` at a time, to bound peak memory and CPU on small boxes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ from edgeserve.repository.budget import MemoryBudget
 from edgeserve.repository.config import parse_override, parse_pbtxt
 from edgeserve.repository.layout import (
     CONFIG_FILE,
+    DEFAULT_FILENAMES,
     active_models,
     check_model_name,
+    is_version_name,
     list_models,
     version_dirs,
 )
@@ -399,6 +402,8 @@ class ModelRepository:
             return parse_override(config_json, where), where
         if config_file.is_file():
             return parse_pbtxt(config_file), str(config_file)
+        if _only_model_py(source):  # Triton: model.py's auto_complete_config completes it (in a worker)
+            return mc.ModelConfig(backend="python"), f"{source} (no {CONFIG_FILE}; a Python model)"
         return mc.ModelConfig(), f"{source} (no {CONFIG_FILE}; auto-completed)"
 
     async def _build(self, name: str, source: Path, version: int, version_dir: Path, raw_config: Any,
@@ -477,3 +482,13 @@ if TYPE_CHECKING:  # mypy proves the data plane's contract holds
 
     def _conforms(repository: ModelRepository) -> RepositoryLike:
         return repository
+
+
+def _only_model_py(source: Path) -> bool:
+    """A version folder holds model.py and no other backend's model file (issue 35)."""
+    others = [f for f in DEFAULT_FILENAMES.values() if f != "model.py"]
+    with contextlib.suppress(OSError):
+        for folder in source.iterdir():
+            if is_version_name(folder.name) and (folder / "model.py").is_file():
+                return not any((folder / other).exists() for other in others)
+    return False

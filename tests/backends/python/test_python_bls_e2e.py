@@ -1,4 +1,4 @@
-"""BLS, decoupled streaming and custom metrics of Python models behind a real `edgeserve serve`, driven by
+"""BLS, decoupled streaming, custom metrics and a folder with only 1/model.py of Python models behind a real `edgeserve serve`, driven by
 tritonclient as a Triton user would: a BLS model calling add_sub (sync, and async with two calls in
 flight), a BLS call with a wrong dtype (INVALID_ARG to the caller), a model calling itself with its
 only instance (an error, not a deadlock), a decoupled model's responses over a gRPC stream, a BLS call
@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from es_server import RunningServer, scrape, start_server
-from pymodels import write_model
+from pymodels import AUTO, write_model
 from streammodels import (
     BLS_ASYNC,
     BLS_CONFIG,
@@ -40,6 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     write_model(repo, "bls_async", BLS_ASYNC, BLS_CONFIG.format(name="bls_async"))
     write_model(repo, "repeat", REPEAT, DECOUPLED_CONFIG.format(name="repeat"))
     write_model(repo, "bls_decoupled", BLS_DECOUPLED, BLS_DECOUPLED_CONFIG)
+    (repo / "auto_only" / "1").mkdir(parents=True)  # no config.pbtxt: model.py's auto_complete_config
+    (repo / "auto_only" / "1" / "model.py").write_text(AUTO)
     running = start_server(repo, tmp)
     yield running
     running.stop()
@@ -114,3 +116,10 @@ def test_bls_into_a_decoupled_model_and_a_custom_counter(server: RunningServer) 
     assert int(result.as_numpy("SUM")[0]) == 7 and int(result.as_numpy("COUNT")[0]) == 4
     series = scrape(server.base, "bls_calls")
     assert series.get('bls_calls{target="repeat"}', 0) >= 1, series
+
+
+def test_a_folder_with_only_model_py_is_an_auto_completed_python_model(server: RunningServer) -> None:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    assert client.is_model_ready("auto_only")
+    config = client.get_model_config("auto_only")
+    assert config["backend"] == "python" and [i["name"] for i in config["input"]] == ["IN"]
