@@ -1,8 +1,9 @@
-"""BLS, decoupled streaming, custom metrics and a folder with only 1/model.py of Python models behind a real `edgeserve serve`, driven by
-tritonclient as a Triton user would: a BLS model calling add_sub (sync, and async with two calls in
-flight), a BLS call with a wrong dtype (INVALID_ARG to the caller), a model calling itself with its
-only instance (an error, not a deadlock), a decoupled model's responses over a gRPC stream, a BLS call
-into a decoupled model (an iterator of responses) and the custom counter it keeps on /metrics."""
+"""BLS, decoupled streaming, custom metrics and a folder with only 1/model.py: Python models behind
+a real `edgeserve serve`, driven by tritonclient as a Triton user would: a BLS model calling add_sub
+(sync, and async with two calls in flight), a BLS call with a wrong dtype (INVALID_ARG to the
+caller), a model calling itself with its only instance (an error, not a deadlock), a decoupled
+model's responses over a gRPC stream, a BLS call into a decoupled model (an iterator of responses)
+and the custom counter it keeps on /metrics."""
 
 from __future__ import annotations
 
