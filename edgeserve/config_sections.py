@@ -153,6 +153,9 @@ class RuntimeSection:
     race_budget_s: float = 6.0  # load-time race of the viable runtimes per model (0 = the profile's rule)
     # finish a provisional race (budget ran out, or a noisy near tie) in the background and switch
     race_background: bool = True
+    # where a config leaves max_batch_size open, the race times its winner at batch 1, 2, 4 ... up to this
+    # and serves the knee (at most 256; 0 or 1: auto-complete's default_max_batch_size, unmeasured)
+    race_max_batch_size: int = 16
     cache_dir: Path | None = None  # compiled models, engines, race results; unset = <state_dir>/cache
     device_profiles: Path | None = None  # extra folder of device profile TOMLs
     hardware_root: Path = Path("/")  # where the hardware probe reads /proc and /sys (tests, fixtures)
@@ -163,9 +166,6 @@ class LoggingSection:
     level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     format: str = "text"  # text | json
     # A rotated log file; empty = stderr (journald under systemd adds its own bounds and timestamps).
-    # where a config leaves max_batch_size open, the race times its winner at batch 1, 2, 4 ... up to this
-    # and serves the knee (0 or 1: auto-complete's default_max_batch_size, unmeasured)
-    race_max_batch_size: int = 16
     file: Path | None = None
     max_bytes: int = 10 * 2**20  # per log file before it rotates
     backups: int = 3  # rotated files kept

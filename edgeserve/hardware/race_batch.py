@@ -47,6 +47,7 @@ from edgeserve.hardware.race_timing import (
 
 MAX_ROUNDS = 15
 ACTIVATIONS = 64  # a batch's working memory ~ this x its input bytes (CNN activations are tens of x)
+MOST = 256  # the largest size raced whatever the setting says (its feed is built in memory)
 _NAMED = re.compile(r"^\s*max_batch_size\s*:", re.MULTILINE)
 
 
@@ -79,6 +80,7 @@ def batch_open(config: Any, completed: Any, where: str) -> bool:
 
 def sizes_for(cap: int, base: dict[str, Any], instances: int, memory_budget: int | None) -> list[int]:
     """The batch sizes to race: SIZES up to `cap` (and `cap` itself), within the memory budget."""
+    cap = min(cap, MOST)
     sizes = sorted({b for b in SIZES if b <= cap} | ({cap} if cap > 1 else set()))
     per_item = sum(int(np.asarray(v).nbytes) for v in base.values()) * ACTIVATIONS * max(1, instances)
     if memory_budget is not None:

@@ -87,6 +87,7 @@ def test_the_sizes_raced_are_capped_by_the_setting_and_by_memory() -> None:
     assert sizes_for(16, feed, 1, None) == [1, 2, 4, 8, 16]
     assert sizes_for(6, feed, 1, None) == [1, 2, 4, 6]
     assert sizes_for(32, feed, 1, None) == [1, 2, 4, 8, 16, 32]
+    assert sizes_for(10**6, feed, 1, None) == [1, 2, 4, 8, 16, 256]  # a typo does not build a huge feed
     assert sizes_for(1, feed, 1, None) == [] and sizes_for(0, feed, 1, None) == []  # off
     assert sizes_for(16, feed, 1, 4 * 64 * 1024) == [1, 2, 4]  # two instances would need twice that
     assert sizes_for(16, feed, 2, 4 * 64 * 1024) == [1, 2]
