@@ -79,6 +79,8 @@ PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's rea
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
 RACE_VERSION = 3  # bump when what is timed changes, so old cache entries are not reused
 ONE = "nothing to race: the config fixes the runtime and its layout"  # the batch size may still be open
+# The evidence of a result whose runtime choice is final and whose batch size is left to the background
+BATCH_PENDING = "the runtime choice is final; the batch size is not measured yet"
 # One race at a time in this process: two models loading in parallel must not time each other's load.
 _RACING = threading.Lock()
 
@@ -252,9 +254,8 @@ class Racer:
         sizes, base = job.batch_sizes, job.feeds[1]
         result.batch = race_batch.measure(fresh, sizes, base, job.completed, budget_s, default, pace)
         log.info("model %s: %s", job.name, result.batch.summary())
-        if not result.batch.final:
-            result.final = False
-            result.evidence = result.evidence or "the batch size is not measured yet"
+        if not result.batch.final and result.final:
+            result.final, result.evidence = False, BATCH_PENDING
 
     def race(
         self, job: Job, entrants: list[Entrant], budget_s: float | None = None,

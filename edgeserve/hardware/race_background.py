@@ -21,12 +21,13 @@ switches the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from edgeserve.hardware.race import _RACING, Job, Racer
+from edgeserve.hardware.race import _RACING, BATCH_PENDING, Job, Racer
 from edgeserve.hardware.race_result import REJECTED, RaceResult, Row, clearly_faster
 
 log = logging.getLogger("edgeserve.hardware.race")
@@ -127,32 +128,16 @@ class BackgroundRaces:
 
     def finish(self, racer: Racer, job: Job, provisional: RaceResult) -> RaceResult:
         """Race `job` again (in the calling thread), cache the final result, switch if it won clearly."""
-        entrants, _ = racer.entrants(job.plan, job.config)
         budget = max(self.budget_s, 2 * racer.budget_s)
         pacer = Pacer(self.share, self.busy, self._stop)
-        started = time.monotonic()
-        result = racer.race(job, entrants, budget, pacer)
-        ran = time.monotonic() - started - pacer.held  # the batch sizes get what the race left
         serving = served_label(racer, job, provisional)
-        current = next((r for r in result.rows if r.label() == serving and r.status != REJECTED), None)
-        best = result.chosen
-        if (
-            best is not None
-            and current is not None
-            and current is not best
-            and current.score_ms is not None  # timed (not dropped as clearly slower)
-            and not clearly_faster(best, current)
-        ):
-            # inside the noise: a switch would buy nothing measurable
-            result.winner = result.rows.index(current)
-            result.evidence = (
-                f"{best.label()} was {best.score_ms:.3g} ms/inference, within the noise of what serves "
-                f"({current.evidence()}): no switch"
-            )
-        if result.chosen is None and result.fallback is None:
-            result.fallback = "no timed candidate passed the accuracy guard"
+        if provisional.evidence == BATCH_PENDING and job.batch_sizes:
+            # the runtime's race was final: only the batch sizes are left to time
+            result, left = dataclasses.replace(provisional, final=True, evidence="", cached=False), budget
+        else:
+            result, left = self._race_again(racer, job, budget, pacer, serving)
         if job.batch_sizes:
-            racer.race_batch(job, result, max(budget - ran, budget / 4), pacer)
+            racer.race_batch(job, result, left, pacer)
             if result.batch is not None:
                 result.batch.final = True  # as the runtime's: the background's evidence is the last word
         if not result.final:  # even the background budget ran out: its evidence is the last word
@@ -173,6 +158,34 @@ class BackgroundRaces:
         elif not self._stop.is_set():
             self.confirm(job.name, result)
         return result
+
+    def _race_again(
+        self, racer: Racer, job: Job, budget: float, pacer: Pacer, serving: str
+    ) -> tuple[RaceResult, float]:
+        """The runtimes raced again (what serves kept when the winner is within the noise of it), and
+        the budget left for the batch sizes."""
+        entrants, _ = racer.entrants(job.plan, job.config)
+        started = time.monotonic()
+        result = racer.race(job, entrants, budget, pacer)
+        ran = time.monotonic() - started - pacer.held
+        current = next((r for r in result.rows if r.label() == serving and r.status != REJECTED), None)
+        best = result.chosen
+        if (
+            best is not None
+            and current is not None
+            and current is not best
+            and current.score_ms is not None  # timed (not dropped as clearly slower)
+            and not clearly_faster(best, current)
+        ):
+            # inside the noise: a switch would buy nothing measurable
+            result.winner = result.rows.index(current)
+            result.evidence = (
+                f"{best.label()} was {best.score_ms:.3g} ms/inference, within the noise of what serves "
+                f"({current.evidence()}): no switch"
+            )
+        if result.chosen is None and result.fallback is None:
+            result.fallback = "no timed candidate passed the accuracy guard"
+        return result, max(budget - ran, budget / 4)  # the batch sizes get what the race left
 
 
 def _size(result: RaceResult) -> int:
