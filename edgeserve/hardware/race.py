@@ -21,15 +21,14 @@ is provisional (not final); only when fewer than two were warmed up does the rul
 provisional result is finished by a background race at low priority (race_background.py). Results,
 provisional or final, are cached (race_result.py): a restart serves them at once.
 
-Where the config leaves `max_batch_size` open, the winner is then timed at a few batch sizes in what
-is left of the budget, and the knee serves (race_batch.py, batch_choice.py); cached with the result.
+What is timed (the scenarios, the feeds) and the cache key: race_workload.py. Where the config leaves
+`max_batch_size` open, the winner is then timed at a few batch sizes in what is left of the budget,
+and the knee serves (race_batch.py, batch_choice.py); cached with the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -38,9 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
-from edgeserve.hardware import race_batch
+from edgeserve.hardware import race_batch, race_workload
 from edgeserve.hardware.batch_choice import BatchChoice
 from edgeserve.hardware.plan import ModelPlan, Planner, PlanOption, Verdict
 from edgeserve.hardware.race_result import (
@@ -62,6 +59,7 @@ from edgeserve.hardware.race_timing import (
     Stopwatch,
     close,
 )
+from edgeserve.hardware.race_workload import RACED_BACKENDS
 
 log = logging.getLogger("edgeserve.hardware.race")
 FINAL_ROUNDS = 5  # fewer timed rounds per candidate leave the race provisional (see _settle)
@@ -74,10 +72,8 @@ class Finisher(Protocol):
     def start(self, racer: Racer, job: Job, provisional: RaceResult) -> None: ...
 
 
-RACED_BACKENDS = ("onnxruntime", "openvino")
 PINNED_OUT = ("not the pinned", "config parameters.precision")  # the plan's reasons for what pins rule out
 THREADS_PARAMETER = "intra_op_thread_count"  # the ORT backend's parameter: the race sets it, no probe
-RACE_VERSION = 3  # bump when what is timed changes, so old cache entries are not reused
 ONE = "nothing to race: the config fixes the runtime and its layout"  # the batch size may still be open
 # The evidence of a result whose runtime choice is final and whose batch size is left to the background
 BATCH_PENDING = "the runtime choice is final; the batch size is not measured yet"
@@ -214,8 +210,10 @@ class Racer:
             return None
         multi = any(e.row.instances > 1 for e in entrants)
         try:
-            completed = self._complete(plan, name, config, where)
-            scenarios, feeds, source = self._workload(name, version_dir, config, completed, where, multi)
+            completed = race_workload.complete(self.planner, plan, name, config, where)
+            scenarios, feeds, source = race_workload.workload(
+                name, version_dir, config, completed, where, multi
+            )
         except Exception as exc:  # the load itself reports a bad model or config
             log.info("model %s: not raced: %s", name, exc)
             return None
@@ -230,7 +228,7 @@ class Racer:
         if len(entrants) < 2 and not sizes:
             return None  # one candidate, and the config fixes the batch size too
         digest = model_digest(plan.chosen.artifact)
-        key = self._key(entrants, scenarios, feeds, sizes)
+        key = race_workload.key(self.planner, self.budget_s, entrants, scenarios, feeds, sizes)
         return Job(plan, name, version_dir, config, where, entrants, rejected, scenarios, feeds, source,
                    completed, digest, key, sizes)  # fmt: skip
 
@@ -295,82 +293,6 @@ class Racer:
             log.info("model %s: the cached race winner %s no longer passes the accuracy guard (%s): racing "
                      "again", name, row.label(), verdict.reason)  # fmt: skip
         return verdict.ok
-
-    def _complete(self, plan: ModelPlan, name: str, config: Any, where: str) -> Any:
-        from tritonclient.grpc import model_config_pb2 as mc
-
-        from edgeserve.backends.base import get_backend
-        from edgeserve.repository import autocomplete
-
-        assert plan.chosen is not None and plan.chosen.artifact is not None
-        backend = get_backend(plan.chosen.option.backend)
-        return autocomplete.complete(
-            config if config is not None else mc.ModelConfig(), backend.inspect(plan.chosen.artifact),
-            model_name=name, backend_name=backend.name, platform="", model_file=plan.chosen.artifact.name,
-            default_max_batch_size=self.planner.settings.runtime.default_max_batch_size, where=where,
-        )  # fmt: skip
-
-    def _workload(
-        self, name: str, version_dir: Path, config: Any, completed: Any, where: str, multi: bool
-    ) -> tuple[list[Scenario], dict[int, dict[str, Any]], str]:
-        """Scenarios, a feed per batch size, and where the data came from."""
-        from edgeserve.hardware.accuracy import sample_feeds
-        from edgeserve.hardware.inputs import model_inputs
-        from edgeserve.protocol import datatypes
-        from edgeserve.repository.config import type_name
-
-        batching = completed.max_batch_size > 0
-        inputs = model_inputs(name, version_dir.parent, config, where)
-        if inputs is not None:
-            base = inputs.feeds[0]
-            if batching:
-                base = {k: v[:1] for k, v in base.items()}
-            source = inputs.source
-        else:
-            specs = []
-            for t in completed.input:
-                dtype = datatypes.numpy_dtype(datatypes.config_to_protocol(type_name(t.data_type)))
-                if dtype == np.object_:
-                    raise ValueError(f"input '{t.name}' is BYTES")
-                specs.append((t.name, dtype, ([-1] if batching else []) + [int(d) for d in t.dims]))
-            base = sample_feeds(specs, 1, 0)[0]
-            source = "random data on the config's shapes"
-        sizes: list[int] = []
-        if batching:
-            preferred = [int(b) for b in completed.dynamic_batching.preferred_batch_size]
-            wanted = preferred or [int(completed.max_batch_size)]
-            sizes = sorted({b for b in wanted if 1 < b <= completed.max_batch_size})
-        scenarios = [Scenario("1 in flight", 1, False)]
-        scenarios += [Scenario(f"batch {b} x instances", b, True) for b in sizes]
-        if not sizes and multi:
-            scenarios.append(Scenario("1 per instance", 1, True))
-        feeds = {1: base}
-        for b in sizes:
-            feeds[b] = {k: np.concatenate([v] * b) for k, v in base.items()}
-        return scenarios, feeds, source
-
-    def _key(
-        self, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any], sizes: list[int]
-    ) -> str:
-        from edgeserve.hardware.accuracy import _cpu_model, _runtime_version
-
-        planner = self.planner
-        data = {
-            "version": RACE_VERSION,
-            "cpu": _cpu_model(),
-            "cpus": planner.hw.budget.effective_cpus,
-            "threads": planner.threads()[0],
-            "profile": planner.profile.name,
-            "runtimes": [_runtime_version(b) for b in RACED_BACKENDS],
-            "budget_s": self.budget_s,
-            "entrants": [e.row.label() for e in entrants],
-            "scenarios": [(s.name, s.batch, s.saturate) for s in scenarios],
-            "shapes": {b: {k: [str(v.dtype), list(v.shape)] for k, v in f.items()} for b, f in feeds.items()},
-        }
-        if sizes:  # only then: the keys of models whose batch size is the config's stay as they were
-            data["batch_sizes"] = sizes
-            data["default_max_batch_size"] = planner.settings.runtime.default_max_batch_size
-        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _race(
         self, name: str, entrants: list[Entrant], scenarios: list[Scenario], feeds: dict[int, Any],
