@@ -48,9 +48,11 @@ class MemoryProfile:
     ov_release_idle_s: float
     # glibc arenas in the server process (default 8 x cores): threads that allocate each keep one.
     malloc_arena_max: int
-    # Server process: allocations from this size on are mmapped and given back when freed (glibc's
-    # default threshold rises with each large free up to 32 MB, so tensors then came from the heap
-    # and the heap kept its high-water mark); below it, buffers are reused without page faults.
+    # Server process: allocations from this size on are mmapped and given back when freed; below it,
+    # buffers are reused without page faults. 0 = glibc's own threshold, which rises with each large
+    # free up to 32 MB, so tensors then come from the heap (it keeps its high-water mark). A fixed 4 MB
+    # made ONNX Runtime (arena off) map and fault in every activation of a batch of 8 ResNet-50 frames
+    # on each call: ~10k page faults, +20% CPU per image (issue 36; docs/hardware.md has the figures).
     server_mmap_threshold: int
     # Server process: when RSS grew by this much since the last look (every JANITOR_S), freed heap
     # pages are given back (malloc_trim) and the cyclic GC runs. 0 = never.
@@ -81,7 +83,7 @@ STANDARD = MemoryProfile(
     onednn_primitive_cache=64,
     ov_release_idle_s=10.0,
     malloc_arena_max=2,
-    server_mmap_threshold=4 << 20,
+    server_mmap_threshold=0,
     server_trim_growth=32 << 20,
     lean_dynamic_shapes=False,
     worker_mmap_threshold=32 << 20,
