@@ -16,6 +16,7 @@ from edgeserve.client._core import InputValue, Outputs, Pending
 from edgeserve.client.endpoint import check_ipc, find_endpoint, foreign_peer
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
+from edgeserve.client.stream import StreamState
 from edgeserve.frontends.zmq import wire
 
 LATE_MAX = 4096  # timed-out requests remembered so a late reply can free their slots
@@ -77,6 +78,7 @@ class ClientBase(Generic[Entry]):
         self._next_id = _core.first_request_id()
         self._pending: dict[int, Entry] = {}
         self._late: dict[int, Pending] = {}
+        self._streams: dict[int, StreamState] = {}  # streamed requests whose final reply has not come
         self._rings: list[FrameRing] = []
         self._registrations = _core.Registrations()
 
@@ -92,6 +94,21 @@ class ClientBase(Generic[Entry]):
         return pending, _core.build_infer(
             pending, model, inputs, outputs, copy_inputs=self.copy_inputs, **options
         )
+
+    def _stream_request(
+        self, model: str, inputs: Mapping[str, InputValue], outputs: Sequence[str] | None,
+        options: RequestOptions, timeout: float | None,
+    ) -> tuple[StreamState, list[Any]]:  # fmt: skip
+        """A streamed request's state and frames (outputs by name only: every response comes inline)."""
+        if isinstance(outputs, (str, Mapping)):
+            raise ClientError(
+                "INVALID_ARG", "a streamed request's outputs are a list of names (they come inline)"
+            )
+        pending = Pending(self._take_id())
+        frames = _core.build_infer(
+            pending, model, inputs, outputs, copy_inputs=self.copy_inputs, stream=True, **options
+        )
+        return StreamState(pending, self.timeout if timeout is None else timeout), frames
 
     def _open_socket(self, pending: Pending | None) -> zmq.Socket[Any]:
         """The socket to send on; UNAVAILABLE (and the request's slots given back) once closed."""
@@ -122,6 +139,15 @@ class ClientBase(Generic[Entry]):
         if not isinstance(header, dict) or header.get("op") == wire.OP_PROBE:
             return None
         req_id = header.get("id")
+        stream = self._streams.get(req_id) if isinstance(req_id, int) else None
+        if stream is not None and isinstance(req_id, int):  # one of a streamed request's replies
+            if self._owners is not None:
+                refused = self._foreign(msg[0])
+                if refused is not None:
+                    header = {"id": req_id, "status": "PERMISSION_DENIED", "message": refused}
+            if stream.deliver(header, msg[1:]):
+                del self._streams[req_id]
+            return None
         entry = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
         if entry is None:
             late = self._late.pop(req_id, None) if isinstance(req_id, int) else None
@@ -187,6 +213,9 @@ class ClientBase(Generic[Entry]):
 
     def _close_socket(self) -> None:
         assert self._sock is not None
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.fail(ClientError("UNAVAILABLE", "the client was closed"))
         self._sock.close(linger=0)
         self._sock = None
         for ring in self._rings:

@@ -110,9 +110,10 @@ def build_infer(
     timeout_us: int = 0,
     parameters: Mapping[str, Any] | None = None,
     copy_inputs: bool = True,
+    stream: bool = False,
 ) -> list[Any]:
-    """The frames of one infer request. Slots taken here are recorded on `pending`; on error they
-    are given back before raising."""
+    """The frames of one infer request (`stream`: a streamed one, 0..N replies). Slots taken here are
+    recorded on `pending`; on error they are given back before raising."""
     try:
         header: dict[str, Any] = {"v": wire.VERSION, "op": wire.OP_INFER, "id": pending.id, "model": model}
         if version:
@@ -123,6 +124,8 @@ def build_infer(
             header["timeout_us"] = int(timeout_us)
         if parameters:
             header["parameters"] = dict(parameters)
+        if stream:
+            header["stream"] = True
         frames: list[Any] = [b""]
         descs: list[dict[str, Any]] = []
         for name, value in inputs.items():

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -25,6 +25,7 @@ from edgeserve.client._base import ClientBase, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.ring import FrameRing
+from edgeserve.client.stream import AsyncZmqStream, StreamState
 from edgeserve.client.zmq_client import _EVENTS, _POLLIN
 from edgeserve.frontends.zmq import wire
 
@@ -121,6 +122,40 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
         future = await self.submit(model, inputs, outputs, **kwargs)
         return await future
 
+    def infer_stream(
+        self,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncZmqStream:
+        """`async for result in client.infer_stream(...)`: a streamed request's results, as
+        `ZmqClient.infer_stream` (sent on the first iteration, or by `async with`)."""
+        state, frames = self._stream_request(model, inputs, outputs, options, timeout)
+        return AsyncZmqStream(state, lambda: self._send_stream(state, frames), self._send_now)
+
+    async def _send_stream(self, state: StreamState, frames: list[Any]) -> None:
+        if self._registrations.lost:
+            await self._register_again()
+        sock = self._open_socket(state.pending)
+        self._watch(sock)
+        self._streams[state.pending.id] = state
+        try:
+            await self._send_frames(sock, frames, time.monotonic() + state.timeout)
+        except zmq.Again:
+            self._streams.pop(state.pending.id, None)
+            raise self._unreachable(state.pending) from None
+
+    def _send_now(self, frames: list[Any]) -> None:
+        """Send without waiting; dropped when the socket cannot take it now (a stream's cancel: the
+        request's own deadline ends it then)."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart(frames, flags=_NOBLOCK)
+
     # -- control --------------------------------------------------------------------------------
     async def ping(self, timeout: float | None = None) -> dict[str, Any]:
         return await self._call(wire.OP_PING, timeout)
@@ -201,10 +236,7 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
         self, pending: Pending | None, frames: list[Any], timeout: float | None, on_reply: Reply | None = None
     ) -> asyncio.Future[Any]:
         sock = self._open_socket(pending)
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            loop.add_reader(cast(int, sock.getsockopt(zmq.FD)), self._on_events)
-            self._loop = loop
+        loop = self._watch(sock)
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
         future: asyncio.Future[Any] = loop.create_future()
         seconds = self.timeout if timeout is None else timeout
@@ -220,6 +252,14 @@ class AsyncZmqClient(ClientBase[tuple[Target, Pending | None, asyncio.TimerHandl
                 future.cancel()
             raise self._unreachable(pending) from None
         return future
+
+    def _watch(self, sock: zmq.Socket[Any]) -> asyncio.AbstractEventLoop:
+        """The running loop, reading the socket's replies (installed once)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            loop.add_reader(cast(int, sock.getsockopt(zmq.FD)), self._on_events)
+            self._loop = loop
+        return loop
 
     def _track(self, req_id: int, pending: Pending | None, target: Target, seconds: float) -> None:
         assert self._loop is not None

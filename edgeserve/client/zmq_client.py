@@ -6,10 +6,11 @@ received while you wait on a future, call `poll()`, or iterate `as_completed()`.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -20,6 +21,7 @@ from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.future import ZmqFuture
 from edgeserve.client.ring import FrameRing, Slot
+from edgeserve.client.stream import ZmqStream
 from edgeserve.frontends.zmq import wire
 from edgeserve.frontends.zmq.spin import CoreShare
 
@@ -87,6 +89,43 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         """Send one request and wait for its result."""
         result: InferResult = self.submit(model, inputs, outputs, **kwargs).result()
         return result
+
+    def infer_stream(
+        self,
+        model: str,
+        inputs: Mapping[str, InputValue],
+        outputs: Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> ZmqStream:
+        """Send a streamed request (a decoupled model's 0..N responses) and return an iterator of its
+        results, which stops after the final reply. `timeout`: the longest wait for each response
+        (default: the client's); then the request is cancelled and DEADLINE_EXCEEDED raised. Leave a
+        `with` block (or call `cancel()`) to stop early: the model sees its request cancelled."""
+        if self._registrations.lost:
+            self._register_again()
+        state, frames = self._stream_request(model, inputs, outputs, options, timeout)
+        sock = self._open_socket(state.pending)
+        try:
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                wire.sock_send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
+        except zmq.Again:
+            raise self._unreachable(state.pending) from None
+        self._streams[state.pending.id] = state
+        return ZmqStream(state, self._pump_until, self._send_now)
+
+    def _pump_until(self, until: float) -> None:
+        self._pump(self._next_wake(until))
+
+    def _send_now(self, frames: list[Any]) -> None:
+        """Send without waiting; a message the socket cannot take now is dropped (the cancel of a
+        stream: the request's own deadline ends it then)."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart(frames, flags=_DONTWAIT)
 
     def poll(self, timeout: float = 0.0) -> int:
         """Receive the replies that arrive within `timeout` seconds; returns how many futures finished."""

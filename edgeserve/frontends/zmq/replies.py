@@ -19,8 +19,12 @@ if TYPE_CHECKING:
     from edgeserve.frontends.zmq.codec import Decoded, OutputSlot
 
 
-def error_reply(req_id: Any, exc: InferenceError) -> list[Any]:
-    return [wire.dumps({"v": wire.VERSION, "id": req_id, "status": exc.status.value, "message": exc.message})]
+def error_reply(req_id: Any, exc: InferenceError, final: bool | None = None) -> list[Any]:
+    """`final`: set on a streamed request's replies (None: a unary reply, which has no such field)."""
+    body = {"v": wire.VERSION, "id": req_id, "status": exc.status.value, "message": exc.message}
+    if final is not None:
+        body["final"] = final
+    return [wire.dumps(body)]
 
 
 def ok_reply(req_id: Any, body: dict[str, Any]) -> list[Any]:
@@ -95,6 +99,44 @@ def infer_reply(decoded: Decoded, response: InferResponse) -> list[Any]:
         outputs.append(desc)
     frames[0] = infer_header(decoded.req_id, response, outputs)
     return frames
+
+
+def stream_reply(
+    decoded: Decoded, result: InferResponse | InferenceError | None, final: bool, model: str, version: str
+) -> list[Any]:
+    """One reply of a streamed request (wire field "final"); `result` None is the final flag alone,
+    sent as a reply without outputs. Outputs are inline (a stream refuses shm outputs). On the router
+    thread."""
+    req_id = decoded.req_id
+    if isinstance(result, InferenceError):
+        return error_reply(req_id, result, final)
+    try:
+        for guard in decoded.guards:
+            guard.check("while the request was in flight", "the response was discarded")
+        if result is None:
+            return ok_reply(req_id, {"model": model, "version": version, "outputs": [], "final": final})
+        outputs: list[dict[str, Any]] = []
+        frames: list[Any] = [b""]
+        for out in result.outputs:
+            desc: dict[str, Any] = {"name": out.name, "datatype": out.datatype,
+                                    "shape": [int(d) for d in out.shape]}  # fmt: skip
+            if out.parameters:
+                desc["parameters"] = out.parameters
+            assert out.data is not None
+            frames.append(datatypes.to_wire_bytes(out.data, out.datatype))
+            outputs.append(desc)
+        body: dict[str, Any] = {
+            "model": result.model_name,
+            "version": result.model_version,
+            "outputs": outputs,
+        }
+        if result.parameters:
+            body["parameters"] = result.parameters
+        body["final"] = final
+        frames[0] = ok_reply(req_id, body)[0]
+        return frames
+    except InferenceError as exc:
+        return error_reply(req_id, exc, final)
 
 
 def infer_header(req_id: Any, response: InferResponse, outputs: list[dict[str, Any]]) -> Any:

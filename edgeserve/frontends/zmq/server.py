@@ -34,6 +34,7 @@ from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.endpoint import server_default
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
+from edgeserve.frontends.zmq.streams import Live, StreamPump
 from edgeserve.protocol.errors import InferenceError, Status, internal, invalid_arg
 from edgeserve.scheduling.job import CURRENT_CLIENT
 
@@ -51,7 +52,7 @@ BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait
 
 
 class _Peer:
-    __slots__ = ("envelope", "ident", "inflight", "owner", "owns_regions")
+    __slots__ = ("envelope", "ident", "inflight", "owner", "owns_regions", "streams")
 
     def __init__(self, ident: bytes, envelope: list[bytes]) -> None:
         self.ident = ident
@@ -59,6 +60,7 @@ class _Peer:
         self.owner = "zmq:" + ident.hex()
         self.inflight = 0  # +1 on the loop thread, -1 on a worker thread (under _count_lock)
         self.owns_regions = False
+        self.streams: dict[Any, Live] = {}  # live streamed requests by id (router thread)
 
 
 class ZmqFrontend:
@@ -88,6 +90,7 @@ class ZmqFrontend:
         self._collector = ZmqCollector(self)
         self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
         self._identities: dict[str, PeerIdentity] = {}  # by Peer-Address
+        self._pump = StreamPump(lambda: self._router, self._stream_finished, self._stream_unreachable)
 
     def apply_limits(self, settings: Settings) -> None:
         """SIGHUP: limits that change live (the socket's high-water mark stays as bound)."""
@@ -128,6 +131,8 @@ class ZmqFrontend:
         if router is not None:  # joins the router thread: the peers are ours from here on
             await asyncio.get_running_loop().run_in_executor(None, router.close)
         for peer in list(self._peers.values()):
+            for live in list(peer.streams.values()):  # their models see cancelled
+                self._pump.cancel(live, reply=False)
             if peer.owns_regions:
                 self._release_regions(peer, "server stopping")
         self._peers.clear()
@@ -175,6 +180,11 @@ class ZmqFrontend:
             op = header.get("op", wire.OP_INFER)
             if op == wire.OP_INFER:
                 self._infer(peer, header, msg[index], msg[index + 1 :])
+                return
+            if op == wire.OP_CANCEL:  # no reply of its own: the stream's final one says CANCELLED
+                live = peer.streams.get(req_id) if isinstance(req_id, (int, str)) else None
+                if live is not None:
+                    self._pump.cancel(live)
                 return
             self._control(peer, op, header, msg[index])
         except InferenceError as exc:
@@ -227,6 +237,9 @@ class ZmqFrontend:
         except BaseException:
             self.dataplane.release()
             raise
+        if header.get("stream", False) is not False:
+            self._start_stream(peer, header, decoded)
+            return
         with self._count_lock:
             peer.inflight += 1
             self._inflight += 1
@@ -264,6 +277,47 @@ class ZmqFrontend:
                 self._inline_runs += 1
         finally:
             CURRENT_CLIENT.reset(token)
+
+    def _start_stream(self, peer: _Peer, header: dict[str, Any], decoded: codec.Decoded) -> None:
+        """A streamed request: 0..N replies through the data plane's bounded ResponseStream (streams.py)."""
+        req_id = decoded.req_id
+        key = req_id if isinstance(req_id, (int, str)) else None
+        try:
+            if header.get("stream") is not True:
+                raise invalid_arg(f"request header: field 'stream' must be bool, not {header['stream']!r}")
+            if decoded.out_slots or any(out.shm is not None for out in decoded.request.outputs or ()):
+                raise invalid_arg("a streamed request's outputs come inline, one reply per response: "
+                                  "remove 'shm' from its outputs")  # fmt: skip
+            if key is not None and key in peer.streams:
+                raise invalid_arg(f"request id {req_id!r} is already streaming on this client")
+        except BaseException:
+            decoded.release()
+            self.dataplane.release()
+            raise
+        live = Live(peer, peer.envelope, decoded, key)
+        with self._count_lock:
+            peer.inflight += 1
+            self._inflight += 1
+        if key is not None:
+            peer.streams[key] = live
+        token = CURRENT_CLIENT.set(peer.owner)
+        try:
+            notify = self._pump.notifier(live)
+            live.stream = self.dataplane.submit_stream(decoded.request, notify, admitted=True)
+        finally:
+            CURRENT_CLIENT.reset(token)
+
+    def _stream_finished(self, live: Live) -> None:
+        peer: _Peer = live.owner
+        if live.key is not None and peer.streams.get(live.key) is live:
+            del peer.streams[live.key]
+        live.decoded.release()
+        with self._count_lock:
+            peer.inflight -= 1
+            self._inflight -= 1
+
+    def _stream_unreachable(self, live: Live) -> None:
+        self._forget(live.owner, "disconnected")
 
     def counters(self) -> dict[str, int]:
         """For /metrics (any thread: plain reads of ints the router thread updates)."""
@@ -371,6 +425,8 @@ class ZmqFrontend:
     def _forget(self, peer: _Peer, why: str) -> None:
         if self._peers.get(peer.ident) is peer:
             del self._peers[peer.ident]
+        for live in list(peer.streams.values()):  # nobody reads them: their models see cancelled
+            self._pump.cancel(live, reply=False)
         if peer.owns_regions:
             self._release_regions(peer, why)
 
@@ -399,7 +455,7 @@ class ZmqFrontend:
         if router is None:
             return
         probe = wire.dumps({"v": wire.VERSION, "op": wire.OP_PROBE})
-        for peer in [p for p in self._peers.values() if p.owns_regions]:
+        for peer in [p for p in self._peers.values() if p.owns_regions or p.streams]:
             error = router.send([peer.ident, probe])
             if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
                 self._forget(peer, "disconnected")

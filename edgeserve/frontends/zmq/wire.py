@@ -25,6 +25,8 @@ OP_STATUS = "status"
 OP_METADATA = "metadata"
 OP_READY = "ready"
 OP_BYE = "bye"
+# Ends a streamed request (`"stream": true`) early: its "id" is that request's; no reply of its own.
+OP_CANCEL = "cancel"
 # Sent by the server on its own (no id) to check a client is still there; clients ignore it.
 OP_PROBE = "probe"
 
