@@ -9,7 +9,9 @@ races the same candidates again in a daemon thread, at low priority:
   made the budget run out) leaves it a few percent of a core, so it would time the scheduler rather
   than the runtimes and would not end within a minute; the share and the pauses keep it off the
   requests' way instead;
-- its budget (BUDGET_S, or twice the load's budget when that is larger) counts only the time it ran.
+- its budget (BUDGET_S, or twice the load's budget when that is larger) counts only the time it ran;
+  a pass that budget cut short (a candidate left out, fewer than FINAL_ROUNDS rounds) is run once
+  more with twice the budget (PASSES), so a box far busier than expected still gets a real race.
 When it ends, the result is final and cached. If its winner is faster than what serves by more than
 the noise (race_result.clearly_faster), the model is reloaded, which switches atomically: the new
 instances load beside the old ones, the served map changes in one assignment and the old version
@@ -27,13 +29,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from edgeserve.hardware.race import _RACING, BATCH_PENDING, Job, Racer
-from edgeserve.hardware.race_result import REJECTED, RaceResult, Row, clearly_faster
+from edgeserve.hardware.race import _RACING, BATCH_PENDING, FINAL_ROUNDS, Job, Racer
+from edgeserve.hardware.race_result import OVER_BUDGET, REJECTED, TIMED, RaceResult, Row, clearly_faster
 
 log = logging.getLogger("edgeserve.hardware.race")
 
 SHARE = 0.6  # of the wall time the background race may run (24 s of racing in about 40 s)
 BUDGET_S = 24.0  # active seconds (compile + timing), at least twice the load's budget
+PASSES = 2  # a pass the budget cut short is run once more with twice the budget
 POLL_S = 0.05  # how often a paused race looks again
 
 
@@ -164,10 +167,19 @@ class BackgroundRaces:
     ) -> tuple[RaceResult, float]:
         """The runtimes raced again (what serves kept when the winner is within the noise of it), and
         the budget left for the batch sizes."""
-        entrants, _ = racer.entrants(job.plan, job.config)
         started = time.monotonic()
-        result = racer.race(job, entrants, budget, pacer)
+        spent = 0.0
+        for attempt in range(PASSES):
+            entrants, _ = racer.entrants(job.plan, job.config)
+            spent += budget * 2**attempt
+            result = racer.race(job, entrants, budget * 2**attempt, pacer)
+            short = _cut_short(result)
+            if not short or attempt + 1 == PASSES or self._stop.is_set():
+                break
+            log.info("model %s: background race cut short (%s): one more pass with %gs", job.name, short,
+                     budget * 2 ** (attempt + 1))  # fmt: skip
         ran = time.monotonic() - started - pacer.held
+        budget = spent
         current = next((r for r in result.rows if r.label() == serving and r.status != REJECTED), None)
         best = result.chosen
         if (
@@ -186,6 +198,20 @@ class BackgroundRaces:
         if result.chosen is None and result.fallback is None:
             result.fallback = "no timed candidate passed the accuracy guard"
         return result, max(budget - ran, budget / 4)  # the batch sizes get what the race left
+
+
+def _cut_short(result: RaceResult) -> str:
+    """Why a race's budget ran out before it measured everything ("" when it did not): a box far
+    busier than its budget assumed (a load average of 13 on 2 CPUs left open_nsfw 2 warm-up rounds in
+    24 s). A noisy tie is not cut short: more rounds would not make either faster."""
+    if result.fallback is not None and result.chosen is None:
+        return result.fallback
+    left_out = [r.label() for r in result.rows if r.status == OVER_BUDGET]
+    if left_out:
+        return "not raced: " + ", ".join(left_out)
+    if any(r.rounds and r.rounds < FINAL_ROUNDS for r in result.rows if r.status == TIMED):
+        return f"fewer than {FINAL_ROUNDS} timed rounds"
+    return ""
 
 
 def _size(result: RaceResult) -> int:

@@ -148,6 +148,25 @@ def test_a_noisy_near_tie_is_provisional_a_clear_or_quiet_one_final() -> None:
     assert alone.final
 
 
+def test_a_background_pass_cut_short_is_run_again_a_noisy_tie_is_not() -> None:
+    from edgeserve.hardware.race_background import _cut_short
+    from edgeserve.hardware.race_result import RaceResult
+
+    def timed(backend: str, score: float, rounds: int) -> Row:
+        return Row(backend, "CPU", "fp32", 1, 2, score_ms=score, low_ms=score * 0.6, high_ms=score * 1.4,
+                   rounds=rounds)  # fmt: skip
+
+    # a load average of 13 on 2 CPUs: two warm-up rounds of open_nsfw in 24 s
+    warm_only = RaceResult("m", ["1 in flight"], [timed("openvino", 537, 2), timed("onnxruntime", 845, 2)], 0)
+    assert "fewer than 5" in _cut_short(warm_only)
+    left = Row("onnxruntime", "CPU", "fp32", 2, 1, status=OVER_BUDGET)
+    assert "onnxruntime fp32 2x1" in _cut_short(
+        RaceResult("m", ["1 in flight"], [timed("openvino", 50, 9), left], 0)
+    )
+    tie = RaceResult("m", ["1 in flight"], [timed("openvino", 50, 15), timed("onnxruntime", 52, 15)], 0)
+    assert _cut_short(tie) == ""
+
+
 def test_the_background_pace_waits_for_queued_requests_and_stops_on_shutdown() -> None:
     queued = threading.Event()
     queued.set()
