@@ -20,9 +20,12 @@ from edgeserve.client._base import ClientBase, ConnectionOptions, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.future import ZmqFuture
+from edgeserve.client.lane import READ_BATCH, ClientLane, lane_path
 from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.client.stream import ZmqStream
 from edgeserve.frontends.zmq import wire
+from edgeserve.frontends.zmq.endpoint import ipc_path
+from edgeserve.frontends.zmq.lane import OP_LANE
 from edgeserve.frontends.zmq.spin import CoreShare
 
 if TYPE_CHECKING:
@@ -47,6 +50,8 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
     processes on the box turn it off for a while: a yielding thread then waits behind them, where
     a woken one runs at once). Against the server's own spin it adds 0-20% (7% on average here)
     to back-to-back round trips, for a core while it waits. 0 = always sleep.
+    `lane`: over an ipc:// endpoint, once a ring is created, requests and replies that fit go over a
+    lane (a Unix socket past libzmq's I/O threads, see edgeserve/frontends/zmq/lane.py); False = never.
     """
 
     def __init__(
@@ -55,9 +60,13 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         timeout: float = 10.0,
         *,
         spin_us: int = DEFAULT_SPIN_US,
+        lane: bool = True,
         **options: Unpack[ConnectionOptions],
     ) -> None:
         super().__init__(endpoint, timeout, **options)
+        self._lane: ClientLane | None = None
+        self._lane_path = lane_path(path) if lane and (path := ipc_path(self.endpoint)) else None
+        self._poller: zmq.Poller | None = None
         self.spin_s = max(0, spin_us) / 1e6
         self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
         self._core = CoreShare()  # whether this thread gets its core while it spins
@@ -223,7 +232,34 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
                 ring = self._ring_refused(ring, exc, slots, slot_size, name)
                 continue
             self._rings.append(ring)
+            self._open_lane()
             return ring
+
+    def _open_lane(self) -> None:
+        """Once, where the server offers one (else, and on any failure, ZeroMQ carries everything)."""
+        path, self._lane_path = self._lane_path, None
+        if path is None or self._lane is not None:
+            return
+        try:
+            token = bytes.fromhex(self._call(OP_LANE, None)["token"])
+            lane = ClientLane(path, token, self._owners, self.endpoint, min(self.timeout, 5.0))
+        except (ClientError, OSError, ValueError, KeyError, TypeError):
+            return
+        assert self._sock is not None
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(lane.fileno(), zmq.POLLIN)
+        self._lane = lane
+
+    def _close_lane(self) -> None:
+        lane, self._lane, self._poller = self._lane, None, None
+        if lane is not None:
+            lane.close()
+
+    @property
+    def lane_open(self) -> bool:
+        """Whether requests go over a lane now."""
+        return self._lane is not None
 
     def close(self) -> None:
         """Say bye (the server releases this client's regions), fail what is in flight, unlink rings."""
@@ -241,6 +277,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
                 pending.release_slots()
             fut._set(None, ClientError("UNAVAILABLE", "the client was closed"))
         self._pending.clear()
+        self._close_lane()
         self._close_socket()
 
     def __enter__(self) -> ZmqClient:
@@ -259,13 +296,15 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
     def _send(self, pending: Pending | None, frames: list[Any], timeout: float | None) -> ZmqFuture:
         sock = self._open_socket(pending)
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
-        try:
-            last = len(frames) - 1
-            send = wire.sock_send  # past pyzmq's Python layer; send_multipart costs more still
-            for i, frame in enumerate(frames):
-                send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
-        except zmq.Again:
-            raise self._unreachable(pending) from None
+        lane = self._lane
+        if lane is None or pending is None or not lane.send(frames):  # a request too big for a packet
+            try:
+                last = len(frames) - 1
+                send = wire.sock_send  # past pyzmq's Python layer; send_multipart costs more still
+                for i, frame in enumerate(frames):
+                    send(sock, frame, _SNDMORE if i < last else 0, wire.send_copy(frame))
+            except zmq.Again:
+                raise self._unreachable(pending) from None
         now = time.monotonic()
         deadline = now + (self.timeout if timeout is None else timeout)
         if pending is not None:
@@ -291,6 +330,9 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def _pump(self, until: float, target: ZmqFuture | None = None) -> None:
         """Wait up to `until` for a reply, then take every reply already queued (until `target` is done)."""
+        if self._lane is not None:
+            self._pump_both(until, target)
+            return
         sock = self._sock
         assert sock is not None
         wait_ms = max(0, int((until - time.monotonic()) * 1000 + 0.999))
@@ -325,6 +367,58 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         heap = self._deadlines
         if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
             self._expire(time.monotonic())
+
+    def _pump_both(self, until: float, target: ZmqFuture | None) -> None:
+        """`_pump` with a lane: replies come over it or (too big for a packet, control) over ZeroMQ."""
+        if not self._take_both(target) and self._lane is not None:
+            if self.spin_s > 0.0 and self._reply_s <= self.spin_s and self._core.ready():
+                start, cpu_start = time.monotonic(), self._core.cpu_clock()
+                end = min(until, start + self.spin_s)
+                caught = False
+                while not caught and time.monotonic() < end:
+                    os.sched_yield()  # as in _pump: a woken thread gets this core now
+                    caught = self._take_both(target)
+                self._core.record(time.monotonic() - start, cpu_start)
+            else:
+                caught = False
+            if not caught and self._poller is not None:
+                self._poller.poll(max(0, int((until - time.monotonic()) * 1000 + 0.999)))
+                self._take_both(target)
+        heap = self._deadlines
+        if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
+            self._expire(time.monotonic())
+
+    def _take_both(self, target: ZmqFuture | None) -> bool:
+        """Dispatch the replies waiting on the lane and the socket; True when any was."""
+        took = False
+        lane = self._lane
+        for _ in range(READ_BATCH if lane is not None else 0):
+            try:
+                msg = lane.recv() if lane is not None else None
+            except ConnectionError:  # the server went: ZeroMQ from here on
+                self._close_lane()
+                break
+            if msg is None:
+                break
+            took = True
+            self._dispatch(msg)
+            if (target is not None and target._done) or self._lane is None:
+                return True
+        sock = self._sock
+        recv, get = wire.sock_recv, wire.sock_get
+        for _ in range(READ_BATCH):
+            if sock is None or not cast(int, get(sock, _EVENTS)) & _POLLIN:
+                break
+            frame = recv(sock, _DONTWAIT, False)
+            msg = [frame]
+            while frame.more:
+                frame = recv(sock, 0, False)
+                msg.append(frame)
+            took = True
+            self._dispatch(msg)
+            if (target is not None and target._done) or self._sock is None:
+                break
+        return took
 
     def _dispatch(self, msg: list[Any]) -> None:
         answered = self._answered(msg)

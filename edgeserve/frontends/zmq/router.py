@@ -87,6 +87,9 @@ class Router:
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_pending = False
         self._callbacks: deque[Callable[[], None]] = deque()
+        self._poller = select.poll()
+        self._watched: dict[int, Callable[[], int]] = {}  # other fds the thread serves (lane.py)
+        self._routes: dict[bytes, Callable[[list[Any]], bool]] = {}  # routing id -> its lane's send
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._thread: threading.Thread | None = None
@@ -161,6 +164,10 @@ class Router:
     def send(self, frames: list[Any]) -> BaseException | None:
         """Send without blocking. Returns the error, if any: zmq.Again (the peer's queue is full)
         or a ZMQError with errno EHOSTUNREACH (the peer is gone)."""
+        if self._routes:
+            lane = self._routes.get(frames[0])
+            if lane is not None and lane(frames[1:]):
+                return None
         error: BaseException | None = None
         last = len(frames) - 1
         send, send_copy = wire.sock_send, wire.send_copy
@@ -180,6 +187,24 @@ class Router:
         if readable:
             self._wake()
         return error
+
+    def watch(self, fd: int, on_readable: Callable[[], int] | None) -> None:
+        """Router thread only: call `on_readable` there while `fd` is readable (None: stop); it
+        returns how many requests it handled (counted as the socket's are)."""
+        if on_readable is None:
+            if self._watched.pop(fd, None) is not None:
+                self._poller.unregister(fd)
+            return
+        self._watched[fd] = on_readable
+        self._poller.register(fd, select.POLLIN)
+
+    def route(self, ident: bytes, send: Callable[[list[Any]], bool] | None) -> None:
+        """Replies to the client socket `ident` go through `send` (its lane) when it takes them
+        (True); else, or with None, over the ROUTER socket."""
+        if send is None:
+            self._routes.pop(ident, None)
+        else:
+            self._routes[ident] = send
 
     def input_waiting(self) -> bool:
         """More requests are queued on the socket (the caller is then better off not blocking).
@@ -202,7 +227,7 @@ class Router:
     def _run(self) -> None:
         assert self._sock is not None and self._monitor is not None
         self._thread_id = threading.get_ident()
-        poller = select.poll()
+        poller = self._poller
         sock_fd, monitor_fd = self._sock.fileno(), self._monitor.fileno()
         for fd in (sock_fd, monitor_fd, self._wake_fd):
             poller.register(fd, select.POLLIN)
@@ -213,10 +238,11 @@ class Router:
                 idle_since = 0.0
                 if timeout_ms != 0:  # nothing pending: spin a little first while requests come close
                     idle_since = spin.clock()
-                    if spin.active() and spin.wait(idle_since, self._input_queued, self._woken):
+                    ready = self._any_input if self._watched else self._input_queued
+                    if spin.active() and spin.wait(idle_since, ready, self._woken):
                         timeout_ms = 0
                         self.spin_hits += 1
-                poller.poll(timeout_ms)
+                events = poller.poll(timeout_ms)
                 woke = spin.clock()
                 if self._wake_pending:  # read, then clear: a wake in between is handled below
                     with contextlib.suppress(BlockingIOError):
@@ -224,6 +250,8 @@ class Router:
                     self._wake_pending = False
                 handled = self.handled
                 more = self._drain()
+                if self._watched:
+                    self._serve_watched(events)
                 if idle_since and self.handled != handled:
                     spin.record_gap(woke - idle_since)
                 self._drain_monitor()
@@ -238,6 +266,15 @@ class Router:
         with self._lock:
             sock = self._sock
             return sock is None or bool(cast(int, wire.sock_get(sock, _EVENTS)) & _POLLIN)
+
+    def _any_input(self) -> bool:
+        return self._input_queued() or bool(self._poller.poll(0))
+
+    def _serve_watched(self, events: list[tuple[int, int]]) -> None:
+        for fd, _ in events:
+            on_readable = self._watched.get(fd)
+            if on_readable is not None:
+                self.handled += on_readable()  # spin gaps and the requests counter see them
 
     def _woken(self) -> bool:
         return self._wake_pending  # callbacks: the loop's poll returns at once

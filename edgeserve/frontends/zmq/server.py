@@ -31,7 +31,8 @@ from edgeserve.frontends.limits import request_limit, too_large_message
 from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
 from edgeserve.frontends.shm.binding import PeerIdentity, ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
-from edgeserve.frontends.zmq.endpoint import server_default
+from edgeserve.frontends.zmq.endpoint import ipc_path, server_default
+from edgeserve.frontends.zmq.lane import OP_LANE, Lanes, lane_message
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.frontends.zmq.streams import Live, StreamPump
@@ -90,6 +91,7 @@ class ZmqFrontend:
         self._collector = ZmqCollector(self)
         self._peer_credentials = False  # libzmq reports ipc peers' SO_PEERCRED (checked at start)
         self._identities: dict[str, PeerIdentity] = {}  # by Peer-Address
+        self._lanes: Lanes | None = None  # lane.py: local clients past libzmq's I/O threads
         self._pump = StreamPump(lambda: self._router, self._stream_finished, self._stream_unreachable)
 
     def apply_limits(self, settings: Settings) -> None:
@@ -115,6 +117,12 @@ class ZmqFrontend:
             if not self._peer_credentials:
                 log.warning("libzmq reports no credentials of ipc peers here: for shared memory they count "
                             "as clients of unknown user ([shm] registration)")  # fmt: skip
+        lane_at = [(e, path) for e in self.bound if (path := ipc_path(e)) is not None]
+        if self._peer_credentials and lane_at:  # a lane is bound to its user: needs ipc credentials
+            lanes = Lanes(*lane_at[0], router.watch, router.route,
+                          lambda lane, frames: self._handle(lane_message(lane, frames)))  # fmt: skip
+            self._lanes = lanes
+            router.call_soon(lanes.start)
         router.call_later(SWEEP_S, self._sweep)
         router.start()
         metrics.register_collector(self._collector)
@@ -130,6 +138,8 @@ class ZmqFrontend:
         router, self._router = self._router, None
         if router is not None:  # joins the router thread: the peers are ours from here on
             await asyncio.get_running_loop().run_in_executor(None, router.close)
+        if self._lanes is not None:
+            self._lanes.close()
         for peer in list(self._peers.values()):
             for live in list(peer.streams.values()):  # their models see cancelled
                 self._pump.cancel(live, reply=False)
@@ -374,6 +384,11 @@ class ZmqFrontend:
                 else self.dataplane.ready()
             )
             body = {"live": self.dataplane.live(), "ready": ready}
+        elif op == OP_LANE:
+            if self._lanes is None:
+                raise InferenceError(Status.UNSUPPORTED, "no lane here (ipc:// endpoints only)")
+            principal = self._shm_client(peer, frame).principal
+            body = {"token": self._lanes.issue(peer.ident, principal).hex()}
         elif op == wire.OP_BYE:
             # Release first, then reply (as the wire spec says): a client that got its answer may
             # rely on its regions being gone (the test that lists them right after close() raced).
@@ -383,7 +398,7 @@ class ZmqFrontend:
         else:
             raise invalid_arg(
                 f"unknown op {op!r}; expected one of infer, ping, register, unregister, "
-                "status, metadata, ready, bye"
+                "status, metadata, ready, lane, bye"
             )
         self._reply(peer, replies.ok_reply(req_id, body))
 

@@ -76,7 +76,10 @@ def test_server_and_client_meet_at_the_default_and_the_group_may_connect(
         with ZmqClient(timeout=10.0) as client:
             assert client.endpoint == f"ipc://{path}"
             assert client.ping()["server"] == "edgeserve"
-        assert [p.name for p in path.parent.iterdir()] == ["edgeserve.zmq"]  # no bind folder left
+        lane = path.parent / "edgeserve.zmq.lane"  # lane.py: the ipc socket's fast path, its mode too
+        assert stat.S_IMODE(lane.stat().st_mode) == 0o660
+        assert sorted(p.name for p in path.parent.iterdir()) == ["edgeserve.zmq", lane.name]  # no bind folder
+    assert not lane.exists()
     assert not path.exists()
 
 

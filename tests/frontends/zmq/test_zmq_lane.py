@@ -1,0 +1,137 @@
+"""The lane (edgeserve/frontends/zmq/lane.py): a ring client's requests and replies over a Unix
+SEQPACKET socket past libzmq's I/O threads, with ZeroMQ for everything that does not fit or was not
+asked on the lane. Real frontend, real sockets, real shared memory (conftest's `server`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from zmq_harness import RunningFrontend
+
+from edgeserve.client import ZmqClient
+from edgeserve.frontends.zmq.lane import PACKET_MAX, Lanes, decode, encode
+
+WAIT_S = 30.0  # generous: a busy 2-vCPU CI box
+
+
+def _lanes(server: RunningFrontend) -> Lanes:
+    lanes = server.frontend._lanes
+    assert lanes is not None, "an ipc:// frontend with peer credentials offers lanes"
+    return lanes
+
+
+def _on_router(server: RunningFrontend, fn: Callable[[], Any]) -> None:
+    """Run `fn` on the ROUTER thread (where lanes are served) and wait for it."""
+    router = server.frontend._router
+    assert router is not None
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+
+    router.call_soon(run)
+    assert done.wait(WAIT_S)
+
+
+def test_packets_round_trip_and_refuse_what_does_not_fit() -> None:
+    frames = [b'{"v":1}', b"", np.arange(10, dtype=np.float32)]
+    buffers = encode(frames)
+    assert buffers is not None
+    packet = memoryview(b"".join(bytes(memoryview(b)) for b in buffers))
+    assert [bytes(f) for f in decode(packet)] == [bytes(memoryview(f)) for f in frames]
+    assert encode([bytes(PACKET_MAX)]) is None  # over ZeroMQ instead
+    for bad in (b"", b"\x00\x00", b"\x01\x00\x05\x00\x00\x00ab", packet.tobytes() + b"x"):
+        with pytest.raises(ValueError):
+            decode(memoryview(bad))
+
+
+def test_a_ring_client_talks_over_its_lane_and_gets_the_same_answers(server: RunningFrontend) -> None:
+    lanes = _lanes(server)
+    with ZmqClient(server.endpoint, timeout=WAIT_S) as client:
+        assert not client.lane_open  # only a ring client asks for one
+        ring = client.create_ring(slots=4, slot_size=4096)
+        assert client.lane_open
+        before = lanes.requests
+        for i in range(20):
+            x = np.full((1, 256), i, np.float32)
+            result = client.infer("id_fp32", {"INPUT0": ring.acquire().write(x)})
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        assert lanes.requests == before + 20
+        assert client.ping()["server"] == "edgeserve"  # control goes over ZeroMQ as ever
+        assert [r["name"] for r in client.regions() if r["mine"]] == [ring.name]
+        # pipelined, ring and inline requests mixed: every future finishes with its own answer
+        futures = {}
+        for i in range(8):
+            x = np.full((1, 64), i, np.float32)
+            value: Any = ring.acquire().write(x) if i % 2 else x
+            futures[i] = (client.submit("id_fp32", {"INPUT0": value}), x)  # 4 ring slots: enough
+        for future, x in futures.values():
+            np.testing.assert_array_equal(future.result().as_numpy("OUTPUT0"), x)
+    assert not client.lane_open
+
+
+def test_a_reply_too_big_for_a_packet_comes_over_zeromq(server: RunningFrontend) -> None:
+    lanes = _lanes(server)
+    with ZmqClient(server.endpoint, timeout=WAIT_S) as client:
+        big = np.arange(PACKET_MAX // 4 + 1000, dtype=np.float32).reshape(1, -1)
+        ring = client.create_ring(slots=2, slot_size=big.nbytes)
+        before = lanes.requests
+        result = client.infer("id_fp32", {"INPUT0": ring.acquire().write(big)})  # asked on the lane
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), big)
+        assert lanes.requests == before + 1
+        inline = client.infer("id_fp32", {"INPUT0": big})  # too big for a packet: ZeroMQ both ways
+        np.testing.assert_array_equal(inline.as_numpy("OUTPUT0"), big)
+        assert lanes.requests == before + 1 and client.lane_open
+
+
+def test_lane_false_keeps_everything_on_zeromq(server: RunningFrontend) -> None:
+    lanes = _lanes(server)
+    with ZmqClient(server.endpoint, timeout=WAIT_S, lane=False) as client:
+        ring = client.create_ring(slots=2, slot_size=4096)
+        before = lanes.requests
+        x = np.ones((1, 16), np.float32)
+        np.testing.assert_array_equal(
+            client.infer("id_fp32", {"INPUT0": ring.acquire().write(x)}).as_numpy("OUTPUT0"), x
+        )
+        assert not client.lane_open and lanes.requests == before
+
+
+def test_a_lane_the_server_closes_leaves_the_client_on_zeromq(server: RunningFrontend) -> None:
+    lanes = _lanes(server)
+    with ZmqClient(server.endpoint, timeout=WAIT_S) as client:
+        ring = client.create_ring(slots=2, slot_size=4096)
+        assert client.lane_open
+        _on_router(server, lambda: lanes.drop(client.identity))
+        for i in range(3):  # the first send or read finds the lane gone; every request is answered
+            x = np.full((1, 16), i, np.float32)
+            np.testing.assert_array_equal(
+                client.infer("id_fp32", {"INPUT0": ring.acquire().write(x)}).as_numpy("OUTPUT0"), x
+            )
+        assert not client.lane_open
+        assert lanes.open == 0 or all(lane.ident != client.identity for lane in lanes._lanes.values())
+
+
+def test_without_ipc_there_is_no_lane_and_nothing_changes(tcp_server: RunningFrontend) -> None:
+    assert tcp_server.frontend._lanes is None
+    with ZmqClient(tcp_server.endpoint, timeout=WAIT_S) as client:
+        ring = client.create_ring(slots=2, slot_size=4096)
+        x = np.ones((1, 8), np.float32)
+        np.testing.assert_array_equal(
+            client.infer("id_fp32", {"INPUT0": ring.acquire().write(x)}).as_numpy("OUTPUT0"), x
+        )
+        assert not client.lane_open
+
+
+@pytest.fixture(scope="module")
+def tcp_server() -> Any:
+    from zmq_harness import identity_model, running_frontend
+
+    with running_frontend([identity_model("id_fp32", "FP32")], "tcp://127.0.0.1:*") as running:
+        yield running
