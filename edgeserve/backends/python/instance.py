@@ -27,10 +27,13 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from edgeserve.backends import memory, streams
 from edgeserve.backends.base import Array, ModelIO, RequestInfo
 from edgeserve.backends.python import events, wire
 from edgeserve.backends.python.process import Worker, WorkerDied, WorkerSpec, WorkerStopped, WorkerTimeout
+from edgeserve.protocol import datatypes
 from edgeserve.protocol.errors import InferenceError, Status
 
 log = logging.getLogger("edgeserve.backends.python")
@@ -80,6 +83,15 @@ def start_worker(spec: WorkerSpec, stop: threading.Event | None = None) -> Worke
     return worker
 
 
+def _same_kind(returned: str, declared: str) -> bool:
+    """Numbers the server may cast to the config's type: INT64 for INT32, FP64 for FP32 (not FP64 for
+    INT32, nor a string for a number)."""
+    if not (datatypes.is_known(returned) and datatypes.is_known(declared)):
+        return False
+    have, want = datatypes.numpy_dtype(returned), datatypes.numpy_dtype(declared)
+    return have.kind in "iuf" and want.kind in "iuf" and bool(np.can_cast(have, want, "same_kind"))
+
+
 class PythonInstance:
     # The scheduler may close() it while a call runs (unload of a hung model): that kills the worker.
     close_while_busy = True
@@ -88,6 +100,7 @@ class PythonInstance:
         self.spec = spec
         self.io = io
         self._types = {t.name: t.datatype for t in io.outputs}
+        self._warned: set[str] = set()  # outputs answered in a datatype other than the config's
         self.fallback_reason: str | None = None
         self.restarts = 0  # workers started after a crash or a hang
         self._worker: Worker | None = worker
@@ -227,12 +240,20 @@ class PythonInstance:
             return InferenceError(_status(response.get("status")), str(response["error"]))
         for header in response.get("outputs") or ():
             declared = self._types.get(str(header.get("n")))
-            if declared is not None and header.get("t") != declared:
+            if declared is None or header.get("t") == declared:
+                continue
+            if not _same_kind(str(header.get("t")), declared):
                 return InferenceError(
                     Status.INTERNAL,
                     f"{self.spec.label}: execute() returned output '{header.get('n')}' as {header.get('t')}, "
                     f"but the config declares {declared}",
                 )
+            if header.get("n") not in self._warned:
+                # Triton takes it (its bls_decoupled example sums into an INT64 array for an INT32
+                # output); the server casts it to the config's type. Said once, so the model can be fixed.
+                self._warned.add(str(header.get("n")))
+                log.warning("%s: execute() returned output '%s' as %s, but the config declares %s; cast",
+                            self.spec.label, header.get("n"), header.get("t"), declared)  # fmt: skip
         try:
             out = {
                 str(h["n"]): wire.read_tensor(worker.region, h, copy=True)

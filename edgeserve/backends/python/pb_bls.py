@@ -78,7 +78,7 @@ class InferenceRequest:
         correlation_id: int | str = 0,
         inputs: Sequence[pb_utils.Tensor] = (),
         requested_output_names: Sequence[str] = (),
-        model_name: str = "",
+        model_name: str | bytes = "",
         model_version: int | str = -1,
         flags: int = 0,
         timeout: int = 0,
@@ -92,7 +92,8 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
-        self._model_name = model_name
+        # bytes as Triton takes them (its string inputs arrive as bytes: the bls example passes one on)
+        self._model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self._model_version = "" if model_version in (-1, "-1", "") else str(model_version)
         self._flags = int(flags)
         self._timeout = int(timeout)
@@ -207,9 +208,18 @@ class InferenceRequest:
 
         loop = asyncio.get_running_loop()
         if decoupled:
-            results: asyncio.Queue[tuple[pb_utils.InferenceResponse, bool]] = asyncio.Queue()
-            self._start(True, lambda r, f: loop.call_soon_threadsafe(results.put_nowait, (r, f)))
-            return _async_iterate(results)
+            # As Triton: the await ends at the first response and gives an iterator that a plain `for`
+            # walks (Triton's bls_decoupled example); `async for` also works, without blocking the loop.
+            results = _Responses()
+            first: asyncio.Future[None] = loop.create_future()
+
+            def arrived(response: pb_utils.InferenceResponse, final: bool) -> None:
+                results.put(response, final)
+                loop.call_soon_threadsafe(lambda: None if first.done() else first.set_result(None))
+
+            self._start(True, arrived)
+            await first
+            return results
         future: asyncio.Future[pb_utils.InferenceResponse] = loop.create_future()
 
         def settle(response: pb_utils.InferenceResponse) -> None:
@@ -248,12 +258,42 @@ def _iterate(results: queue.SimpleQueue[tuple[pb_utils.InferenceResponse, bool]]
             return
 
 
-async def _async_iterate(results: Any) -> Any:
-    while True:
-        response, final = await results.get()
-        yield response
-        if final:
-            return
+class _Responses:
+    """A decoupled BLS call's responses, filled by the reader thread: `for` blocks for the next one,
+    `async for` waits in an executor thread; both end after the final one."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[pb_utils.InferenceResponse, bool]] = queue.SimpleQueue()
+        self._ended = False
+
+    def put(self, response: pb_utils.InferenceResponse, final: bool) -> None:
+        self._queue.put((response, final))
+
+    def _take(self, item: tuple[pb_utils.InferenceResponse, bool]) -> pb_utils.InferenceResponse:
+        self._ended = item[1]
+        return item[0]
+
+    def __iter__(self) -> _Responses:
+        return self
+
+    def __next__(self) -> pb_utils.InferenceResponse:
+        if self._ended:
+            raise StopIteration
+        return self._take(self._queue.get())
+
+    def __aiter__(self) -> _Responses:
+        return self
+
+    async def __anext__(self) -> pb_utils.InferenceResponse:
+        import asyncio
+
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            item = await asyncio.get_running_loop().run_in_executor(None, self._queue.get)
+        return self._take(item)
 
 
 class InferenceResponseSender:

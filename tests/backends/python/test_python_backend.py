@@ -333,6 +333,8 @@ def test_pb_utils_logger_writes_one_line_per_call_to_stderr(capsys: pytest.Captu
 
 
 def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tmp_path: Path) -> None:
+    """A float for an integer output is refused; a number of the same kind (an INT64 sum for an INT32
+    output, as Triton's bls_decoupled example) is taken and cast by the server (test_triton_example_patterns)."""
     source = (
         "import numpy as np\nimport triton_python_backend_utils as pb_utils\n\n\n"
         "class TritonPythonModel:\n    def execute(self, requests):\n"
@@ -340,7 +342,7 @@ def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tm
     )
     config_text = (
         'backend: "python"\ninput [{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }]\n'
-        'output [{ name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }]\n'
+        'output [{ name: "Y" data_type: TYPE_INT32 dims: [ 1 ] }]\n'
     )
     path = write_model(tmp_path / "repo", "float64", source, config_text)
     config = parse_pbtxt(path.parent.parent / "config.pbtxt")
@@ -348,7 +350,7 @@ def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tm
     try:
         with pytest.raises(InferenceError) as raised:
             instance.infer({"X": np.zeros(1, np.float32)})
-        assert "returned output 'Y' as FP64, but the config declares FP32" in raised.value.message
+        assert "returned output 'Y' as FP64, but the config declares INT32" in raised.value.message
     finally:
         instance.close()
 
