@@ -141,7 +141,9 @@ class ShmSection:
 class RuntimeSection:
     cpu_threads: int = 0  # 0 = from the CPU budget (cgroup-aware)
     default_max_batch_size: int = 4  # Triton's auto-complete default
-    ort_memory_arena: bool = False  # the arena trades RSS for a little speed; off on small boxes
+    # ONNX Runtime's arena keeps a call's peak activations (RSS for speed); unset: the memory profile's
+    # (standard on, small off)
+    ort_memory_arena: bool | None = None
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
     # auto, small or standard: the runtimes' memory settings (docs/appliance.md). small trades some
     # speed for memory (no OpenVINO for dynamic-shape CPU models); auto = small on a device with <= 4 GiB.

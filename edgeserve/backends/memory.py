@@ -71,6 +71,12 @@ class MemoryProfile:
     # beyond are handed back (the region keeps the size of the largest call, so without this a large
     # call's pages stayed resident in the server and the worker both).
     worker_region_keep: int
+    # ONNX Runtime's memory arena (unless `[runtime] ort_memory_arena` or a model's parameter says):
+    # it keeps a call's peak activations for the next call. Off, every activation is malloc'ed and
+    # freed per call; those of a batch of 8 ResNet-50 frames (3-25 MB each) are then mapped and faulted
+    # in afresh each time, from an instance thread's glibc arena whatever the mmap threshold: ~1,200
+    # page faults and 17% more server CPU per image here; on, ~90 MB more RSS (docs/hardware.md).
+    ort_memory_arena: bool
     # Dynamic batching: bytes of free gather buffers kept per model version (scheduling/buffers.py),
     # so a batch is gathered into pages already mapped instead of fresh ones faulted in per batch.
     batch_buffer_bytes: int
@@ -89,6 +95,7 @@ STANDARD = MemoryProfile(
     worker_mmap_threshold=32 << 20,
     worker_trim_threshold=16 << 20,
     worker_region_keep=16 << 20,
+    ort_memory_arena=True,
     batch_buffer_bytes=64 << 20,
 )
 SMALL = MemoryProfile(
@@ -104,6 +111,7 @@ SMALL = MemoryProfile(
     worker_mmap_threshold=4 << 20,
     worker_trim_threshold=8 << 20,
     worker_region_keep=1 << 20,
+    ort_memory_arena=False,
     batch_buffer_bytes=8 << 20,
 )
 _current = STANDARD
@@ -144,6 +152,13 @@ def _with_why(profile: MemoryProfile, why: str) -> MemoryProfile:
 def current() -> MemoryProfile:
     """The profile this process runs with (STANDARD until `tune_server_process` or `use` sets one)."""
     return _current
+
+
+def ort_memory_arena(setting: bool | None, profile: MemoryProfile | None = None) -> str:
+    """The `ort_memory_arena` parameter a model's ONNX Runtime session gets: `[runtime]
+    ort_memory_arena` where it is set, else the profile's ("true"/"false")."""
+    arena = (profile or current()).ort_memory_arena if setting is None else setting
+    return "true" if arena else "false"
 
 
 def use(profile: MemoryProfile) -> None:

@@ -1,8 +1,9 @@
 """ONNX Runtime backend: `model.onnx` on CPU, or on TensorRT / CUDA / OpenVINO execution providers.
 
-Session options are tuned for small devices: one inter-op thread, sequential execution, no CPU
-memory arena (it keeps peak RSS forever) and no spinning worker threads (they burn an idle box's
-CPU), unless the model's parameters ask otherwise. `onnxruntime` is imported only in here.
+Session options are tuned for small devices: one inter-op thread, sequential execution, the CPU
+memory arena as the memory profile says (standard: on, it saves re-faulting activations per call;
+small: off, it keeps peak RSS forever) and no spinning worker threads (they burn an idle box's CPU),
+unless the model's parameters ask otherwise. `onnxruntime` is imported only in here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeserve.backends import memory
 from edgeserve.backends.base import Array, BackendOptions, ModelIO, TensorSpec, ensure_contiguous
 from edgeserve.backends.cache import runtime_folder
 from edgeserve.protocol import datatypes
@@ -121,7 +123,8 @@ def session_options(options: BackendOptions, dynamic_shapes: bool = False) -> An
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.enable_cpu_mem_arena = _truthy(params.get("ort_memory_arena", params.get("enable_mem_arena", "false")))
+    arena = params.get("ort_memory_arena", params.get("enable_mem_arena", memory.ort_memory_arena(None)))
+    so.enable_cpu_mem_arena = _truthy(arena)  # unset: the memory profile's (backends/memory.py)
     so.enable_mem_pattern = _truthy(params.get("ort_memory_pattern", "false" if dynamic_shapes else "true"))
     spinning = "1" if _truthy(params.get("ort_allow_spinning", "false")) else "0"
     so.add_session_config_entry("session.intra_op.allow_spinning", spinning)

@@ -369,7 +369,7 @@ class Planner:
         instances = sum(max(int(g.count), 1) for g in getattr(config, "instance_group", [])) or 1
         threads, _ = self.threads(instances)
         params = {
-            "ort_memory_arena": "true" if runtime.ort_memory_arena else "false",
+            "ort_memory_arena": memory.ort_memory_arena(runtime.ort_memory_arena, self.memory_profile()),
             "ort_allow_spinning": "true" if runtime.ort_allow_spinning else "false",
         }
         if option.backend == "openvino" and self.profile.streams:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from edgeserve.backends import memory
 from edgeserve.backends.base import (
     BACKEND_MODULES,
     PINNED_PARAMETER,
@@ -98,7 +99,7 @@ class DefaultSelector:
         threads = runtime.cpu_threads or max(1, self.cpus // instance_count(config))
         gpu = _gpu_device(config)
         params = {
-            "ort_memory_arena": "true" if runtime.ort_memory_arena else "false",
+            "ort_memory_arena": memory.ort_memory_arena(runtime.ort_memory_arena),
             "ort_allow_spinning": "true" if runtime.ort_allow_spinning else "false",
         }
         params.update({k: v.string_value for k, v in config.parameters.items()})

@@ -117,7 +117,17 @@ def test_bytes_round_trip_as_bytes(tmp_path: Path) -> None:
 def test_session_options_for_small_devices() -> None:
     so = ortb.session_options(BackendOptions(threads=3))
     assert so.intra_op_num_threads == 3 and so.inter_op_num_threads == 1
-    assert so.enable_cpu_mem_arena is False and so.enable_mem_pattern is True
+    assert so.enable_cpu_mem_arena is True and so.enable_mem_pattern is True  # unset: standard's arena
+    from edgeserve.backends import memory
+
+    previous = memory.current()
+    memory.use(memory.SMALL)
+    try:  # the small profile keeps the arena off; a model's parameter wins over either
+        assert ortb.session_options(BackendOptions(threads=3)).enable_cpu_mem_arena is False
+    finally:
+        memory.use(previous)
+    off = ortb.session_options(BackendOptions(threads=1, parameters={"ort_memory_arena": "false"}))
+    assert off.enable_cpu_mem_arena is False
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     import onnxruntime as ort
 
