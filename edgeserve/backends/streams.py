@@ -78,9 +78,18 @@ def current_caller() -> ModelCaller | None:
     return _caller[0] if _caller else None
 
 
+DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+
+
 def decoupled_error() -> InferenceError:
-    """Triton's answer to a unary request (gRPC ModelInfer, HTTP /infer) for a decoupled model."""
-    return InferenceError(
-        Status.UNSUPPORTED,
-        "ModelInfer RPC doesn't support models with decoupled transaction policy",
-    )
+    """Triton's answer to a unary request (gRPC ModelInfer, ZeroMQ) for a decoupled model; HTTP's
+    /infer words it as Triton's HTTP server does (`http_wording`)."""
+    return InferenceError(Status.UNSUPPORTED, DECOUPLED_UNARY)
+
+
+def http_wording(error: InferenceError) -> InferenceError:
+    """`error` as Triton's HTTP endpoint says it (the data plane does not know the frontend)."""
+    if error.status is Status.UNSUPPORTED and error.message == DECOUPLED_UNARY:
+        return InferenceError(Status.UNSUPPORTED, DECOUPLED_HTTP)
+    return error

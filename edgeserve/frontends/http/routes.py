@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from edgeserve.backends.streams import http_wording
 from edgeserve.frontends.http import codec
 from edgeserve.frontends.http.admin import config_to_json
 from edgeserve.frontends.http.tensor_body import read_tensor_body
@@ -251,7 +252,12 @@ class Routes:
             self.dataplane.release()
             raise
         infer_request.shm_client = _shm_client(request)
-        response = await self.dataplane.infer(infer_request, admitted=True, inline_max_ns=self.inline_max_ns)
+        try:
+            response = await self.dataplane.infer(
+                infer_request, admitted=True, inline_max_ns=self.inline_max_ns
+            )
+        except InferenceError as exc:
+            raise http_wording(exc) from None
         if request.transport is None or request.transport.is_closing():  # gone: encode nothing for nobody
             raise ConnectionResetError("the client left before its answer")
         if codec.encode_off_loop(response, infer_request, binary_default):  # big JSON: the loop keeps serving
