@@ -49,8 +49,16 @@ class FakeScheduler:
     lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     gate: threading.Event | None = field(default=None, init=False)  # when set, jobs wait for it
 
+    inline: bool = False  # run jobs offered inline on the caller's thread (a quick idle model)
+
     def try_run_inline(self, job: Job, max_compute_ns: int) -> bool:
-        return False  # the frontend-layer tests exercise the queued path
+        if not self.inline or self.mode or self.gate is not None:
+            return False  # the frontend-layer tests exercise the queued path
+        with self.lock:
+            self.queued += 1
+        self.jobs.append(job)
+        self._run(job)
+        return True
 
     def submit(self, job: Job) -> None:
         with self.lock:

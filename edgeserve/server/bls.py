@@ -9,6 +9,11 @@ caller reads as fast as results come, so the stream's buffer bound never waits h
 
 A call to the calling model itself when that model has a single instance would wait for the instance
 that is making the call: refused at once instead of deadlocking.
+
+A call into a model that is not decoupled, with an idle instance and a recent compute time under
+INLINE_MAX_NS, runs on the calling thread (the worker's event reader) and answers before `call`
+returns: no hop to a scheduler thread (issue 35's "one BLS hop" cost). The reader is blocked that
+long, so the bound stays small.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgeserve.bls")
 
+INLINE_MAX_NS = 2_000_000  # a model this quick runs on the caller's thread (its other events wait)
 SELF_CALL_MESSAGE = (
     "BLS call from model '{model}' to itself: its only instance is the one making the call, so the "
     "call would wait forever; give the model more instances (instance_group count) or call another model"
@@ -55,7 +61,7 @@ class DataPlaneCaller:
                 except Exception:  # the caller's bug must not reach the model's worker thread
                     log.exception("BLS result callback for %s failed", request.model_name)
 
-        return self.dataplane.submit_stream(request, notify).cancel
+        return self.dataplane.submit_stream(request, notify, inline_max_ns=INLINE_MAX_NS).cancel
 
     def _single_instance(self, request: InferRequest) -> bool:
         try:

@@ -406,19 +406,21 @@ class DataPlane:
         return False
 
     def submit_stream(
-        self, request: InferRequest, notify: Callable[[ResponseStream], None], *, admitted: bool = False
-    ) -> ResponseStream:
+        self, request: InferRequest, notify: Callable[[ResponseStream], None], *, admitted: bool = False,
+        inline_max_ns: int = 0,
+    ) -> ResponseStream:  # fmt: skip
         """Submit `request` for 0..N responses (any model: one that is not decoupled answers once,
         final). The frontend takes them from the stream when `notify(stream)` is called (on the
         producing thread, maybe before this returns: hand it to your own) and calls its `cancel()`
-        when its client goes away. Never inline: a decoupled model's sends may wait on the reader."""
+        when its client goes away. `inline_max_ns` as `submit`'s (a decoupled model never runs inline:
+        its sends may wait on the reader)."""
         capacity, stall_s = self._stream_bounds(request)
         stream = ResponseStream(notify, capacity, stall_s)
 
         def final(result: InferResponse | InferenceError) -> None:
             stream.put(result, True)
 
-        self.submit(request, final, admitted=admitted, stream=stream)
+        self.submit(request, final, admitted=admitted, stream=stream, inline_max_ns=inline_max_ns)
         return stream
 
     def _stream_bounds(self, request: InferRequest) -> tuple[int, float]:

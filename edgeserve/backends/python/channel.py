@@ -44,6 +44,10 @@ class ArenaFull(Exception):
     """A block larger than the half, or no space freed in time."""
 
 
+class ArenaBusy(ArenaFull):
+    """No space freed in time (a block that fits the half)."""
+
+
 class Arena:
     """First-fit blocks in [base, base + size); `alloc` waits while full (the backpressure)."""
 
@@ -69,7 +73,7 @@ class Arena:
                     return offset
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ArenaFull(f"no space for {nbytes} bytes freed in {wait_s:g} s (the peer is stuck)")
+                    raise ArenaBusy(f"no space for {nbytes} bytes freed in {wait_s:g} s (the peer is stuck)")
                 self._cond.wait(left)
 
     def _fit(self, need: int) -> int | None:
@@ -114,6 +118,11 @@ class Channel:
         self._ids = itertools.count(1)
         self.closed = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def on_reader(self) -> bool:
+        """Whether the calling thread is this side's reader (it must not wait for the peer's frees)."""
+        thread = self._thread
+        return thread is not None and thread.ident == threading.get_ident()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._read, name=f"edgeserve-events-{self.name}", daemon=True)
@@ -175,12 +184,14 @@ class Channel:
             self._pending.pop(number, None)
 
     # -- tensors -------------------------------------------------------------------------------------
-    def write(self, tensors: list[tuple[str, wire.Array]]) -> tuple[list[wire.Header], int | None]:
+    def write(
+        self, tensors: list[tuple[str, wire.Array]], wait_s: float = ALLOC_WAIT_S
+    ) -> tuple[list[wire.Header], int | None]:
         """Tensors into a block of my half: their descriptors and the block (None: no tensors)."""
         if not tensors:
             return [], None
         prepared, size = wire.prepare_tensors(tensors)
-        offset = self.arena.alloc(size)
+        offset = self.arena.alloc(size, wait_s)
         try:
             return wire.write_prepared(self.region.buffer, prepared, offset), offset
         except BaseException:

@@ -6,7 +6,9 @@
 - `cancelled` answers `request.is_cancelled()` from the sink.
 - `bls` becomes an InferRequest on the data plane (`streams.current_caller()`), its inputs views of
   the worker's half (no copy); each result's tensors are written into the server's half and named in
-  the answer (the worker copies them out and frees them with `free`). A call chain deeper than
+  the answer (the worker copies them out and frees them with `free`). A quick model may run on this
+  reader thread (server/bls.py); its answer then never waits here for room in the server's half
+  (the frees come through this thread): a full half hands it to a thread. A call chain deeper than
   MAX_CHAIN, or a call into a model on its own chain whose instances are all busy in it (it would wait
   for itself), is refused with an error that says so.
 - `family` / `series` / `metric` / `value` go to the server's custom-metrics registry.
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeserve.backends import streams
 from edgeserve.backends.python import wire
-from edgeserve.backends.python.channel import ArenaFull, Channel, ChannelClosed
+from edgeserve.backends.python.channel import ALLOC_WAIT_S, ArenaBusy, ArenaFull, Channel, ChannelClosed
 from edgeserve.protocol.errors import InferenceError, Status
 
 if TYPE_CHECKING:
@@ -208,28 +210,49 @@ class Events:
             parameters=parameters, timeout_us=max(0, int(message.get("timeout_us", 0) or 0)),
         )  # fmt: skip
         number = int(message["q"])
+        ended = [False]  # the final result came (maybe inline, before `call` returned)
 
         def on_result(result: Any, final: bool) -> None:
             if final:
                 with self._lock:
+                    ended[0] = True
                     self._calls.pop(number, None)
-            with contextlib.suppress(ChannelClosed):
-                self.channel.answer(message, self._result(result), more=not final)
+            if self.channel.on_reader():
+                # Run inline (server/bls.py): the frees that make room in my half come through this
+                # thread, so it must not wait for them; a full half hands the answer to a thread.
+                try:
+                    answer = self._result(result, wait_s=0.0)
+                except ArenaBusy:
+                    threading.Thread(target=self._answer, args=(message, result, final), daemon=True,
+                                     name=f"edgeserve-bls-answer-{self.label}").start()  # fmt: skip
+                    return
+                with contextlib.suppress(ChannelClosed):
+                    self.channel.answer(message, answer, more=not final)
+                return
+            self._answer(message, result, final)
 
         cancel = caller.call(request, on_result, caller=self.model)
         with self._lock:
-            if number not in self._calls and not self.channel.closed.is_set():
+            if not ended[0] and not self.channel.closed.is_set():
                 self._calls[number] = cancel
 
-    def _result(self, result: Any) -> wire.Header:
+    def _answer(self, message: wire.Header, result: Any, final: bool) -> None:
+        with contextlib.suppress(ChannelClosed):
+            self.channel.answer(message, self._result(result), more=not final)
+
+    def _result(self, result: Any, wait_s: float = ALLOC_WAIT_S) -> wire.Header:
+        """The answer for one result: its tensors written once into my half. ArenaBusy: no room
+        now (only with a short `wait_s`)."""
         if isinstance(result, InferenceError):
             return {"error": result.message, "status": _triton_code(result.status)}
         if result is None:
             return {}
         pairs = [(out.name, out.data) for out in result.outputs if out.data is not None]
         try:
-            headers, block = self.channel.write(pairs)
+            headers, block = self.channel.write(pairs, wait_s)
         except (ArenaFull, ValueError, TypeError) as exc:
+            if isinstance(exc, ArenaBusy) and wait_s < ALLOC_WAIT_S:
+                raise
             return {"error": f"cannot pass the BLS result to the model: {exc}", "status": "UNAVAILABLE"}
         return {"outputs": headers, "block": block}
 
