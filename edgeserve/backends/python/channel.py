@@ -14,9 +14,12 @@ socketpair, so the execute call/reply path stays as it was (one poll, one read).
   allocates in the first half, the server in the second (`Arena`, first fit); a message names its
   tensors by offset as wire.py does, and the reader frees its peer's block by answering (a decoupled
   response is freed when the server's answer arrives, a BLS call's inputs when its final result does)
-  or with a `{"op": "free"}` message (a BLS result the worker copied out). A writer whose half is full
-  waits for frees: with the synchronous answers, a model that sends 10^6 responses to a slow reader
-  holds at most HALF bytes and one message per sending thread.
+  or with a `{"op": "free"}` message (a decoupled BLS call's results, copied out), or by naming it in
+  the `"free"` list of its next message (a BLS result the model holds as views into the server's half,
+  `read_held`: freed once the model dropped every view; no message of its own on the call's path,
+  and the server's next write for this worker comes after the next call, which carries it). A
+  writer whose half is full waits for frees: with the synchronous answers, a model that sends 10^6
+  responses to a slow reader holds at most HALF bytes and one message per sending thread.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ import itertools
 import json
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from edgeserve.backends.python import wire
+from edgeserve.protocol import datatypes
 
 HALF = 64 << 20  # each side's tensor space; a larger BLS tensor or response is refused with the limit
 ALLOC_WAIT_S = 60.0  # a full half frees as the peer reads; past this the peer is stuck
@@ -118,6 +126,7 @@ class Channel:
         self._ids = itertools.count(1)
         self.closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._frees: deque[int] = deque()  # the peer's blocks to free with my next message
 
     def on_reader(self) -> bool:
         """Whether the calling thread is this side's reader (it must not wait for the peer's frees)."""
@@ -135,6 +144,11 @@ class Channel:
             raise ChannelClosed("the channel closed")
         try:
             with self._send_lock:
+                if self._frees:
+                    frees = []
+                    while self._frees:
+                        frees.append(self._frees.popleft())
+                    message = {**message, "free": frees}
                 wire.send(self.sock, message)
         except OSError as exc:
             raise ChannelClosed(str(exc)) from None
@@ -208,12 +222,39 @@ class Channel:
             out[str(header["n"])] = wire.read_tensor(self.region, header, copy)
         return out
 
+    def release(self, block: int) -> None:
+        """Free the peer's `block` with my next message (any thread, also a finalizer: no lock)."""
+        self._frees.append(block)
+
+    def read_held(self, headers: list[wire.Header], block: int) -> dict[str, wire.Array]:
+        """The peer's tensors in its `block` as views (no copy); the block goes back to the peer
+        (`release`) once every view is gone. BYTES tensors are decoded into copies."""
+        start = int(block)
+        spans = [(int(h["o"]), int(h["b"])) for h in headers]
+        end = max((o + b for o, b in spans), default=start)
+        if start < self.peer_base or end > self.peer_base + HALF or any(o < start or b < 0 for o, b in spans):
+            raise ValueError("a tensor lies outside the peer's block")
+        holder: wire.Array = np.ndarray((end - start,), np.uint8, buffer=self.region.buffer, offset=start)
+        whole = memoryview(holder.data)  # every view below keeps `holder`, and so the block, alive
+        out = {}
+        for h, (o, b) in zip(headers, spans, strict=True):
+            shape = tuple(int(d) for d in h["s"])
+            view = whole[o - start : o - start + b]
+            out[str(h["n"])] = datatypes.from_buffer(view, str(h["t"]), shape, f"tensor '{h['n']}'")
+        weakref.finalize(holder, self.release, start)
+        return out
+
     # -- reading -------------------------------------------------------------------------------------
     def _read(self) -> None:
         reader = _Reader(self.sock)
         try:
             while True:
                 message = reader.next()
+                frees = message.pop("free", None)
+                if isinstance(frees, list):
+                    for block in frees:
+                        if isinstance(block, int):
+                            self.arena.free(block)
                 number = message.get("a")
                 if number is None:
                     self.handler(message)

@@ -174,7 +174,7 @@ class InferenceRequest:
             final = not answer.get("more")
             if final and block is not None:
                 channel.arena.free(block)
-            deliver(_response(channel, answer), final)
+            deliver(_response(channel, answer, held=final and not decoupled), final)
 
         try:
             channel.ask(message, answered)
@@ -234,19 +234,26 @@ class InferenceRequest:
         return await future
 
 
-def _response(channel: Channel, answer: wire.Header) -> pb_utils.InferenceResponse:
-    """An answer as the model sees it; its tensors copied out of the server's half (freed at once)."""
+def _response(channel: Channel, answer: wire.Header, held: bool) -> pb_utils.InferenceResponse:
+    """An answer as the model sees it. `held` (a call's one answer): its tensors are views into the
+    server's half, freed once the model dropped them (no copy, no message now); otherwise (a decoupled
+    call's responses, which may come faster than the model drops them) copied out and freed at once."""
     if answer.get("closed") or "error" in answer:
         return pb_utils.InferenceResponse(error=_error_of(answer))
     headers = answer.get("outputs") or []
+    block = answer.get("block")
     try:
-        tensors = channel.read(headers, copy=True)
+        if held and isinstance(block, int):
+            tensors = channel.read_held(headers, block)
+            block = None  # the views own it now
+        else:
+            tensors = channel.read(headers, copy=True)
     except (ValueError, KeyError, TypeError) as exc:
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"a bad BLS result: {exc}"))
     finally:
-        if answer.get("block") is not None:
+        if block is not None:
             with contextlib.suppress(ChannelClosed):
-                channel.post({"op": "free", "o": answer["block"]})
+                channel.post({"op": "free", "o": block})
     return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in tensors.items()])
 
 

@@ -6,6 +6,7 @@ in-memory repository of tests/fake_plane.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -94,3 +95,22 @@ def test_a_full_half_hands_the_answer_over_and_the_reader_still_takes_frees(link
     np.testing.assert_array_equal(worker.read(got[0]["outputs"], copy=True)["SUM"],
                                   np.arange(4, dtype=np.float32) * 2)  # fmt: skip
     assert threads == ["edgeserve-events-label"]
+
+
+def test_a_result_held_as_views_goes_back_with_the_next_message_once_dropped(link: Any) -> None:
+    worker, events, _ = link
+    arena = events.channel.arena
+    first = _bls(worker)
+    held = worker.read_held(first["outputs"], first["block"])  # no copy: views into the server's half
+    np.testing.assert_array_equal(held["SUM"], np.arange(4, dtype=np.float32) * 2)
+    one = arena.in_use()
+    kept = held["SUM"][1:]  # a view of the view still holds the block
+    del held
+    gc.collect()
+    second = _bls(worker)  # its message has nothing to free yet
+    assert arena.in_use() == 2 * one
+    worker.read_held(second["outputs"], second["block"])  # dropped at once
+    del kept
+    gc.collect()
+    _bls(worker)  # carries the frees of both blocks: only its own result is out
+    assert arena.in_use() == one
