@@ -142,7 +142,7 @@ class RuntimeSection:
     cpu_threads: int = 0  # 0 = from the CPU budget (cgroup-aware)
     default_max_batch_size: int = 4  # Triton's auto-complete default
     # ONNX Runtime's arena keeps a call's peak activations (RSS for speed); unset: the memory profile's
-    # (standard on, small off)
+    # (standard: on for models without dynamic dims beyond the batch axis; small: off)
     ort_memory_arena: bool | None = None
     ort_allow_spinning: bool = False  # spinning threads burn an idle edge box's CPU
     # auto, small or standard: the runtimes' memory settings (docs/appliance.md). small trades some

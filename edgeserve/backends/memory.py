@@ -71,11 +71,13 @@ class MemoryProfile:
     # beyond are handed back (the region keeps the size of the largest call, so without this a large
     # call's pages stayed resident in the server and the worker both).
     worker_region_keep: int
-    # ONNX Runtime's memory arena (unless `[runtime] ort_memory_arena` or a model's parameter says):
-    # it keeps a call's peak activations for the next call. Off, every activation is malloc'ed and
-    # freed per call; those of a batch of 8 ResNet-50 frames (3-25 MB each) are then mapped and faulted
-    # in afresh each time, from an instance thread's glibc arena whatever the mmap threshold: ~1,200
-    # page faults and 17% more server CPU per image here; on, ~90 MB more RSS (docs/hardware.md).
+    # ONNX Runtime's memory arena for models without dynamic dims beyond the batch axis (unless
+    # `[runtime] ort_memory_arena` or a model's parameter says): it keeps a call's peak activations for
+    # the next call. Off, every activation is malloc'ed and freed per call; those of a batch of 8
+    # ResNet-50 frames (3-25 MB each) are then mapped and faulted in afresh each time, from an instance
+    # thread's glibc arena whatever the mmap threshold: up to 1,300 page faults and 3-20% more server
+    # CPU per image here; on, ~90 MB more RSS (docs/hardware.md). Never for dynamic dims: the arena
+    # would keep the peak of every shape seen.
     ort_memory_arena: bool
     # Dynamic batching: bytes of free gather buffers kept per model version (scheduling/buffers.py),
     # so a batch is gathered into pages already mapped instead of fresh ones faulted in per batch.
@@ -156,9 +158,11 @@ def current() -> MemoryProfile:
 
 def ort_memory_arena(setting: bool | None, profile: MemoryProfile | None = None) -> str:
     """The `ort_memory_arena` parameter a model's ONNX Runtime session gets: `[runtime]
-    ort_memory_arena` where it is set, else the profile's ("true"/"false")."""
-    arena = (profile or current()).ort_memory_arena if setting is None else setting
-    return "true" if arena else "false"
+    ort_memory_arena` where it is set ("true"/"false"), else the profile's: "auto" (on where the
+    model has no dynamic dims beyond the batch axis: backends/onnxruntime.py) or "false"."""
+    if setting is not None:
+        return "true" if setting else "false"
+    return "auto" if (profile or current()).ort_memory_arena else "false"
 
 
 def use(profile: MemoryProfile) -> None:

@@ -1,9 +1,10 @@
 """ONNX Runtime backend: `model.onnx` on CPU, or on TensorRT / CUDA / OpenVINO execution providers.
 
 Session options are tuned for small devices: one inter-op thread, sequential execution, the CPU
-memory arena as the memory profile says (standard: on, it saves re-faulting activations per call;
-small: off, it keeps peak RSS forever) and no spinning worker threads (they burn an idle box's CPU),
-unless the model's parameters ask otherwise. `onnxruntime` is imported only in here.
+memory arena as the memory profile says (standard: on for fixed shapes, it saves re-faulting
+activations per call; small: off, it keeps peak RSS forever) and no spinning worker threads (they
+burn an idle box's CPU), unless the model's parameters ask otherwise. `onnxruntime` is imported only
+in here.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ def session_options(options: BackendOptions, dynamic_shapes: bool = False) -> An
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     arena = params.get("ort_memory_arena", params.get("enable_mem_arena", memory.ort_memory_arena(None)))
-    so.enable_cpu_mem_arena = _truthy(arena)  # unset: the memory profile's (backends/memory.py)
+    # "auto" (the standard profile, backends/memory.py): on where shapes are fixed, so the arena keeps
+    # one set of blocks; with dynamic dims it would keep the peak of every shape seen
+    auto = arena.strip().lower() == "auto"
+    so.enable_cpu_mem_arena = not dynamic_shapes if auto else _truthy(arena)
     so.enable_mem_pattern = _truthy(params.get("ort_memory_pattern", "false" if dynamic_shapes else "true"))
     spinning = "1" if _truthy(params.get("ort_allow_spinning", "false")) else "0"
     so.add_session_config_entry("session.intra_op.allow_spinning", spinning)

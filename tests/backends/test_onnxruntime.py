@@ -118,6 +118,10 @@ def test_session_options_for_small_devices() -> None:
     so = ortb.session_options(BackendOptions(threads=3))
     assert so.intra_op_num_threads == 3 and so.inter_op_num_threads == 1
     assert so.enable_cpu_mem_arena is True and so.enable_mem_pattern is True  # unset: standard's arena
+    dynamic = ortb.session_options(BackendOptions(threads=3), dynamic_shapes=True)
+    assert dynamic.enable_cpu_mem_arena is False  # would keep the peak of every shape seen
+    forced = ortb.session_options(BackendOptions(threads=3, parameters={"ort_memory_arena": "true"}), True)
+    assert forced.enable_cpu_mem_arena is True  # the setting or the model's parameter wins
     from edgeserve.backends import memory
 
     previous = memory.current()

@@ -111,7 +111,7 @@ def test_default_selector_auto_order_and_fallbacks(tmp_path: Path) -> None:
     assert (
         choice.options.threads == 8 and choice.options.precision == "fp32" and choice.options.device == "CPU"
     )
-    assert choice.options.parameters["ort_memory_arena"] == "true"  # unset: the profile's (standard: on)
+    assert choice.options.parameters["ort_memory_arena"] == "auto"  # unset: standard's (fixed shapes: on)
     assert "model.onnx" in choice.reason
 
 
