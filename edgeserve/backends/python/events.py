@@ -5,7 +5,9 @@
   request was cancelled. A response for a request that already ended reaches nobody (logged).
 - `cancelled` answers `request.is_cancelled()` from the sink.
 - `bls` becomes an InferRequest on the data plane (`streams.current_caller()`), its inputs views of
-  the worker's half (no copy); each result's tensors are written into the server's half and named in
+  the worker's half, or read-only views of its per-call region when the worker passes an input of
+  the running execute call on by reference (callref.py; checked: a forged one is INVALID_ARG); each
+  result's tensors are written into the server's half and named in
   the answer (the worker copies them out and frees them with `free`). A quick model may run on this
   reader thread (server/bls.py); its answer then never waits here for room in the server's half
   (the frees come through this thread): a full half hands it to a thread. A call chain deeper than
@@ -23,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from edgeserve.backends import streams
-from edgeserve.backends.python import wire
+from edgeserve.backends.python import callref, wire
 from edgeserve.backends.python.channel import ALLOC_WAIT_S, ArenaBusy, ArenaFull, Channel, ChannelClosed
 from edgeserve.protocol.errors import InferenceError, Status
 
@@ -60,8 +62,11 @@ def _triton_code(status: Status) -> str:
 class Events:
     """Dispatches one worker's event messages (on the channel's reader thread)."""
 
-    def __init__(self, channel: Channel, model: str, label: str) -> None:
+    def __init__(
+        self, channel: Channel, model: str, label: str, call_region: wire.Region | None = None
+    ) -> None:
         self.channel = channel
+        self.call_region = call_region  # the worker's per-call region: BLS inputs by reference (callref.py)
         self.model = model
         self.label = label
         self._sinks: dict[int, ResponseSink] = {}
@@ -199,8 +204,14 @@ class Events:
                 message, {"error": text, "status": "INVALID_ARG" if refusal else "UNAVAILABLE"}
             )
             return
-        tensors = self.channel.read(list(message.get("inputs") or []), copy=False)
         heads = {str(h["n"]): h for h in message.get("inputs") or []}
+        by_ref = {n: h for n, h in heads.items() if callref.is_reference(h)}
+        try:
+            tensors = {n: callref.resolve(self.call_region, h) for n, h in by_ref.items()}
+        except InferenceError as exc:  # a forged reference (the worker runs user code): the caller's error
+            self.channel.answer(message, {"error": exc.message, "status": "INVALID_ARG"})
+            return
+        tensors.update(self.channel.read([h for n, h in heads.items() if n not in by_ref], copy=False))
         inputs = [InputTensor(n, str(heads[n]["t"]), tuple(a.shape), data=a) for n, a in tensors.items()]
         parameters = _parameters(message, chain)
         request = InferRequest(

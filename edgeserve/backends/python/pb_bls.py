@@ -18,9 +18,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edgeserve.backends.python import callref, wire
 from edgeserve.backends.python import pb_core as pb_utils
-from edgeserve.backends.python import wire
+from edgeserve.backends.python.callref import CallRegion
 from edgeserve.backends.python.channel import ArenaFull, Channel, ChannelClosed
+from edgeserve.protocol import datatypes
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 _NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
@@ -36,6 +38,7 @@ class Link:
     model: str
     chain: str = ""
     model_dir: str = ""
+    call_region: CallRegion | None = None  # inputs passed on by reference (callref.py)
 
 
 current: contextvars.ContextVar[Link | None] = contextvars.ContextVar("edgeserve_link", default=None)
@@ -154,33 +157,65 @@ class InferenceRequest:
             raise pb_utils.TritonModelException("InferenceRequest parameters must be a JSON object") from None
         if not isinstance(parameters, dict):
             raise pb_utils.TritonModelException("InferenceRequest parameters must be a JSON object")
+        references, copies = self._references(link, decoupled)
         try:
-            headers, block = link.channel.write([(t.name(), t.as_numpy()) for t in self._inputs])
+            headers, block = link.channel.write(copies)
         except (ArenaFull, ValueError, TypeError) as exc:
+            self._unpin(link, references)
             raise pb_utils.TritonModelException(f"cannot send the BLS inputs: {exc}") from None
         message = {"op": "bls", "model": self._model_name, "version": self._model_version, "id": self._id,
                    "corrid": self._correlation_id, "flags": self._flags, "timeout_us": self._timeout,
-                   "params": parameters, "outputs": self._requested, "inputs": headers,
+                   "params": parameters, "outputs": self._requested, "inputs": references + headers,
                    "decoupled": decoupled, "chain": link.chain}  # fmt: skip
         return message, block
+
+    def _references(
+        self, link: Link, decoupled: bool
+    ) -> tuple[list[wire.Header], list[tuple[str, wire.Array]]]:
+        """Inputs still in the per-call region, named by reference (pinned); the others, to copy."""
+        references: list[wire.Header] = []
+        copies = []
+        for tensor in self._inputs:
+            array = tensor.as_numpy()
+            span = None if decoupled or link.call_region is None else link.call_region.pin(array)
+            if span is None:
+                copies.append((tensor.name(), array))
+                continue
+            datatype = datatypes.from_numpy(array.dtype)
+            references.append({"n": tensor.name(), "t": datatype, "s": list(array.shape), "o": span[0],
+                               "b": span[1], "r": callref.CALL})  # fmt: skip
+        return references, copies
+
+    @staticmethod
+    def _unpin(link: Link, references: list[wire.Header]) -> None:
+        for _ in references:
+            assert link.call_region is not None
+            link.call_region.unpin()
 
     def _start(self, decoupled: bool, deliver: Any) -> None:
         """Ask the server; `deliver(response, final)` runs on the reader thread for each result."""
         link = _link()
         message, block = self._message(link, decoupled)
         channel = link.channel
+        references = [h for h in message["inputs"] if "r" in h]
+        settled = threading.Lock()  # once: a channel closing under `ask` may also answer it
+
+        def release() -> None:
+            if settled.acquire(blocking=False):
+                if block is not None:
+                    channel.arena.free(block)
+                self._unpin(link, references)  # the server is done with the per-call region
 
         def answered(answer: wire.Header) -> None:
             final = not answer.get("more")
-            if final and block is not None:
-                channel.arena.free(block)
+            if final:
+                release()
             deliver(_response(channel, answer, held=final and not decoupled), final)
 
         try:
             channel.ask(message, answered)
         except ChannelClosed:
-            if block is not None:
-                channel.arena.free(block)
+            release()
             deliver(pb_utils.InferenceResponse(error=_error_of({})), True)
 
     def exec(self, decoupled: bool = False) -> Any:

@@ -134,12 +134,12 @@ class Worker:
         finally:
             child.close()
             events_child.close()
+        self.region = wire.Region(fd)
         self.events = channel.Channel(events, wire.Region(events_fd), "server", label)
         # reading from the start: initialize() may already declare metrics or call models
-        self.dispatch = Events(self.events, spec.args.get("model_name", ""), spec.label)
+        self.dispatch = Events(self.events, spec.args.get("model_name", ""), spec.label, self.region)
         self.sock = parent
         self.sock.settimeout(READ_TIMEOUT_S)  # for the read once poll said a reply is there
-        self.region = wire.Region(fd)
         self._poller = select.poll()
         self._poller.register(parent.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
         self._lock = threading.Lock()  # kill vs. cleanup

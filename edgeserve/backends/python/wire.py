@@ -114,9 +114,11 @@ def request_entry(info: RequestInfo | None) -> Header:
 
 # -- shared memory ------------------------------------------------------------------------------
 def create_region_fd(label: str, size: int = MIN_REGION) -> int:
-    """A new shared-memory file of `size` bytes (close-on-exec; pass it with `pass_fds`)."""
+    """A new shared-memory file of `size` bytes (close-on-exec; pass it with `pass_fds`), sealed
+    against shrinking: the worker (user code) holds it too, and a file cut under the server's views
+    would fault the server (SIGBUS) instead of failing a call."""
     try:
-        fd = os.memfd_create(f"edgeserve-py-{label}"[:200], os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"edgeserve-py-{label}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):  # pragma: no cover - kernels without memfd
         import tempfile  # here only: the worker imports this module, and tempfile costs it ~1 MB
 
@@ -128,6 +130,10 @@ def create_region_fd(label: str, size: int = MIN_REGION) -> int:
     except OSError:
         os.close(fd)
         raise
+    with contextlib.suppress(AttributeError, OSError):  # a /dev/shm file cannot be sealed
+        import fcntl  # here only: the worker never creates a region
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     return fd
 
 

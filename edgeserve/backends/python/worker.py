@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from edgeserve.backends.python import aloop, group_worker, pb_bls, pb_utils, wire
+from edgeserve.backends.python.callref import CallRegion
 from edgeserve.backends.python.channel import Channel
 
 PARENT_CHECK_S = 0.5
@@ -72,7 +73,7 @@ class Stub:
         if events is not None:
             channel = Channel(events[0], events[1], "worker", module_name)
             channel.start()
-            self.link = pb_bls.Link(channel, "")
+            self.link = pb_bls.Link(channel, "", call_region=CallRegion(region))
             pb_bls.register(self.link)
 
     def _user(self, function: Any, *args: Any, link: pb_bls.Link | None = None) -> Any:
@@ -210,10 +211,16 @@ class Stub:
             link = dataclasses.replace(link, chain=",".join(mine))
         if decoupled:
             return self._execute_decoupled(requests, link, [int(e["rid"]) for e in message["requests"]])
+        calls = link.call_region if link is not None else None
+        if calls is not None:
+            calls.open()  # BLS calls may name these inputs in place (callref.py)
         try:
             responses = self._user(self.model.execute, requests, link=link)
         except Exception as exc:
             return {**_error(exc, self.model_file), "status": _status_of(exc)}
+        finally:
+            if calls is not None:
+                calls.close()  # the server reuses the region after this reply: no call may still read it
         if not isinstance(responses, Sequence) or isinstance(responses, (str, bytes)):
             return {
                 "error": f"execute() returned {type(responses).__name__}, not a list of InferenceResponse"
