@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -126,6 +127,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> int:
     args = parse()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` stops the sides (finally) too
     WORKLOADS.setdefault("open_nsfw", NSFW)  # bench_peers' harness looks workloads up by name
     models = [m for m in args.models.split(",") if m]
     works = [WORKLOADS[m] for m in models]
