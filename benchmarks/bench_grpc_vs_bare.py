@@ -11,6 +11,7 @@ its median, with the load average at the start of each round. Issue 36's aim: <=
 tensor, <= 3% on the 600 KB frame.
 
     python benchmarks/bench_grpc_vs_bare.py --rounds 4 --seconds 2
+    python benchmarks/bench_grpc_vs_bare.py --bare-options edgeserve   # bare with edgeserve's server options
 
 Loopback only; every phase is bounded in time; only the processes started here are stopped, by pid.
 """
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fastpath_ab import Variant, start_server
@@ -43,13 +45,17 @@ BARE = """
 import asyncio, sys
 import grpc
 port, unary, stream = int(sys.argv[1]), open(sys.argv[2], "rb").read(), open(sys.argv[3], "rb").read()
+options = [("grpc.max_receive_message_length", 64 << 20)]
+if sys.argv[4] == "edgeserve":  # the channel options edgeserve's server sets (keepalive, limits, ...)
+    from edgeserve.frontends.grpc.server import server_options
+    options = server_options(64 << 20)
 def same(data): return data
 async def infer(request, context): return unary
 async def stream_infer(requests, context):
     async for _ in requests:
         yield stream
 async def main():
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=options)
     methods = {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer, same, same),
                "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream_infer, same, same)}
     service = grpc.method_handlers_generic_handler("inference.GRPCInferenceService", methods)
@@ -79,9 +85,10 @@ async def main():
             await stream.write(body)
             await stream.read()
         async def close(): await stream.done_writing()
-    until = time.monotonic() + 1.0
+    until, warm = time.monotonic() + 1.0, 0
     while time.monotonic() < until:  # warm-up
         await once()
+        warm += 1
     times, until = [], time.monotonic() + seconds
     while time.monotonic() < until and len(times) < 200000:
         start = time.perf_counter()
@@ -90,7 +97,7 @@ async def main():
     await close()
     await channel.close()
     times.sort()
-    print(json.dumps({"p50_ms": 1e3 * times[len(times) // 2], "calls": len(times)}))
+    print(json.dumps({"p50_ms": 1e3 * times[len(times) // 2], "calls": len(times) + warm}))
 asyncio.run(main())
 """
 
@@ -142,6 +149,12 @@ def capture(port: int, body: bytes) -> tuple[bytes, bytes]:
     return unary, stream
 
 
+def server_cpu(pid: int) -> float:
+    """CPU seconds of the server process so far (its threads included; warm-up calls too)."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 def run_client(port: int, mode: str, body_path: Path, seconds: float) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", CLIENT, str(port), mode, str(body_path), str(seconds)],
@@ -157,6 +170,10 @@ def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--bare-options", choices=("grpc", "edgeserve"), default="grpc",
+                        help="the bare server's options: grpcio's defaults, or edgeserve's server_options")
+    parser.add_argument("--payloads", default=",".join(PAYLOADS), help="of " + ", ".join(PAYLOADS))
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # both servers and the clients alike
     tmp = Path(tempfile.mkdtemp(prefix="es-grpcbare-"))
@@ -170,6 +187,8 @@ def main() -> int:
     bare: subprocess.Popen[str] | None = None
     try:
         for name, shape in PAYLOADS.items():
+            if name not in args.payloads.split(","):
+                continue
             body = request_bytes(f"ident_{name}", shape)
             body_path = tmp / f"request-{name}.bin"
             body_path.write_bytes(body)
@@ -179,7 +198,8 @@ def main() -> int:
             (tmp / "stream.bin").write_bytes(stream)
             port = free_port()
             bare = subprocess.Popen(
-                [sys.executable, "-c", BARE, str(port), str(tmp / "unary.bin"), str(tmp / "stream.bin")],
+                [sys.executable, "-c", BARE, str(port), str(tmp / "unary.bin"), str(tmp / "stream.bin"),
+                 args.bare_options],
                 stdout=subprocess.PIPE, text=True, cwd=ROOT,
             )  # fmt: skip
             assert bare.stdout is not None
@@ -187,8 +207,9 @@ def main() -> int:
                 raise SystemExit("the bare grpc.aio server did not start")
             ports = {"edgeserve": server.grpc_port, "bare": port}
             pids = {"edgeserve": server.process.pid, "bare": bare.pid}
-            for mode in MODES:
+            for mode in args.modes.split(","):
                 cells: dict[str, list[float]] = {"edgeserve": [], "bare": []}
+                work: dict[str, list[float]] = {"edgeserve": [], "bare": []}  # server CPU µs per call
                 loads = []
                 for rnd in range(args.rounds):
                     loads.append(os.getloadavg()[0])
@@ -196,14 +217,19 @@ def main() -> int:
                         other = "bare" if kind == "edgeserve" else "edgeserve"
                         paused[other].pause(pids[other])
                         paused[kind].resume()
-                        cells[kind].append(run_client(ports[kind], mode, body_path, args.seconds)["p50_ms"])
+                        cpu0 = server_cpu(pids[kind])
+                        result = run_client(ports[kind], mode, body_path, args.seconds)
+                        cells[kind].append(result["p50_ms"])
+                        work[kind].append(1e6 * (server_cpu(pids[kind]) - cpu0) / max(1.0, result["calls"]))
                     progress(f"{name} {mode} round {rnd + 1}: edgeserve {cells['edgeserve'][-1]:.3f} ms, "
                              f"bare {cells['bare'][-1]:.3f} ms")  # fmt: skip
                 added = [e / b - 1 for e, b in zip(cells["edgeserve"], cells["bare"], strict=True)]
                 rows.append({"payload": name, "mode": mode, "added": added, "load": loads,
                              "edgeserve_p50_ms": statistics.median(cells["edgeserve"]),
                              "bare_p50_ms": statistics.median(cells["bare"]),
-                             "added_median": statistics.median(added)})  # fmt: skip
+                             "added_median": statistics.median(added),
+                             "server_cpu_us": {k: statistics.median(v) for k, v in work.items()},
+                             })  # fmt: skip
             paused["bare"].resume()
             bare.kill()
             bare.wait(10)
@@ -217,13 +243,15 @@ def main() -> int:
     print(f"\n{facts}\nONNX Identity on ONNX Runtime; one request in flight; "
           "p50 round trip (median of rounds)\n")
     print("| payload | mode | edgeserve ms | bare grpc.aio ms | edgeserve adds (median) | per round "
-          "| load average |")
-    print("|---|---|--:|--:|--:|---|---|")
+          "| server CPU µs/call: edgeserve, bare | load average |")
+    print("|---|---|--:|--:|--:|---|--:|---|")
     for row in rows:
         rounds = ", ".join(f"{a:+.0%}" for a in row["added"])
         loads = ", ".join(f"{x:.1f}" for x in row["load"])
         print(f"| {row['payload']} | {row['mode']} | {row['edgeserve_p50_ms']:.3f} "
-              f"| {row['bare_p50_ms']:.3f} | {row['added_median']:+.0%} | {rounds} | {loads} |")  # fmt: skip
+              f"| {row['bare_p50_ms']:.3f} | {row['added_median']:+.0%} | {rounds} "
+              f"| {row['server_cpu_us']['edgeserve']:.0f}, {row['server_cpu_us']['bare']:.0f} "
+              f"| {loads} |")  # fmt: skip
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(exist_ok=True)
     out = out_dir / f"bench_grpc_vs_bare-{time.strftime('%Y%m%d-%H%M%S')}.json"
