@@ -7,19 +7,28 @@ between the steps, composed four ways and timed side by side:
     ensemble      one call to a Triton ensemble of the three models
     BLS           one call to a Python model that pre-processes, calls the classifier with
                   pb_utils.InferenceRequest(...).exec() and post-processes
-    Ray Serve     the same three steps as Ray Serve deployments composed with DeploymentHandles, called
-                  through a handle (only when `ray[serve]` imports; skipped with the reason otherwise)
+    Ray Serve     the same three steps as Ray Serve deployments (the classifier an ORT session with
+                  edgeserve's options), an ingress deployment awaiting their DeploymentHandles; the
+                  client posts the raw image to Ray Serve's HTTP proxy (ray_composition.py)
 
 plus the cost of one BLS hop above the called model's own time (a Python model times its exec() of the
 classifier on the 602 KB tensor; the classifier's statistics give its own compute time) and a decoupled
 model's stream (gRPC ModelStreamInfer, responses per second).
 
     python benchmarks/bench_composition.py                      # 3 rounds of 200 calls per way
-    python benchmarks/bench_composition.py --calls 50 --rounds 1 --clients 2
+    python benchmarks/bench_composition.py --calls 30 --rounds 1 --clients 2     # short, on a busy box
+    python benchmarks/bench_composition.py --ray off                            # leave Ray Serve out
 
 The ways take turns each round (latency: one client, back to back; throughput: --clients threads). A
 way whose models do not load or answer is reported with its error, not timed. Progress on stderr, the
 markdown table on stdout. Only the processes started here are stopped.
+
+Ray Serve runs from bench_peers' venv under ~/.cache/edgeserve-bench/ray-venv (ray[serve]==2.60.0,
+built on first use with pip's progress; --no-install: use it only if it is there). Ray binds some
+services to every interface, so when it runs the whole measurement (edgeserve too) runs again inside a
+new network namespace that has only `lo` (`unshare --net`, root); where the venv or the namespace
+cannot be had, the Ray Serve row says why. Ray's processes are stopped by PID when the run ends, and
+the namespace goes with the last of them.
 """
 
 from __future__ import annotations
@@ -27,17 +36,20 @@ from __future__ import annotations
 import argparse
 import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
+import ray_composition
 from common import Result, cpu_flags, machine_facts, merge, progress, run_threads
 from composition_models import image, write_repository
 from es_server import RunningServer, start_server
+from peers import VENV_DIR
 
 Call = Callable[[], None]
 MODELS = ("pre", "classifier", "post", "pipeline", "pipeline_bls", "bls_hop", "stream")
@@ -97,63 +109,6 @@ def reference_class() -> int:
         scale = 1 / (np.array([0.229, 0.224, 0.225], np.float32) * 255).reshape(1, 3, 1, 1)
         norm = np.ascontiguousarray((image().transpose(0, 3, 1, 2).astype(np.float32) - mean) * scale)
         return int(np.argmax(session.run(["LOGITS"], {"NORM": norm})[0], axis=1)[0])
-
-
-def ray_way(expected: int) -> tuple[Call | str, Callable[[], None]]:
-    """(the call, or why Ray Serve is not timed; its shutdown)."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError as exc:
-        return f"skipped: ray[serve] does not import here ({exc}); not installed by this bench", lambda: None
-    from composition_models import classifier_onnx
-
-    folder = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    onnx_path = str(classifier_onnx(folder / "c.onnx"))
-
-    @serve.deployment
-    class Pre:
-        def __call__(self, img: np.ndarray) -> np.ndarray:
-            mean = (np.array([0.485, 0.456, 0.406], np.float32) * 255).reshape(1, 3, 1, 1)
-            scale = 1 / (np.array([0.229, 0.224, 0.225], np.float32) * 255).reshape(1, 3, 1, 1)
-            return np.ascontiguousarray((img.transpose(0, 3, 1, 2).astype(np.float32) - mean) * scale)
-
-    @serve.deployment
-    class Classifier:
-        def __init__(self, path: str) -> None:
-            import onnxruntime as ort
-
-            self.session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-
-        def __call__(self, norm: np.ndarray) -> np.ndarray:
-            return self.session.run(["LOGITS"], {"NORM": norm})[0]  # type: ignore[no-any-return]
-
-    @serve.deployment
-    class Post:
-        def __call__(self, logits: np.ndarray) -> int:
-            return int(np.argmax(logits, axis=1)[0])
-
-    @serve.deployment
-    class Pipeline:
-        def __init__(self, pre: Any, classifier: Any, post: Any) -> None:
-            self.pre, self.classifier, self.post = pre, classifier, post
-
-        async def __call__(self, img: np.ndarray) -> int:
-            norm = await self.pre.remote(img)
-            logits = await self.classifier.remote(norm)
-            return int(await self.post.remote(logits))
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    bound: Any = cast(Any, Pipeline).bind(cast(Any, Pre).bind(), cast(Any, Classifier).bind(onnx_path),
-                                          cast(Any, Post).bind())  # fmt: skip
-    handle = serve.run(bound)
-    img = image()
-
-    def stop() -> None:
-        serve.shutdown()
-        ray.shutdown()
-
-    return checked(lambda: int(handle.remote(img).result()), expected), stop
 
 
 PHASES = ("compute_input", "compute_infer", "compute_output")
@@ -231,7 +186,27 @@ def main() -> int:
     parser.add_argument(
         "--stream", type=int, default=1000, help="responses per streamed request (10 requests)"
     )
+    parser.add_argument(
+        "--ray",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: the Ray Serve way where its venv and a network namespace can be had",
+    )
+    parser.add_argument("--venv-dir", type=Path, default=VENV_DIR, help="where bench_peers' venvs live")
+    parser.add_argument("--no-install", action="store_true", help="use the Ray venv only if it works")
+    parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    ray_python, ray_why = None, "--ray off given"
+    if args.ray == "auto":
+        ray_python, ray_why = ray_composition.prepare(args.venv_dir, not (args.no_install or args.in_netns))
+        if ray_python is not None and not args.in_netns:
+            ray_why = ray_composition.netns_problem()
+            if not ray_why:
+                progress("running the measurement in a new network namespace (only `lo`): unshare --net")
+                return ray_composition.in_namespace(Path(__file__).resolve(), sys.argv[1:])
+            ray_python = None
+    if args.in_netns:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=30)
     expected = reference_class()
     with tempfile.TemporaryDirectory(prefix="bench-composition-") as folder:
         tmp = Path(folder)
@@ -241,8 +216,15 @@ def main() -> int:
         stop_ray: Callable[[], None] = lambda: None  # noqa: E731
         try:
             ways = grpc_ways(server, expected)
-            progress("Ray Serve: starting" if _has_ray() else "Ray Serve: ray is not installed here")
-            ways["Ray Serve"], stop_ray = ray_way(expected)
+            if ray_python is None:
+                progress(f"Ray Serve: not run: {ray_why}")
+                ways["Ray Serve"] = ray_why
+            else:
+                try:
+                    ray, stop_ray = ray_composition.launch(ray_python, repo, server.base, image())
+                except Exception as exc:  # setting it up failed: the row says why, the bench goes on
+                    ray = f"setting it up failed: {type(exc).__name__}: {str(exc)[:200]}"
+                ways["Ray Serve"] = ray if isinstance(ray, str) else checked(ray, expected)
             latency: dict[str, list[Result]] = {}
             throughput: dict[str, list[Result]] = {}
             for round_no in range(1, args.rounds + 1):
@@ -262,12 +244,6 @@ def main() -> int:
             server.stop()
     report(ways, latency, throughput, hop, rate, args)
     return 0
-
-
-def _has_ray() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ray") is not None
 
 
 Hop = dict[str, float] | str
