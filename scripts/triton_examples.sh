@@ -29,12 +29,19 @@ trap cleanup EXIT
 
 say() { echo "$*" | tee -a "$LOG"; }
 
-for port in 8000 8001 8002; do
-    if ss -Hltn "sport = :$port" | grep -q .; then
-        echo "port $port is in use: the examples' clients dial 8000/8001/8002; stop what listens there" >&2
-        exit 100
-    fi
-done
+# ports_free: 8000/8001/8002 (the examples' clients dial them) free, waiting up to 5 minutes for them
+ports_free() {
+    local deadline=$((SECONDS + 300)) port
+    for port in 8000 8001 8002; do
+        while ss -Hltn "sport = :$port" | grep -q .; do
+            if ((SECONDS > deadline)); then
+                say "port $port is in use: the examples' clients dial 8000/8001/8002; stop what listens there"
+                return 1
+            fi
+            sleep 1
+        done
+    done
+}
 
 stop_server() {
     if [[ -n "$SERVER_PID" ]]; then
@@ -47,6 +54,7 @@ stop_server() {
 # start_server <repository>: edgeserve serve on the examples' ports, waits until every model is ready
 start_server() {
     local repo="$1" deadline
+    ports_free || return 1
     "$ES" serve --model-repository "$repo" --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
         --zmq-endpoint "ipc://$WORK/zmq" --state-dir "$WORK/state" >"$WORK/server.log" 2>&1 &
     SERVER_PID=$!
@@ -165,6 +173,8 @@ for name in "${EXAMPLES[@]}"; do
         say "  server log (last 30 lines):"
         sed 's/^/    | /' "$WORK/server.log" | tail -30 | tee -a "$LOG"
     fi
+    # what the server warned about, even when the client passed
+    grep -E " (WARNING|ERROR) " "$WORK/server.log" | cut -c1-300 | sed 's/^/  server ! /' | tee -a "$LOG"
     if [[ "$name" == custom_metrics ]]; then  # the README's server-side line
         say "  server log: $(grep -m1 'Cumulative requests processing latency' "$WORK/server.log" || echo '(no latency line)')"
     fi

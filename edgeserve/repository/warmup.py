@@ -123,6 +123,8 @@ def _reshaped(array: Array, spec: Any, batching: bool) -> Array:
 def implicit_sample(config: Any) -> WarmupSample | None:
     if config.model_transaction_policy.decoupled:  # answers on a stream only: a unary call is refused
         return None
+    if config.backend == "python":  # user code with effects (BLS calls, metrics, files): as Triton, only
+        return None  # the config's model_warmup runs it before the first request
     batching = config.max_batch_size > 0
     arrays: dict[str, Array] = {}
     for spec in config.input:

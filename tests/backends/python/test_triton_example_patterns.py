@@ -183,10 +183,13 @@ def _sum(server: RunningServer, model: str, n: int) -> np.ndarray:
     return answer
 
 
-def test_a_decoupled_model_gets_no_implicit_unary_warm_up(server: RunningServer) -> None:
-    """square's input has fixed dims (a zero-data warm-up could be built) but it answers only on a
-    stream: no warm-up call, so no warning that it failed."""
-    assert "square/config.pbtxt: implicit zero-data warm-up failed" not in server.log()
+def test_python_models_get_no_implicit_zero_data_warm_up(server: RunningServer) -> None:
+    """As Triton, a Python model's execute runs at load only for a configured model_warmup: router's
+    inputs have fixed dims (a zero-data warm-up could be built), but zeros would make it call a model
+    named b"" at load; square is also decoupled (a unary warm-up call would be refused)."""
+    log = server.log()
+    for model in ("router", "square", "sum_sync"):
+        assert f"{model}/config.pbtxt: implicit zero-data warm-up" not in log, model
 
 
 @pytest.mark.parametrize("n", [4, 0, 1])
