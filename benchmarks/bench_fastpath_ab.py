@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import CONFIG, build_model
 from common import ROOT, PausedTree, bench_parser, cpu_flags, machine_facts, percentile, progress
 from es_server import RunningServer, free_port, get_status, server_command
+from fastpath_client import ctx_switches
 
 CLIENT = Path(__file__).resolve().parent / "fastpath_client.py"
 MODEL = "frame_pool"
@@ -171,12 +172,17 @@ def run_client(
 ) -> dict[str, Any]:
     """One client process; adds the server's CPU per answered call over the client's whole life."""
     cpu0 = server_cpu(variant)
+    server = variant.server if variant is not None else None
+    ctx0 = ctx_switches(str(server.process.pid)) if server is not None else 0
     cmd = [sys.executable, str(CLIENT), "--seconds", str(seconds), "--start", str(time.time() + 3.0), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 180, cwd="/")
     if done.returncode != 0:
         raise RuntimeError(f"client {args} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout)
     result["server_cpu_us"] = 1e6 * (server_cpu(variant) - cpu0) / max(1, result["calls"])
+    # the server's switches over the client's whole life (warm-up too), per call it answered
+    ctx = ctx_switches(str(server.process.pid)) - ctx0 if server is not None else 0
+    result["ctx_per_call"] = (result["ctx"] / max(1, len(result["latencies"])), ctx / max(1, result["calls"]))
     return result
 
 
@@ -200,6 +206,7 @@ def main() -> int:
     latencies["inproc"] = []
     cpu: dict[str, list[float]] = {name: [] for name in latencies}
     cpu_us: dict[str, list[tuple[float, float]]] = {name: [] for name in latencies}  # client, server
+    ctx: dict[str, list[tuple[float, float]]] = {name: [] for name in latencies}  # switches per call
     with servers(variants, repo, tmp):
         tuned = served_parameters(variants)
         checksums: dict[str, float] = {}
@@ -223,6 +230,7 @@ def main() -> int:
                     (1e6 * result["cpu"] / max(1, len(result["latencies"])), result["server_cpu_us"])
                 )
                 checksums[name] = result["checksum"]
+                ctx[name].append(result["ctx_per_call"])
                 p50 = percentile(result["latencies"], 50) * 1e3
                 progress(
                     f"round {rnd + 1}/{args.rounds} {name}: p50 {p50:.3f} ms, {len(result['latencies'])} rt"
@@ -231,7 +239,7 @@ def main() -> int:
         for name, value in checksums.items():
             if abs(value - reference) > 1e-3 * max(1.0, abs(reference)):
                 raise SystemExit(f"{name}: output checksum {value} differs from in-process {reference}")
-        report(args, variants, latencies, cpu, cpu_us, facts, tmp)
+        report(args, variants, latencies, cpu, cpu_us, facts, tmp, ctx)
     return 0
 
 
@@ -243,6 +251,7 @@ def report(
     cpu_us: dict[str, list[tuple[float, float]]],
     facts: str,
     tmp: Path,
+    ctx: dict[str, list[tuple[float, float]]],
 ) -> None:
     inproc_p50 = [percentile(r, 50) * 1e3 for r in latencies["inproc"]]
     frame = "Slot.write per call" if args.mode == "write" else "frame in place"
@@ -250,8 +259,8 @@ def report(
     print(f"frame_pool: 600 KB FP32 in ({frame}), 4 KB out; 1 client in its own process, one request in "
           f"flight; {args.rounds} rounds of {args.seconds:g} s, order rotated\n")  # fmt: skip
     print("| variant | calls | p50 ms | p99 ms | p50 above in-process (median of rounds) | per round "
-          "| client CPU | CPU µs per call: client + server |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---|---:|---:|")
+          "| client CPU | CPU µs per call: client + server | context switches per call: client + server |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     rows = []
     for name in ["inproc", *(v.name for v in variants)]:
         pooled = [x for r in latencies[name] for x in r]
@@ -267,13 +276,16 @@ def report(
             "client_cpu_pct": statistics.mean(cpu[name]),
             "client_cpu_us": statistics.median(c for c, _ in cpu_us[name]),
             "server_cpu_us": statistics.median(s for _, s in cpu_us[name]),
+            "client_ctx": statistics.median(c for c, _ in ctx[name]),
+            "server_ctx": statistics.median(s for _, s in ctx[name]),
         }
         rows.append(row)
         above = "—" if name == "inproc" else f"{row['above_ms']:+.3f} ms"
         rounds = ", ".join(f"{a:+.3f}" for a in added) if name != "inproc" else ""
         work = f"{row['client_cpu_us']:.0f} + {row['server_cpu_us']:.0f}"
+        switches = f"{row['client_ctx']:.1f} + {row['server_ctx']:.1f}"
         print(f"| {name} | {row['calls']:,} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | {above} | {rounds} "
-              f"| {row['client_cpu_pct']:.0f}% | {work} |")  # fmt: skip
+              f"| {row['client_cpu_pct']:.0f}% | {work} | {switches} |")  # fmt: skip
     print()
     for row in rows[1:]:
         verdict = "PASS" if row["above_ms"] < TARGET_MS else "FAIL"

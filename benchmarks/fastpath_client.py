@@ -57,6 +57,21 @@ def make_call(args: argparse.Namespace, x: np.ndarray) -> tuple[Any, Any]:
     return write, client.close
 
 
+def ctx_switches(pid: str = "self") -> int:
+    """Context switches of every thread of a process so far (voluntary: it slept, e.g. waiting for a
+    wake-up; involuntary: preempted): a count, not a time, so it says the same on a busy box."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        for line in text.splitlines():
+            if "ctxt_switches:" in line:
+                total += int(line.split()[1])
+    return total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("write", "inplace", "inproc"), default="write")
@@ -78,7 +93,7 @@ def main() -> int:
         while time.time() < args.start:
             time.sleep(0.0005)
         latencies: list[float] = []
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0, wall0, ctx0 = time.process_time(), time.perf_counter(), ctx_switches()
         deadline = wall0 + args.seconds
         while len(latencies) < MAX_REQUESTS and time.perf_counter() < deadline:
             t0 = time.perf_counter()
@@ -86,11 +101,13 @@ def main() -> int:
             latencies.append(time.perf_counter() - t0)
         wall = time.perf_counter() - wall0
         cpu = time.process_time() - cpu0
+        ctx = ctx_switches() - ctx0
     finally:
         close()
     calls = 1 + args.warmup + len(latencies)  # everything the server answered for this process
     json.dump(
-        {"latencies": latencies, "wall": wall, "cpu": cpu, "checksum": checksum, "calls": calls}, sys.stdout
+        {"latencies": latencies, "wall": wall, "cpu": cpu, "checksum": checksum, "calls": calls, "ctx": ctx},
+        sys.stdout,
     )
     return 0
 
