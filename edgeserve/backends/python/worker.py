@@ -46,6 +46,8 @@ STATUS_NAMES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE"
 def describe_exception(exc: BaseException, model_file: str = "") -> str:
     """The traceback's last line, with where in the model file it was raised."""
     line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    if type(exc).__module__.startswith("edgeserve.backends.python."):  # pb_utils' own: named as Triton does
+        line = line.removeprefix(f"{type(exc).__module__}.")
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if model_file and os.path.abspath(f.filename) == model_file]
     if mine:

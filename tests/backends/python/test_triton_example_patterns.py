@@ -174,6 +174,7 @@ def test_a_bls_call_to_an_unknown_model_by_bytes_names_it(server: RunningServer)
     with pytest.raises(InferenceServerException) as raised:
         _client(server).infer("router", _routed("undefined_model")[0])
     assert "'undefined_model'" in str(raised.value)
+    assert ": TritonModelException: " in str(raised.value)  # as Triton names it, not edgeserve's module
 
 
 def _sum(server: RunningServer, model: str, n: int) -> np.ndarray:
