@@ -162,13 +162,18 @@ def test_a_call_left_running_after_execute_holds_the_reply_until_it_ends(served:
     target.release = threading.Event()
     a = np.arange(64, dtype=np.float32)
     first, second = threading.Event(), threading.Event()
-    threading.Thread(target=lambda: (instance.infer({"A": a}), first.set()), daemon=True).start()
+
+    def call(values: np.ndarray, ended: threading.Event) -> None:
+        instance.infer({"A": values})
+        ended.set()
+
+    threading.Thread(target=call, args=(a, first), daemon=True).start()
     assert target.entered.wait(WAIT_S)
     assert target.seen[0]["A"][0] is target.seen[0]["region"]
     # The next call would write its inputs where the running one reads: the worker's reply waits for
     # the call, so that call waits too. (Without the wait both would end within this second; on a
     # slow box the check could only miss a bug, never fail a correct build.)
-    threading.Thread(target=lambda: (instance.infer({"A": a + 100}), second.set()), daemon=True).start()
+    threading.Thread(target=call, args=(a + 100, second), daemon=True).start()
     assert not first.wait(1.0)
     target.release.set()
     assert first.wait(WAIT_S) and second.wait(WAIT_S)
