@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontends" / "zmq"
 from zmq_harness import RunningFrontend, identity_model, running_frontend
 
 from edgeserve.client import ZmqClient
-from edgeserve.frontends.zmq.lane import OP_LANE, Lanes
+from edgeserve.frontends.zmq.lane import LANES_PER_CLIENT, OP_LANE, Lanes, decode, encode
 
 OTHER_USER = 64991  # a uid of no one on the box
 WAIT_S = 30.0  # generous: a busy 2-vCPU CI box
@@ -143,3 +144,27 @@ def test_a_lane_carries_no_reply_to_a_request_it_did_not_carry(server: RunningFr
                 np.testing.assert_array_equal(victim.infer("ident", {"INPUT0": x}).as_numpy("OUTPUT0"), x)
             assert lanes.requests == requests
             assert squatter_lane.recv() is None  # nothing came over its lane
+
+
+def test_a_client_opening_lane_after_lane_keeps_only_its_newest(server: RunningFrontend) -> None:
+    """Server fds stay bounded: past LANES_PER_CLIENT the client's oldest lane is closed."""
+    lanes = _lanes(server)
+    with ZmqClient(server.endpoint, timeout=WAIT_S, lane=False) as client:
+        opened = []
+        for _ in range(LANES_PER_CLIENT + 2):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(WAIT_S)
+            sock.connect(str(lanes.path))
+            packet = encode([_token(client)])
+            assert packet is not None
+            sock.sendmsg(packet)
+            assert [bytes(f) for f in decode(memoryview(sock.recv(1 << 16)))] == [b"ok"]
+            opened.append(sock)
+        try:
+            mine = [lane for lane in list(lanes._lanes.values()) if lane.ident == client.identity]
+            assert len(mine) == LANES_PER_CLIENT
+            for sock in opened[:2]:  # the two oldest were closed by the server
+                assert sock.recv(1 << 16) == b""
+        finally:
+            for sock in opened:
+                sock.close()

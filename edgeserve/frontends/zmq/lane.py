@@ -52,6 +52,8 @@ FRAMES_MAX = 64
 TOKEN_TTL_S = 10.0
 TOKENS_MAX = 256  # tokens not yet used (oldest dropped first)
 UNBOUND_MAX = 16  # connections that have not shown a token yet (oldest closed first)
+LANES_PER_CLIENT = 4  # bound lanes of one client socket (its oldest closed first)
+LANES_MAX = 256  # bound lanes in all, as many as [zmq] max_clients' default (more are refused)
 BACKLOG = 16
 IDS_MAX = 65536  # request ids awaiting their reply on one lane (far above [zmq] max_inflight_per_client)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -305,6 +307,14 @@ class Lanes:
                 "zmq lane: closed a connection of %s: %s", lane.identity.describe(),
                 "no valid token" if entry is None else "its user is not the one the token was issued to",
             )  # fmt: skip
+            self.close_lane(lane)
+            return
+        mine = [other for other in self._lanes.values() if other.ident == entry[0]]
+        if len(mine) >= LANES_PER_CLIENT:  # fds stay bounded: a client that reconnects keeps its newest
+            self.close_lane(min(mine, key=lambda each: each.opened))
+        if self.open >= LANES_MAX:
+            self.refused += 1
+            log.warning("zmq lane: %d lanes open, refused one of %s", LANES_MAX, lane.identity.describe())
             self.close_lane(lane)
             return
         lane.ident = entry[0]
