@@ -65,7 +65,8 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
     ) -> None:
         super().__init__(endpoint, timeout, **options)
         self._lane: ClientLane | None = None
-        self._lane_path = lane_path(path) if lane and (path := ipc_path(self.endpoint)) else None
+        self._lane_at = lane_path(path) if lane and (path := ipc_path(self.endpoint)) else None
+        self._lane_path = self._lane_at  # to open at the next chance (a ring; after a server restart)
         self._poller: zmq.Poller | None = None
         self.spin_s = max(0, spin_us) / 1e6
         self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
@@ -89,6 +90,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         `options`: version, ring, priority, timeout_us, parameters (RequestOptions)."""
         if self._registrations.lost:
             self._register_again()
+            self._open_lane()  # a new server: a new lane
         pending, frames = self._request(model, inputs, outputs, options)
         return self._send(pending, frames, timeout)
 
@@ -395,8 +397,9 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         for _ in range(READ_BATCH if lane is not None else 0):
             try:
                 msg = lane.recv() if lane is not None else None
-            except ConnectionError:  # the server went: ZeroMQ from here on
+            except ConnectionError:  # the server went: ZeroMQ until its next start's re-registration
                 self._close_lane()
+                self._lane_path = self._lane_at
                 break
             if msg is None:
                 break

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from zmq_harness import RunningFrontend
+from es_server import wait_until
+from zmq_harness import RunningFrontend, identity_model, running_frontend
 
-from edgeserve.client import ZmqClient
+from edgeserve.client import ClientError, ZmqClient
 from edgeserve.frontends.zmq.lane import PACKET_MAX, Lanes, decode, encode
 
 WAIT_S = 30.0  # generous: a busy 2-vCPU CI box
@@ -129,9 +131,37 @@ def test_without_ipc_there_is_no_lane_and_nothing_changes(tcp_server: RunningFro
         assert not client.lane_open
 
 
+def test_after_a_server_restart_the_client_gets_a_new_lane(sockdir: Path) -> None:
+    endpoint = f"ipc://{sockdir}/lane-restart.zmq"
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    with running_frontend([identity_model("m", "FP32")], endpoint) as first:
+        client = ZmqClient(first.endpoint, timeout=5.0)
+        ring = client.create_ring(slots=2, slot_size=64)
+        assert client.lane_open
+    try:
+        with running_frontend([identity_model("m", "FP32")], endpoint) as second:
+            assert wait_until(lambda: _answers(client))  # the old lane is found closed meanwhile
+            assert not client.lane_open
+            with pytest.raises(ClientError):  # NOT_FOUND: a new server, an empty registry
+                client.infer("m", {"INPUT0": ring.acquire().write(x)})
+            before = _lanes(second).requests
+            np.testing.assert_array_equal(  # registers the ring again, opens a new lane, answered there
+                client.infer("m", {"INPUT0": ring.acquire().write(x)}).as_numpy("OUTPUT0"), x
+            )
+            assert client.lane_open and _lanes(second).requests == before + 1
+            client.close()
+    finally:
+        client.close()
+
+
+def _answers(client: ZmqClient) -> bool:
+    try:
+        return client.ping(timeout=0.5)["status"] == "OK"
+    except ClientError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def tcp_server() -> Any:
-    from zmq_harness import identity_model, running_frontend
-
     with running_frontend([identity_model("id_fp32", "FP32")], "tcp://127.0.0.1:*") as running:
         yield running
