@@ -16,7 +16,10 @@ closed. Requests on it are handled exactly as on the ZeroMQ socket (same owner f
 same in-flight limit), as the lane's user (SO_PEERCRED). Only the replies to the requests that came
 over the lane go back over it (by request id), and only one that fits a packet (PACKET_MAX); every
 other reply (a streamed request's, one too big) goes over ZeroMQ, as without a lane: a lane never
-carries anything that was not asked for on it, whoever holds its routing id on the socket.
+carries anything that was not asked for on it, whoever holds its routing id on the socket. (What is
+left: a process holding another user's routing id, 16 random bytes never shown to anyone else, that
+sends a request with an id that user's socket has in flight gets that one reply; over ZeroMQ alone
+the holder of a routing id gets every reply to it while it holds it.)
 
 Packets: u16 frame count, u32 length per frame, the frames (the ZeroMQ message's frames after the
 routing envelope). Every loop is bounded; all sends are non-blocking (a full lane is a dead lane).
