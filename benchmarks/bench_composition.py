@@ -27,8 +27,9 @@ Ray Serve runs from bench_peers' venv under ~/.cache/edgeserve-bench/ray-venv (r
 built on first use with pip's progress; --no-install: use it only if it is there). Ray binds some
 services to every interface, so when it runs the whole measurement (edgeserve too) runs again inside a
 new network namespace that has only `lo` (`unshare --net`, root); where the venv or the namespace
-cannot be had, the Ray Serve row says why. Ray's processes are stopped by PID when the run ends, and
-the namespace goes with the last of them.
+cannot be had, the Ray Serve row says why. While one server's way is timed the other server's process
+tree is stopped (SIGSTOP; --no-pause-idle: not), as bench_peers does. Ray's processes are stopped by
+PID when the run ends, and the namespace goes with the last of them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import ray_composition
-from common import Result, cpu_flags, machine_facts, merge, progress, run_threads
+from common import PausedTree, Result, cpu_flags, machine_facts, merge, progress, run_threads
 from composition_models import image, write_repository
 from es_server import RunningServer, start_server
 from peers import VENV_DIR
@@ -194,6 +195,9 @@ def main() -> int:
     )
     parser.add_argument("--venv-dir", type=Path, default=VENV_DIR, help="where bench_peers' venvs live")
     parser.add_argument("--no-install", action="store_true", help="use the Ray venv only if it works")
+    parser.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                        help="leave Ray running while the other ways run, and edgeserve while Ray does "
+                        "(default: the idle one stopped with SIGSTOP, as bench_peers does)")  # fmt: skip
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ray_python, ray_why = None, "--ray off given"
@@ -214,32 +218,40 @@ def main() -> int:
         progress("starting edgeserve serve (loading pre, classifier, post, pipeline, pipeline_bls, ...)")
         server = start_server(repo, tmp, args=["--no-zmq", "--log-level", "WARNING"], timeout=300)
         stop_ray: Callable[[], None] = lambda: None  # noqa: E731
+        ray: ray_composition.Caller | str = ray_why
+        paused = PausedTree()  # the server not being measured (Ray, or edgeserve while Ray is)
         try:
             ways = grpc_ways(server, expected)
             if ray_python is None:
                 progress(f"Ray Serve: not run: {ray_why}")
-                ways["Ray Serve"] = ray_why
             else:
                 try:
                     ray, stop_ray = ray_composition.launch(ray_python, repo, server.base, image())
                 except Exception as exc:  # setting it up failed: the row says why, the bench goes on
                     ray = f"setting it up failed: {type(exc).__name__}: {str(exc)[:200]}"
-                ways["Ray Serve"] = ray if isinstance(ray, str) else checked(ray, expected)
+            ways["Ray Serve"] = ray if isinstance(ray, str) else checked(ray, expected)
             latency: dict[str, list[Result]] = {}
             throughput: dict[str, list[Result]] = {}
             for round_no in range(1, args.rounds + 1):
                 for name, call in ways.items():
                     if isinstance(call, str):
                         continue
+                    if args.pause_idle and isinstance(ray, ray_composition.Caller):
+                        # the other server stopped (SIGSTOP): no idle CPU, no wake-ups in this phase
+                        paused.resume()
+                        paused.pause(server.process.pid if name == "Ray Serve" else ray.pid)
+                        time.sleep(0.2)  # let a resumed server catch up with its timers first
                     progress(f"round {round_no}/{args.rounds}: {name}")
                     latency.setdefault(name, []).append(run_threads(name, call, 1, args.calls, 300))
                     throughput.setdefault(name, []).append(
                         run_threads(name, call, args.clients, args.calls * 2, 300))  # fmt: skip
+            paused.resume()
             progress("one BLS hop")
             hop = bls_hop(server, args.calls)
             progress("decoupled stream")
             rate = stream_rate(server, args.stream, 10)
         finally:
+            paused.resume()  # a stopped process would not see SIGTERM
             stop_ray()
             server.stop()
     report(ways, latency, throughput, hop, rate, args)

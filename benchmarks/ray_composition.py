@@ -85,14 +85,16 @@ def prepare(venv_dir: Path, install: bool) -> tuple[str | None, str]:
     return ray_peer.prepare(venv_dir, install)
 
 
-def launch(python: str, repository: Path, http_base: str, image: Any) -> tuple[Any, Callable[[], None]]:
+def launch(
+    python: str, repository: Path, http_base: str, image: Any
+) -> tuple[Caller | str, Callable[[], None]]:
     """(a call returning the class, or why Ray Serve did not start; its stop). The classifier's
     session is built as edgeserve's running instance is (its served config, thread count and ORT
     options: peers.ort_spec)."""
     from common import InProcess, Workload, progress, served_config
     from peers import ort_spec
 
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ray-composition-"))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ray-pipeline-"))
     try:
         inproc = InProcess.matching(repository, "classifier", http_base)
         try:
@@ -110,6 +112,7 @@ def launch(python: str, repository: Path, http_base: str, image: Any) -> tuple[A
     def stop() -> None:
         process.stop()  # SIGTERM, then its group, then every descendant seen, by PID and start time
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(process.log_path.parent, ignore_errors=True)  # PeerProcess's folder for the log
 
     try:
         process.wait_ready(READY_S, marker)
@@ -118,13 +121,14 @@ def launch(python: str, repository: Path, http_base: str, image: Any) -> tuple[A
         if not isinstance(exc, Exception):
             raise
         return f"Ray Serve did not start: {str(exc)[:300]}", lambda: None
-    return Caller(address, image), stop
+    return Caller(address, image, process.pid), stop
 
 
 class Caller:
     """POST the image to the ingress, the class back; one keep-alive connection per client thread."""
 
-    def __init__(self, address: str, image: Any) -> None:
+    def __init__(self, address: str, image: Any, pid: int) -> None:
+        self.pid = pid  # the Ray driver: its tree is paused while the other ways run
         self.host, _, port = address.partition(":")
         self.port = int(port)
         self.body = image.tobytes()
@@ -205,9 +209,10 @@ def serve_main(spec_path: Path, port: int, ready: Path, temp_dir: Path) -> int:
 
     spec = json.loads(spec_path.read_text())[0]
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=str(temp_dir), log_to_driver=False, configure_logging=False)  # fmt: skip
+    # after ray.init, whose own SIGTERM handler aborts the driver (no Serve shutdown, agents left behind)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(spec), name="pipeline", route_prefix=ROUTE)
@@ -220,6 +225,7 @@ def serve_main(spec_path: Path, port: int, ready: Path, temp_dir: Path) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            print("ray_composition: Serve and Ray shut down", flush=True)
     return 0
 
 
