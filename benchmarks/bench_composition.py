@@ -19,7 +19,8 @@ model's stream (gRPC ModelStreamInfer, responses per second).
     python benchmarks/bench_composition.py --calls 30 --rounds 1 --clients 2     # short, on a busy box
     python benchmarks/bench_composition.py --ray off                            # leave Ray Serve out
 
-The ways take turns each round (latency: one client, back to back; throughput: --clients threads). A
+The ways take turns each round (latency: one client, back to back; throughput: --clients threads, twice
+the calls; each phase ends at --calls or --seconds, whichever comes first: the row counts its calls). A
 way whose models do not load or answer is reported with its error, not timed. Progress on stderr, the
 markdown table on stdout. Only the processes started here are stopped.
 
@@ -185,6 +186,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=4, help="threads of the throughput runs")
     parser.add_argument(
+        "--seconds", type=float, default=30.0, help="time limit of each phase (Ray Serve is slow here)"
+    )
+    parser.add_argument(
         "--stream", type=int, default=1000, help="responses per streamed request (10 requests)"
     )
     parser.add_argument(
@@ -242,9 +246,9 @@ def main() -> int:
                         paused.pause(server.process.pid if name == "Ray Serve" else ray.pid)
                         time.sleep(0.2)  # let a resumed server catch up with its timers first
                     progress(f"round {round_no}/{args.rounds}: {name}")
-                    latency.setdefault(name, []).append(run_threads(name, call, 1, args.calls, 300))
+                    latency.setdefault(name, []).append(run_threads(name, call, 1, args.calls, args.seconds))
                     throughput.setdefault(name, []).append(
-                        run_threads(name, call, args.clients, args.calls * 2, 300))  # fmt: skip
+                        run_threads(name, call, args.clients, args.calls * 2, args.seconds))  # fmt: skip
             paused.resume()
             progress("one BLS hop")
             hop = bls_hop(server, args.calls)
@@ -264,20 +268,27 @@ Hop = dict[str, float] | str
 def report(ways: dict[str, Call | str], latency: dict[str, list[Result]], throughput: dict[str, list[Result]],
            hop: Hop, rate: float | str, args: argparse.Namespace) -> None:  # fmt: skip
     print(f"{machine_facts()}; CPU flags: {cpu_flags(('avx2', 'avx512f', 'avx512_vnni', 'amx_tile'))}")
-    print(
-        f"{args.rounds} rounds x {args.calls} calls per way (latency: 1 client; throughput: {args.clients})\n"
-    )
-    print("| way | p50 ms | p90 ms | throughput req/s | errors |")
-    print("|---|---:|---:|---:|---|")
+    ray_ran = not isinstance(ways.get("Ray Serve", ""), str)
+    setup = [
+        f"{args.rounds} rounds x up to {args.calls} calls per way or {args.seconds:.0f} s",
+        f"latency: 1 client; throughput: {args.clients} clients, twice the calls",
+        "tritonclient gRPC; Ray Serve over its HTTP proxy (the raw image bytes)",
+        *(["in a network namespace with only lo"] if args.in_netns else []),
+        *(["the server not being timed paused (SIGSTOP)"] if args.pause_idle and ray_ran else []),
+    ]
+    print("; ".join(setup) + "\n")
+    print("| way | p50 ms | p90 ms | throughput req/s | calls (latency / throughput) | errors |")
+    print("|---|---:|---:|---:|---:|---|")
     for name, call in ways.items():
         if isinstance(call, str):
-            print(f"| {name} | - | - | - | did not run: {call} |")
+            print(f"| {name} | - | - | - | - | did not run: {call} |")
             continue
         lat, thr = merge(latency[name]), merge(throughput[name])
         p90 = float(np.percentile(lat.latencies_s, 90)) * 1e3
         errors = lat.errors + thr.errors
         note = f"{errors}: {lat.first_error or thr.first_error}" if errors else "0"
-        print(f"| {name} | {lat.p50_ms:.2f} | {p90:.2f} | {thr.throughput:.0f} | {note} |")
+        calls = f"{len(lat.latencies_s)} / {len(thr.latencies_s)}"
+        print(f"| {name} | {lat.p50_ms:.2f} | {p90:.2f} | {thr.throughput:.0f} | {calls} | {note} |")
     print()
     if isinstance(hop, str):
         print(f"One BLS hop: did not run: {hop}")
