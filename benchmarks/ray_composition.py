@@ -109,18 +109,19 @@ def launch(
         shutil.rmtree(workdir, ignore_errors=True)
         raise
 
-    def stop() -> None:
+    def stop(keep_log: bool = False) -> None:
         process.stop()  # SIGTERM, then its group, then every descendant seen, by PID and start time
         shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(process.log_path.parent, ignore_errors=True)  # PeerProcess's folder for the log
+        if not keep_log:  # PeerProcess's folder for the log
+            shutil.rmtree(process.log_path.parent, ignore_errors=True)
 
     try:
         process.wait_ready(READY_S, marker)
     except BaseException as exc:  # what it started is stopped; the row says why (Ctrl-C goes on up)
-        stop()
+        stop(keep_log=True)  # the row names it
         if not isinstance(exc, Exception):
             raise
-        return f"Ray Serve did not start: {str(exc)[:300]}", lambda: None
+        return f"Ray Serve did not start (log {process.log_path}): {str(exc)[:300]}", lambda: None
     return Caller(address, image, process.pid), stop
 
 
