@@ -334,7 +334,8 @@ def test_pb_utils_logger_writes_one_line_per_call_to_stderr(capsys: pytest.Captu
 
 def test_an_output_of_the_wrong_type_is_a_clear_error(backend: PythonBackend, tmp_path: Path) -> None:
     """A float for an integer output is refused; a number of the same kind (an INT64 sum for an INT32
-    output, as Triton's bls_decoupled example) is taken and cast by the server (test_triton_example_patterns)."""
+    output, as Triton's bls_decoupled example) is taken and cast by the server
+    (test_triton_example_patterns)."""
     source = (
         "import numpy as np\nimport triton_python_backend_utils as pb_utils\n\n\n"
         "class TritonPythonModel:\n    def execute(self, requests):\n"
