@@ -135,7 +135,6 @@ def serve_main(spec_path: Path, port: int, ready: Path, temp_dir: Path) -> int:
 
     specs = json.loads(spec_path.read_text())
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray.init(
         num_cpus=os.cpu_count(),
         include_dashboard=False,
@@ -144,6 +143,9 @@ def serve_main(spec_path: Path, port: int, ready: Path, temp_dir: Path) -> int:
         log_to_driver=False,
         configure_logging=False,
     )
+    # after ray.init, which installs its own SIGTERM handler (it aborts the driver: Serve never shut
+    # down and its agents were left for the stop code to kill)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for spec in specs:
