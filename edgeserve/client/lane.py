@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import zmq
 
 from edgeserve.client.endpoint import foreign_peer
 from edgeserve.client.errors import ClientError
+from edgeserve.frontends.zmq import wire
 from edgeserve.frontends.zmq.lane import LANE_SUFFIX, PACKET_MAX, decode, encode
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 READ_BATCH = 64  # packets taken per call before the caller looks at its other socket
+_EVENTS, _POLLIN, _DONTWAIT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.DONTWAIT)  # ints: no enum math
 
 
 class HeaderFrame:
@@ -119,3 +123,75 @@ class ClientLane:
         sock, self.sock = self.sock, None
         if sock is not None:
             sock.close()
+
+
+class LaneLink:
+    """A sync client's lane: where to open one, the open one, and a poller over it and the client's
+    ZeroMQ socket (replies come over either: too big for a packet, or not asked on the lane)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.at = path
+        self.pending = path  # to open at the next chance (a ring; after a server restart)
+        self.lane: ClientLane | None = None
+        self.poller: zmq.Poller | None = None
+
+    def open(
+        self, sock: Any, token: Callable[[], bytes], owners: frozenset[int] | None, endpoint: str,
+        timeout: float,
+    ) -> None:  # fmt: skip
+        """Once per chance, where the server offers one (else, and on any failure, ZeroMQ carries all)."""
+        path, self.pending = self.pending, None
+        if path is None or self.lane is not None:
+            return
+        try:
+            lane = ClientLane(path, token(), owners, endpoint, timeout)
+        except (ClientError, OSError, ValueError, KeyError, TypeError):
+            return
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(lane.fileno(), zmq.POLLIN)
+        self.lane, self.poller = lane, poller
+
+    def close(self, again: bool = False) -> None:
+        """`again`: the server went; open a new lane at the next chance."""
+        lane, self.lane, self.poller = self.lane, None, None
+        if lane is not None:
+            lane.close()
+        if again:
+            self.pending = self.at
+
+    def wait(self, timeout_ms: int) -> None:
+        if self.poller is not None:
+            self.poller.poll(timeout_ms)
+
+    def take(self, sock: Any, dispatch: Callable[[list[Any]], None], done: Callable[[], bool]) -> bool:
+        """Dispatch the replies waiting on the lane, then on the socket (bounded; stops once `done()`);
+        True when there were any."""
+        took = False
+        for _ in range(READ_BATCH):
+            lane = self.lane
+            try:
+                msg = lane.recv() if lane is not None else None
+            except ConnectionError:  # the server went: ZeroMQ until its next start's re-registration
+                self.close(again=True)
+                break
+            if msg is None:
+                break
+            took = True
+            dispatch(msg)
+            if done():
+                return True
+        recv, get = wire.sock_recv, wire.sock_get
+        for _ in range(READ_BATCH):
+            if sock is None or not cast(int, get(sock, _EVENTS)) & _POLLIN:
+                break
+            frame = recv(sock, _DONTWAIT, False)
+            msg = [frame]
+            while frame.more:
+                frame = recv(sock, 0, False)
+                msg.append(frame)
+            took = True
+            dispatch(msg)
+            if done():
+                break
+        return took

@@ -20,7 +20,7 @@ from edgeserve.client._base import ClientBase, ConnectionOptions, RequestOptions
 from edgeserve.client._core import InferResult, InputValue, Outputs, Pending
 from edgeserve.client.errors import ClientError
 from edgeserve.client.future import ZmqFuture
-from edgeserve.client.lane import READ_BATCH, ClientLane, lane_path
+from edgeserve.client.lane import LaneLink, lane_path
 from edgeserve.client.ring import FrameRing, Slot
 from edgeserve.client.stream import ZmqStream
 from edgeserve.frontends.zmq import wire
@@ -64,10 +64,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
         **options: Unpack[ConnectionOptions],
     ) -> None:
         super().__init__(endpoint, timeout, **options)
-        self._lane: ClientLane | None = None
-        self._lane_at = lane_path(path) if lane and (path := ipc_path(self.endpoint)) else None
-        self._lane_path = self._lane_at  # to open at the next chance (a ring; after a server restart)
-        self._poller: zmq.Poller | None = None
+        self._link = LaneLink(lane_path(path) if lane and (path := ipc_path(self.endpoint)) else None)
         self.spin_s = max(0, spin_us) / 1e6
         self._reply_s = 0.0  # recent send-to-reply time of infer requests (moving average)
         self._core = CoreShare()  # whether this thread gets its core while it spins
@@ -238,30 +235,16 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
             return ring
 
     def _open_lane(self) -> None:
-        """Once, where the server offers one (else, and on any failure, ZeroMQ carries everything)."""
-        path, self._lane_path = self._lane_path, None
-        if path is None or self._lane is not None:
-            return
-        try:
-            token = bytes.fromhex(self._call(OP_LANE, None)["token"])
-            lane = ClientLane(path, token, self._owners, self.endpoint, min(self.timeout, 5.0))
-        except (ClientError, OSError, ValueError, KeyError, TypeError):
-            return
-        assert self._sock is not None
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(lane.fileno(), zmq.POLLIN)
-        self._lane = lane
+        if self._sock is not None and self._link.pending is not None:
+            self._link.open(self._sock, self._lane_token, self._owners, self.endpoint, min(self.timeout, 5.0))
 
-    def _close_lane(self) -> None:
-        lane, self._lane, self._poller = self._lane, None, None
-        if lane is not None:
-            lane.close()
+    def _lane_token(self) -> bytes:
+        return bytes.fromhex(self._call(OP_LANE, None)["token"])
 
     @property
     def lane_open(self) -> bool:
         """Whether requests go over a lane now."""
-        return self._lane is not None
+        return self._link.lane is not None
 
     def close(self) -> None:
         """Say bye (the server releases this client's regions), fail what is in flight, unlink rings."""
@@ -279,7 +262,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
                 pending.release_slots()
             fut._set(None, ClientError("UNAVAILABLE", "the client was closed"))
         self._pending.clear()
-        self._close_lane()
+        self._link.close()
         self._close_socket()
 
     def __enter__(self) -> ZmqClient:
@@ -298,7 +281,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
     def _send(self, pending: Pending | None, frames: list[Any], timeout: float | None) -> ZmqFuture:
         sock = self._open_socket(pending)
         req_id = pending.id if pending is not None else wire.loads(frames[0])["id"]
-        lane = self._lane
+        lane = self._link.lane
         if lane is None or pending is None or not lane.send(frames):  # a request too big for a packet
             try:
                 last = len(frames) - 1
@@ -332,7 +315,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def _pump(self, until: float, target: ZmqFuture | None = None) -> None:
         """Wait up to `until` for a reply, then take every reply already queued (until `target` is done)."""
-        if self._lane is not None:
+        if self._link.lane is not None:
             self._pump_both(until, target)
             return
         sock = self._sock
@@ -372,7 +355,7 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def _pump_both(self, until: float, target: ZmqFuture | None) -> None:
         """`_pump` with a lane: replies come over it or (too big for a packet, control) over ZeroMQ."""
-        if not self._take_both(target) and self._lane is not None:
+        if not self._take_both(target) and self._link.lane is not None:
             if self.spin_s > 0.0 and self._reply_s <= self.spin_s and self._core.ready():
                 start, cpu_start = time.monotonic(), self._core.cpu_clock()
                 end = min(until, start + self.spin_s)
@@ -383,8 +366,8 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
                 self._core.record(time.monotonic() - start, cpu_start)
             else:
                 caught = False
-            if not caught and self._poller is not None:
-                self._poller.poll(max(0, int((until - time.monotonic()) * 1000 + 0.999)))
+            if not caught:
+                self._link.wait(max(0, int((until - time.monotonic()) * 1000 + 0.999)))
                 self._take_both(target)
         heap = self._deadlines
         if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
@@ -392,36 +375,9 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def _take_both(self, target: ZmqFuture | None) -> bool:
         """Dispatch the replies waiting on the lane and the socket; True when any was."""
-        took = False
-        lane = self._lane
-        for _ in range(READ_BATCH if lane is not None else 0):
-            try:
-                msg = lane.recv() if lane is not None else None
-            except ConnectionError:  # the server went: ZeroMQ until its next start's re-registration
-                self._close_lane()
-                self._lane_path = self._lane_at
-                break
-            if msg is None:
-                break
-            took = True
-            self._dispatch(msg)
-            if (target is not None and target._done) or self._lane is None:
-                return True
-        sock = self._sock
-        recv, get = wire.sock_recv, wire.sock_get
-        for _ in range(READ_BATCH):
-            if sock is None or not cast(int, get(sock, _EVENTS)) & _POLLIN:
-                break
-            frame = recv(sock, _DONTWAIT, False)
-            msg = [frame]
-            while frame.more:
-                frame = recv(sock, 0, False)
-                msg.append(frame)
-            took = True
-            self._dispatch(msg)
-            if (target is not None and target._done) or self._sock is None:
-                break
-        return took
+        return self._link.take(
+            self._sock, self._dispatch, lambda: (target is not None and target._done) or self._sock is None
+        )
 
     def _dispatch(self, msg: list[Any]) -> None:
         answered = self._answered(msg)

@@ -135,7 +135,7 @@ def test_a_lane_carries_no_reply_to_a_request_it_did_not_carry(server: RunningFr
     with ZmqClient(server.endpoint, timeout=WAIT_S, identity=ident) as squatter:
         squatter.create_ring(slots=2, slot_size=4096)
         assert squatter.lane_open
-        squatter_lane = squatter._lane
+        squatter_lane = squatter._link.lane
         assert squatter_lane is not None
         with ZmqClient(server.endpoint, timeout=WAIT_S, identity=ident, lane=False) as victim:
             requests = lanes.requests
