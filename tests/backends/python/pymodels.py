@@ -125,8 +125,10 @@ backend: "python"
 max_batch_size: 0
 input [{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }, { name: "MODE" data_type: TYPE_INT32 dims: [ 1 ] }]
 output [{ name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }]
-parameters { key: "hang_timeout_s" value: { string_value: "1" } }
+parameters { key: "hang_timeout_s" value: { string_value: "5" } }
 """
+# 5 s: a restarted worker's first call took over 1 s on a 2-core box with a CPU hog and a test suite
+# running (it was then replaced as hung); the hang tests wait this long once per hang
 
 BROKEN_INIT = """
 import triton_python_backend_utils as pb_utils
