@@ -37,6 +37,7 @@ SELF_CALL_MESSAGE = (
     "BLS call from model '{model}' to itself: its only instance is the one making the call, so the "
     "call would wait forever; give the model more instances (instance_group count) or call another model"
 )
+NOT_READY_MESSAGE = "Failed for execute the inference request. Model '{model}' is not ready."
 
 
 def _nothing() -> None:
@@ -52,6 +53,13 @@ class DataPlaneCaller:
     def call(self, request: InferRequest, on_result: CallResult, *, caller: str = "") -> Callable[[], None]:
         if caller and caller == request.model_name and self._single_instance(request):
             on_result(InferenceError(Status.INVALID_ARG, SELF_CALL_MESSAGE.format(model=caller)), True)
+            return _nothing
+
+        try:
+            self.dataplane.repository.get(request.model_name, request.model_version)
+        except InferenceError as exc:  # in the words of Triton's BLS (its bls example prints them)
+            text = NOT_READY_MESSAGE.format(model=request.model_name)
+            on_result(InferenceError(exc.status, text), True)
             return _nothing
 
         def notify(stream: ResponseStream) -> None:

@@ -125,7 +125,8 @@ def test_a_bls_call_to_a_missing_model_is_an_error_naming_it(tmp_path: Path) -> 
     finally:
         repo.close()
     assert final and isinstance(error, InferenceError) and error.status is Status.NOT_FOUND
-    assert "nowhere" in error.message
+    # Triton's BLS words (its bls example prints them)
+    assert error.message == "Failed for execute the inference request. Model 'nowhere' is not ready."
 
 
 def test_a_single_instance_model_calling_itself_is_refused_not_deadlocked(tmp_path: Path) -> None:
