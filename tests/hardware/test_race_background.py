@@ -108,6 +108,16 @@ def test_a_switch_needs_more_than_the_noise() -> None:
     assert clearly_faster(*many)  # the same 20% over 9 rounds: the medians wander by +-10%
     assert not clearly_faster(row(12, 11.9, 12.1), row(10, 9.9, 10.1))
     assert not clearly_faster(Row("openvino", "CPU", "fp32", 1, 2), row(10, 9.9, 10.1))  # untimed
+    # leaving what serves takes more: the whole spread, whatever the rounds (the load drifts)
+    from edgeserve.hardware.race_background import worth_a_switch
+
+    assert not worth_a_switch(*many)  # 20% apart inside +-30%: order enough, a switch not
+    assert worth_a_switch(row(10, 9.9, 10.1), row(12, 11.9, 12.1))
+    drift = [row(97, 80, 115), row(103, 85, 120)]  # resnet_nhwc under a hog and a suite: 6% apart
+    for r in drift:
+        r.rounds = 15
+    assert clearly_faster(*drift) and not worth_a_switch(*drift)  # it ranks first; no reload for it
+    assert not worth_a_switch(Row("openvino", "CPU", "fp32", 1, 2), row(10, 9.9, 10.1))
 
 
 def test_a_noisy_near_tie_is_provisional_a_clear_or_quiet_one_final() -> None:
