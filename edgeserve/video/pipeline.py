@@ -294,7 +294,10 @@ class Watch:
         stream.convert_cpu_s += ready.cpu_s
         ready.cpu_s = 0.0  # counted once, if it waits for a second try
         slot, item = ready.slot, ready.item
-        if ready.error is not None or self._stopping or stream.thread.stopping.is_set():
+        # at --max-frames already (a slot given to the decoder before the limit was reached, whose
+        # frame came in after it: on a busy box the 11th of 10 was sent)
+        stopped = self._stopping or stream.thread.stopping.is_set() or self._at_limit(stream)
+        if ready.error is not None or stopped:
             slot.release()
             if ready.error is not None:
                 stream.stats.failed += 1
