@@ -266,7 +266,7 @@ def _test_hold(point: str) -> None:
     with contextlib.suppress(ModuleError, OSError):
         marker = load_module_config().state_dir / "mender" / "held"
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{point} {os.getpid()}")
+        write_text_atomic(marker, f"{point} {os.getpid()}")  # the harness reads it the moment it exists
         deadline = time.monotonic() + 300  # a test that died leaves no module behind for long
         while marker.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
