@@ -4,11 +4,9 @@ Import from here, never `from conftest import ...` (conftest module names collid
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from loopback_ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Endpoints:

@@ -19,12 +19,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loopback_ports import free_port
 
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/opt/homebrew/sbin/mosquitto")
 SYS_COUNTERS = (
@@ -50,12 +54,6 @@ def needs_mosquitto() -> Any:
     return pytest.mark.skipif(
         find_mosquitto() is None, reason="mosquitto is not installed (apt install mosquitto)"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
