@@ -15,6 +15,7 @@ from edgeserve import __version__
 from edgeserve.config import Settings
 from edgeserve.fsutil import write_json_atomic
 from edgeserve.supervisor.control import ModelState
+from edgeserve.supervisor.waker import Waker
 
 log = logging.getLogger("edgeserve.supervisor")
 
@@ -68,7 +69,7 @@ class LoopCalls:
     """Work other threads (the fleet agent) hand to the supervisor's loop, which owns the child and
     the settings; each caller waits for its own result."""
 
-    def __init__(self, wake: threading.Event) -> None:
+    def __init__(self, wake: Waker) -> None:
         self._wake = wake
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
             queue.SimpleQueue()

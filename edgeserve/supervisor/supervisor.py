@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from edgeserve.supervisor.control import ServerControl, ServerUnreachable, Serve
 from edgeserve.supervisor.notify import Notifier
 from edgeserve.supervisor.ota_service import OtaService
 from edgeserve.supervisor.report import PLAN_FILE, LoopCalls, served_models, status_line, write_plan
+from edgeserve.supervisor.waker import Waker
 
 log = logging.getLogger("edgeserve.supervisor")
 
@@ -98,7 +98,7 @@ class Supervisor:
         self._next_watchdog_at = 0.0
         self._last_status = ""
         self._signals: list[int] = []
-        self._wake = threading.Event()
+        self._wake = Waker()
         self.store = Store(self.state_dir, trust_dir_for(self.settings, self.state_dir))
         self.bundles = BundleKeeper(self.store, self.control)
         self.ota: OtaService | None = None
@@ -161,6 +161,7 @@ class Supervisor:
             if self.ota is not None:
                 self.ota.stop()
             self.notifier.close()
+            self._wake.close()
             if self._own_runtime_dir:
                 shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
