@@ -68,6 +68,25 @@ class StreamState:
     def exhausted(self) -> bool:
         return not self.items and (self.final or self.stopped)
 
+    def take(self, cancel: Callable[[], None]) -> InferResult | None:
+        """The next response's result, or None: wait for a reply until `deadline`. Raises StreamEnded
+        when no more can come, ClientError for an error response, and DEADLINE_EXCEEDED (after
+        `cancel()`) when the wait passed `timeout`."""
+        result = self.next_result()
+        if result is not None:
+            return result
+        if self.exhausted:
+            raise StreamEnded
+        if time.monotonic() >= self.deadline:
+            cancel()
+            waited = f"no response to streamed request {self.pending.id} in {self.timeout:g} s"
+            raise ClientError("DEADLINE_EXCEEDED", waited)
+        return None
+
+
+class StreamEnded(Exception):
+    """No more responses: the final one was read, or the caller cancelled."""
+
 
 def cancel_frames(req_id: int) -> list[Any]:
     return _core.build_control(req_id, wire.OP_CANCEL)
@@ -91,21 +110,14 @@ class ZmqStream:
         return self
 
     def __next__(self) -> InferResult:
-        state = self._state
         while True:
-            if state.items:
-                result = state.next_result()
-                if result is not None:
-                    return result
-                continue
-            if state.exhausted:
-                raise StopIteration
-            if time.monotonic() >= state.deadline:
-                self.cancel()
-                raise ClientError(
-                    "DEADLINE_EXCEEDED", f"no response to streamed request {self.id} in {state.timeout:g} s"
-                )
-            self._pump(state.deadline)
+            try:
+                result = self._state.take(self.cancel)
+            except StreamEnded:
+                raise StopIteration from None
+            if result is not None:
+                return result
+            self._pump(self._state.deadline)
 
     def cancel(self) -> None:
         """Stop the request (the server ends it; its model sees cancelled); nothing more is yielded."""
@@ -158,21 +170,14 @@ class AsyncZmqStream:
 
     async def __anext__(self) -> InferResult:
         await self.start()
-        state = self._state
         while True:
-            if state.items:
-                result = state.next_result()
-                if result is not None:
-                    return result
-                continue
-            if state.exhausted:
-                raise StopAsyncIteration
-            left = state.deadline - time.monotonic()
-            if left <= 0:
-                self.cancel()
-                raise ClientError(
-                    "DEADLINE_EXCEEDED", f"no response to streamed request {self.id} in {state.timeout:g} s"
-                )
+            try:
+                result = self._state.take(self.cancel)
+            except StreamEnded:
+                raise StopAsyncIteration from None
+            if result is not None:
+                return result
+            left = max(0.0, self._state.deadline - time.monotonic())
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(self._waiter), left)

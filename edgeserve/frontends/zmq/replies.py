@@ -125,22 +125,17 @@ def stream_reply(
             assert out.data is not None
             frames.append(datatypes.to_wire_bytes(out.data, out.datatype))
             outputs.append(desc)
-        body: dict[str, Any] = {
-            "model": result.model_name,
-            "version": result.model_version,
-            "outputs": outputs,
-        }
-        if result.parameters:
-            body["parameters"] = result.parameters
-        body["final"] = final
-        frames[0] = ok_reply(req_id, body)[0]
+        frames[0] = infer_header(req_id, result, outputs, final)
         return frames
     except InferenceError as exc:
         return error_reply(req_id, exc, final)
 
 
-def infer_header(req_id: Any, response: InferResponse, outputs: list[dict[str, Any]]) -> Any:
-    """The header frame of an infer reply built field by field, `outputs` its outputs' descriptions."""
+def infer_header(
+    req_id: Any, response: InferResponse, outputs: list[dict[str, Any]], final: bool | None = None
+) -> Any:
+    """The header frame of an infer reply built field by field, `outputs` its outputs' descriptions;
+    `final` is set on a streamed request's replies only."""
     body: dict[str, Any] = {
         "model": response.model_name,
         "version": response.model_version,
@@ -148,6 +143,8 @@ def infer_header(req_id: Any, response: InferResponse, outputs: list[dict[str, A
     }
     if response.parameters:
         body["parameters"] = response.parameters
+    if final is not None:
+        body["final"] = final
     return ok_reply(req_id, body)[0]
 
 
