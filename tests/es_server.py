@@ -91,6 +91,12 @@ def terminate(process: subprocess.Popen[bytes], timeout: float, *, tree: bool = 
     return int(process.returncode)
 
 
+# No listener on Triton's fixed metrics port 8002: servers run side by side (xdist workers, several
+# suites), and the second one's "cannot listen" ERROR line became its supervisor's last error.
+# --metrics-port wins over it.
+SIDE_BY_SIDE_ENV = {"EDGESERVE_METRICS_PORT": "0"}
+
+
 def server_command(command: str, repository: Path, http_port: int, grpc_port: int, zmq_endpoint: str,
                    extra: list[str]) -> list[str]:  # fmt: skip
     """`python -m edgeserve serve|run` on the given loopback ports (tests and benchmarks)."""
@@ -144,8 +150,7 @@ def start_server(
         # auto-completed models keep max_batch_size 4 (no batch-size race: what it serves depends on the
         # box's speed); tests/hardware/test_race_batch_server.py turns it on
         "EDGESERVE_RUNTIME_RACE_MAX_BATCH_SIZE": "0",
-        # no listener on Triton's fixed metrics port 8002 (servers run side by side); --metrics-port wins
-        "EDGESERVE_METRICS_PORT": "0",
+        **SIDE_BY_SIDE_ENV,
         **(env or {}),
     }
     with open(log_path, "wb") as log_file:

@@ -54,6 +54,7 @@ class ServerProcess:
                         "--control-socket", str(control_socket)]  # fmt: skip
         self.started_at = time.monotonic()
         self.last_error = ""
+        self.killed_for = ""
         self._log_line = log_line
         self.process = subprocess.Popen(
             self.command,
@@ -114,7 +115,10 @@ class ServerProcess:
             self.kill()
         return self.wait_exit()
 
-    def kill(self) -> None:
+    def kill(self, reason: str = "") -> None:
+        """SIGKILL; `reason` (the supervisor's) outranks the server's own last error line."""
+        if reason:
+            self.killed_for = reason
         self.signal(signal.SIGKILL)
 
     def wait_exit(self) -> int:

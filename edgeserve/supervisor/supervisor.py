@@ -208,7 +208,8 @@ class Supervisor:
         assert self.child is not None
         child, self.child = self.child, None
         child.wait_exit()
-        self.last_error = child.last_error or self.last_error
+        # Why it was killed says more than the last ERROR line it printed (a port in use, say).
+        self.last_error = child.killed_for or child.last_error or self.last_error
         delay = self.backoff.next_delay(child.uptime_s)
         self.restarts += 1
         self.next_start_at = time.monotonic() + delay
@@ -307,7 +308,7 @@ class Supervisor:
         if time.monotonic() - silent_since > hang_s:
             self.last_error = f"server pid {self.child.pid} did not answer its health check for {hang_s:.0f}s"
             log.error("%s; killing it", self.last_error)
-            self.child.kill()
+            self.child.kill(self.last_error)
 
     def _healthy_now(self, now: float) -> bool:
         """Whether a watchdog ping is honest: the server answered within the last interval, or a start

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from es_server import ROOT, RunningServer, free_port, server_command, start_server
+from es_server import ROOT, SIDE_BY_SIDE_ENV, RunningServer, free_port, server_command, start_server
 from onnx_models import MLP_CONFIG, write_model
 
 TOKEN = "t0ken-for-the-access-tests-0123456789"
@@ -75,6 +75,7 @@ def start_probed(
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
+        **SIDE_BY_SIDE_ENV,
         **FAST,
         **env,
     }

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from es_server import ROOT, RunningServer, free_port, get_status, server_command
+from es_server import ROOT, SIDE_BY_SIDE_ENV, RunningServer, free_port, get_status, server_command
 from onnx_models import write_model
 from socket_attacker import finish, run, start
 
@@ -62,7 +62,7 @@ def _serve(public: Path, zmq: list[str], *, ready: bool = True) -> RunningServer
     at = command.index("--zmq-endpoint")
     command[at : at + 2] = [item for e in zmq for item in ("--zmq-endpoint", e)]
     log_path = public / f"server-{http_port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **SIDE_BY_SIDE_ENV}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     server = RunningServer(process, http_port, grpc_port, ",".join(zmq), log_path, repo, {})

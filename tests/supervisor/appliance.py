@@ -16,7 +16,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from es_server import ROOT, Endpoints, free_port, get_status, server_command, terminate
+from es_server import ROOT, SIDE_BY_SIDE_ENV, Endpoints, free_port, get_status, server_command, terminate
 from notify_socket import NotifyListener
 
 
@@ -93,6 +93,7 @@ def start_appliance(
         "PYTHONUNBUFFERED": "1",
         "NOTIFY_SOCKET": notify.address,
         "EDGESERVE_SERVER_STATE_DIR": str(tmp / "state"),
+        **SIDE_BY_SIDE_ENV,
         **(env or {}),
     }
     full_env.pop("WATCHDOG_USEC", None)

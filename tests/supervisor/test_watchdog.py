@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -47,16 +48,23 @@ def test_supervisor_kills_a_server_silent_past_hang_timeout(
 ) -> None:
     # hang_timeout_s also bounds a starting server's first answer: on a saturated box a start took
     # longer than 2 s to answer (and was killed, again and again), so the timeout is a generous one.
-    app = appliance_factory(
-        mlp_repo,
-        config="[supervisor]\nhealth_interval_s = 0.25\nhealth_timeout_s = 0.5\nhang_timeout_s = 30\n"
-        "restart_initial_s = 0.1\n",
-    )
-    app.notify.wait_for("READY", timeout=120)
-    server = app.server_pid()
-    os.kill(server, signal.SIGSTOP)
-    replacement = app.server_pid(not_pid=server, timeout=120)
-    assert replacement != server
-    app.wait_ready(120)
+    # The metrics port is taken: the server logs an ERROR line (not fatal) before it hangs, and the
+    # status must still name the hang, the reason it was killed (that line once hid it).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        app = appliance_factory(
+            mlp_repo,
+            config="[supervisor]\nhealth_interval_s = 0.25\nhealth_timeout_s = 0.5\nhang_timeout_s = 30\n"
+            "restart_initial_s = 0.1\n",
+            env={"EDGESERVE_METRICS_PORT": str(taken.getsockname()[1])},
+        )
+        app.notify.wait_for("READY", timeout=120)
+        assert "metrics listener cannot listen" in app.log()
+        server = app.server_pid()
+        os.kill(server, signal.SIGSTOP)
+        replacement = app.server_pid(not_pid=server, timeout=120)
+        assert replacement != server
+        app.wait_ready(120)
     assert "did not answer its health check for 30s" in app.log()
     wait_until(lambda: any("did not answer" in s for s in app.notify.statuses()), 60, "STATUS with the hang")

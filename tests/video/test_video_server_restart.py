@@ -6,13 +6,22 @@ of its own."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from es_server import ROOT, RunningServer, get_status, server_command, start_server, wait_until
+from es_server import (
+    ROOT,
+    SIDE_BY_SIDE_ENV,
+    RunningServer,
+    get_status,
+    server_command,
+    start_server,
+    wait_until,
+)
 from video_clips import quick_sources
 
 from edgeserve.video import Result, Watch, WatchOptions, parse_sources
@@ -26,7 +35,8 @@ def _again(old: RunningServer, tmp: Path) -> subprocess.Popen[bytes]:
         "serve", MODELS, old.http_port, old.grpc_port, old.zmq_endpoint, ["--load-model", "centerface"]
     )
     with open(tmp / "again.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        env = {**os.environ, **SIDE_BY_SIDE_ENV}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     assert wait_until(lambda: get_status(old.base + "/v2/health/ready") == 200, 120), (
         tmp / "again.log"
     ).read_text()
