@@ -22,18 +22,23 @@ LOWEST = 10000
 
 
 def _window() -> tuple[int, int]:
+    """Ports no outgoing connection takes; empty when the ephemeral range leaves too few."""
     try:
         low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
     if low - LOWEST >= 4000:
         return LOWEST, low
-    return high + 1, 65536
+    if 65536 - (high + 1) >= 4000:
+        return high + 1, 65536
+    return 0, 0
 
 
 def _slice_walk() -> Iterator[int]:
     start, end = _window()
     width = (end - start) // SLICES
+    if width == 0:  # an ephemeral range that covers nearly every port: the kernel picks (bind 0)
+        return itertools.repeat(0)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     first = start + (int(worker) % SLICES if worker.isdigit() else 0) * width
     offset = random.randrange(width)
@@ -54,5 +59,5 @@ def free_port() -> int:
                     sock.bind(("127.0.0.1", port))
                 except OSError:
                     continue
-            return port
+                return int(sock.getsockname()[1])
     raise RuntimeError("no free loopback port outside the ephemeral range")
