@@ -10,32 +10,34 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from edgeserve.supervisor.waker import Waker
 
 
-def test_wait_reports_a_wake_from_another_thread_and_a_timeout() -> None:
-    waker = Waker()
-    try:
-        assert waker.wait(0.0) is False
-        threading.Thread(target=waker.set).start()
-        assert waker.wait(60.0) is True  # generous: only a lost wake reaches it
-        waker.clear()
-        assert waker.wait(0.0) is False
-    finally:
-        waker.close()
+@pytest.fixture
+def waker() -> Iterator[Waker]:
+    made = Waker()
+    yield made
+    made.close()
 
 
-def test_many_wakes_never_block_and_one_clear_takes_them_all() -> None:
-    waker = Waker()
-    try:
-        for _ in range(200_000):  # far past a pipe's capacity: a full pipe is already a wake
-            waker.set()
-        assert waker.wait(0.0) is True
-        waker.clear()
-        assert waker.wait(0.0) is False
-    finally:
-        waker.close()
+def test_wait_reports_a_wake_from_another_thread_and_a_timeout(waker: Waker) -> None:
+    assert waker.wait(0.0) is False
+    threading.Thread(target=waker.set).start()
+    assert waker.wait(60.0) is True  # generous: only a lost wake reaches it
+    waker.clear()
+    assert waker.wait(0.0) is False
+
+
+def test_many_wakes_never_block_and_one_clear_takes_them_all(waker: Waker) -> None:
+    for _ in range(200_000):  # far past a pipe's capacity: a full pipe is already a wake
+        waker.set()
+    assert waker.wait(0.0) is True
+    waker.clear()
+    assert waker.wait(0.0) is False
 
 
 def test_a_wake_after_close_writes_nowhere() -> None:
