@@ -165,11 +165,27 @@ class MenderEnv:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once (a power cut for that process tree)."""
+    """A power cut for a process tree: every process stops before any dies.
+
+    Killing one by one lets a parent run between its child's death and its own: `mender` could see its
+    module die and end the deployment (remove its work tree), which no power cut does. That is the likely
+    cause of a failure seen once on a saturated box: the next `mender rollback` could not run the module
+    ("fork/exec ...: no such file", Go's words for a missing working folder). So the root is frozen
+    first (it can start nothing more), then its descendants, then all get SIGKILL."""
     import psutil
 
     root = psutil.Process(pid)
-    for process in [*root.children(recursive=True), root]:
+    frozen: list[psutil.Process] = []
+    found = [root]
+    while found:  # a child may have started one more before it froze: look again until none is new
+        for process in found:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.suspend()
+        frozen += found
+        found = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found = [p for p in root.children(recursive=True) if p not in frozen]
+    for process in frozen:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     root.wait(10)
