@@ -169,7 +169,10 @@ def start_sides(
     for work in works:
         extra += ["--load-model", work.model]
     progress(f"starting edgeserve ({', '.join(w.model for w in works)}, onnxruntime)")
-    server: RunningServer = start_server(repository, tmp, args=extra, timeout=240)
+    # the plan's background race on, as on a device, and waited for: each side gets its final layout
+    env = {"EDGESERVE_RUNTIME_RACE_BACKGROUND": "true"}
+    server: RunningServer = start_server(repository, tmp, args=extra, timeout=240, env=env)
+    InProcess.wait_final(server.base, [w.model for w in works])
     grpc, http = server.grpc_url, server.http_url
     es_addresses = {
         "gRPC unary": grpc,

@@ -485,7 +485,9 @@ class InProcess:
     `parameters` are added to the config first: `matching` passes what the server decided at load (the
     ONNX Runtime thread probe) so that both sides run the same choice."""
 
-    def __init__(self, repository: Path, model: str, parameters: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, repository: Path, model: str, parameters: Mapping[str, str] | None = None, instances: int = 0
+    ) -> None:
         from edgeserve.backends.base import get_backend
         from edgeserve.repository.autocomplete import instance_count
 
@@ -495,6 +497,9 @@ class InProcess:
             config.name = model
         for key, value in (parameters or {}).items():
             config.parameters[key].string_value = value
+        if instances:  # the server's layout: the in-process side races nothing of its own
+            del config.instance_group[:]
+            config.instance_group.add(count=instances)
         version_dir = max((p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
                           key=lambda p: int(p.name))  # fmt: skip
         choice = plan_selector().choose(model, model_dir, version_dir, config)
@@ -506,15 +511,37 @@ class InProcess:
                           for _ in range(instance_count(config))]  # fmt: skip
         self._pool = _Pool(self.instances)
 
+    @staticmethod
+    def wait_final(http_base: str, models: Sequence[str], timeout: float = 300.0) -> None:
+        """Until the server's plan for each model is final (its background race ended; a device that
+        restarts serves that from the cache at once): the steady state is what is compared. The race
+        shares the CPU with requests while it runs, so a measurement during it times the race too.
+        Only for a server started with the background race on (es_server turns it off)."""
+        deadline = time.monotonic() + timeout
+        waiting = list(models)
+        while waiting:
+            url = f"{http_base}/v2/models/{waiting[0]}/config"
+            with urllib.request.urlopen(url, timeout=30) as response:
+                params = json.loads(response.read()).get("parameters") or {}
+            if params.get("runtime_choice_final", {}).get("string_value", "true") == "true":
+                waiting.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{waiting[0]}: the server's plan is not final after {timeout:.0f} s")
+            progress(f"{waiting[0]}: waiting for the plan's background race to end "
+                     f"({deadline - time.monotonic():.0f} s left)")  # fmt: skip
+            time.sleep(5)
+
     @classmethod
     def matching(cls, repository: Path, model: str, http_base: str) -> InProcess:
         """The in-process side of a running edgeserve's `model`: same backend (checked) and the
-        parameters it filled in at load (its served config)."""
+        parameters and layout it serves (instances x `intra_op_thread_count`, its served config)."""
         with urllib.request.urlopen(f"{http_base}/v2/models/{model}/config", timeout=30) as response:
             served = json.loads(response.read())
         params = {k: v.get("string_value", "") for k, v in (served.get("parameters") or {}).items()}
         tuned = {k: v for k, v in params.items() if k == "intra_op_thread_count"}
-        inproc = cls(repository, model, tuned)
+        instances = sum(max(int(g.get("count", 1)), 1) for g in served.get("instance_group") or []) or 1
+        inproc = cls(repository, model, tuned, instances)
         if served.get("backend", "") != inproc.backend:
             inproc.close()
             raise SystemExit(f"{model}: edgeserve runs {served.get('backend')}, the in-process side "

@@ -25,7 +25,7 @@ from edgeserve.hardware.plan import AccuracyGuard as GuardFn
 from edgeserve.hardware.plan import ModelPlan, Planner
 from edgeserve.hardware.probes import HardwareInfo, probe_hardware
 from edgeserve.hardware.profile import DeviceProfile, load_profiles, match_profile
-from edgeserve.hardware.race import Racer
+from edgeserve.hardware.race import THREADS_PARAMETER, Racer
 from edgeserve.hardware.race_background import BackgroundRaces
 from edgeserve.hardware.race_result import RaceCache, RaceResult
 from edgeserve.hardware.runtimes import RuntimeInventory, detect_runtimes
@@ -189,7 +189,7 @@ class PlanSelector:
             base = self.planner.backend_options(verdict.option, config, plan.pins)
             parameters = dict(base.parameters)
             if row.backend == "onnxruntime":
-                parameters.setdefault("intra_op_thread_count", str(row.threads))
+                parameters.setdefault(THREADS_PARAMETER, str(row.threads))
             options = dataclasses.replace(base, threads=row.threads, parameters=parameters)
             choices.append(
                 BackendChoice(
@@ -203,6 +203,8 @@ class PlanSelector:
             text += f"; backend pinned by {plan.pins.backend_why}, instances x threads raced"
         first = choices[0]
         shown = {"runtime_choice": text, "runtime_choice_final": str(race.final).lower()}
+        if THREADS_PARAMETER in first.options.parameters:  # the raced layout, as Triton's ORT backend has it
+            shown[THREADS_PARAMETER] = first.options.parameters[THREADS_PARAMETER]
         batch = race.batch.size if race.batch is not None else 0
         if race.batch is not None:
             shown["batch_size_choice"] = race.batch.summary()

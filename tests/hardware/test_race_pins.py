@@ -78,6 +78,11 @@ def test_a_pinned_backend_still_races_instances_x_threads(backend: str, tmp_path
     try:
         assert len(prepared.instances) == race.chosen.instances
         assert sum(g.count for g in prepared.config.instance_group) == race.chosen.instances
+        shown = prepared.config.parameters  # the threads too, as Triton's ORT backend parameter
+        if backend == "onnxruntime":
+            assert shown["intra_op_thread_count"].string_value == str(race.chosen.threads)
+        else:
+            assert "intra_op_thread_count" not in shown
     finally:
         for instance in prepared.instances:
             instance.close()
@@ -145,8 +150,9 @@ def test_a_real_server_serves_the_raced_layout_of_a_pinned_backend_and_again_aft
     assert "raced: onnxruntime fp32 " in choice and "backend pinned by config backend 'onnxruntime'" in choice
     assert "openvino" not in choice  # only the pinned runtime was a candidate
     winner = choice.split("raced: onnxruntime fp32 ")[1].split()[0]  # e.g. "2x1"
-    instances = int(winner.split("x")[0])
+    instances, threads = (int(n) for n in winner.split("x"))
     assert sum(int(g.get("count", 1)) for g in config["instance_group"]) == instances
+    assert config["parameters"]["intra_op_thread_count"]["string_value"] == str(threads)
     again, second = served()  # the restart reads the cached race: the same layout, the same answers
     assert "cached" in again["parameters"]["runtime_choice"]["string_value"]
     assert f"raced: onnxruntime fp32 {winner}" in again["parameters"]["runtime_choice"]["string_value"]
