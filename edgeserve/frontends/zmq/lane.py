@@ -60,6 +60,7 @@ LANES_MAX = 256  # bound lanes in all, as many as [zmq] max_clients' default (mo
 BACKLOG = 16
 IDS_MAX = 65536  # request ids awaiting their reply on one lane (far above [zmq] max_inflight_per_client)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+ID_UNKNOWN: Any = object()  # a reply whose request id the sender did not say: read from its header
 
 
 def encode(frames: Sequence[Any]) -> list[Any] | None:
@@ -158,22 +159,21 @@ class Lane:
         self.closed = False
         self.ids: set[int | str] = set()  # requests that came over it, not answered yet
 
-    def asked(self, header: memoryview) -> None:
-        """A request came over the lane: its reply goes back over it (a streamed one's: ZeroMQ)."""
-        try:
-            fields = wire.loads(header)
-        except ValueError:
-            return
+    def asked(self, fields: Any) -> None:
+        """A request came over the lane (`fields`: its header as the frontend parsed it, once): its
+        reply goes back over it (a streamed one's: ZeroMQ)."""
         req_id = fields.get("id") if isinstance(fields, dict) and fields.get("stream") is not True else None
         if isinstance(req_id, (int, str)) and not isinstance(req_id, bool):
             if len(self.ids) >= IDS_MAX:  # replies lost on the way: ZeroMQ carries the rest
                 self.ids.clear()
             self.ids.add(req_id)
 
-    def reply(self, frames: Sequence[Any]) -> bool:
-        """Any thread: send a reply (header frame first) if it answers a request of this lane."""
+    def reply(self, frames: Sequence[Any], req_id: Any = ID_UNKNOWN) -> bool:
+        """Any thread: send a reply (header frame first) if it answers a request of this lane.
+        `req_id`: the id its header carries, when the sender knows it (no parse of the header)."""
         try:
-            req_id = wire.loads(frames[0]).get("id")
+            if req_id is ID_UNKNOWN:
+                req_id = wire.loads(frames[0]).get("id")
             self.ids.remove(req_id)
         except (ValueError, AttributeError, TypeError, KeyError):
             return False
@@ -193,7 +193,7 @@ class Lanes:
         endpoint: str,
         path: Path,
         watch: Callable[[int, Callable[[], int] | None], None],
-        route: Callable[[bytes, Callable[[list[Any]], bool] | None], None],
+        route: Callable[[bytes, Callable[[list[Any], Any], bool] | None], None],
         on_packet: Callable[[Lane, list[memoryview]], None],
     ) -> None:
         self.path = Path(str(path) + LANE_SUFFIX)
@@ -296,8 +296,7 @@ class Lanes:
                 continue
             self.requests += 1
             handled += 1
-            lane.asked(frames[0])
-            self._on_packet(lane, frames)
+            self._on_packet(lane, frames)  # which calls lane.asked with the header it parsed
         return handled
 
     def _bind(self, lane: Lane, frames: list[memoryview]) -> None:

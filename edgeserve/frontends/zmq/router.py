@@ -41,6 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from edgeserve.frontends.zmq import wire
 from edgeserve.frontends.zmq.endpoint import ipc_path
 from edgeserve.frontends.zmq.ipc import bind_ipc
+from edgeserve.frontends.zmq.lane import ID_UNKNOWN
 from edgeserve.frontends.zmq.spin import SpinPolicy
 
 log = logging.getLogger("edgeserve.zmq")
@@ -89,7 +90,7 @@ class Router:
         self._callbacks: deque[Callable[[], None]] = deque()
         self._poller = select.poll()
         self._watched: dict[int, Callable[[], int]] = {}  # other fds the thread serves (lane.py)
-        self._routes: dict[bytes, Callable[[list[Any]], bool]] = {}  # routing id -> its lane's send
+        self._routes: dict[bytes, Callable[[list[Any], Any], bool]] = {}  # routing id -> its lane's reply
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._thread: threading.Thread | None = None
@@ -161,12 +162,13 @@ class Router:
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_seq), fn))
 
     # -- send (any thread) ----------------------------------------------------------------------
-    def send(self, frames: list[Any]) -> BaseException | None:
+    def send(self, frames: list[Any], req_id: Any = ID_UNKNOWN) -> BaseException | None:
         """Send without blocking. Returns the error, if any: zmq.Again (the peer's queue is full)
-        or a ZMQError with errno EHOSTUNREACH (the peer is gone)."""
+        or a ZMQError with errno EHOSTUNREACH (the peer is gone). `req_id`: the id in the reply's
+        header, when the caller knows it (a lane then need not parse the header to route it)."""
         if self._routes:
             lane = self._routes.get(frames[0])
-            if lane is not None and lane(frames[1:]):
+            if lane is not None and lane(frames[1:], req_id):
                 return None
         error: BaseException | None = None
         last = len(frames) - 1
@@ -198,7 +200,7 @@ class Router:
         self._watched[fd] = on_readable
         self._poller.register(fd, select.POLLIN)
 
-    def route(self, ident: bytes, send: Callable[[list[Any]], bool] | None) -> None:
+    def route(self, ident: bytes, send: Callable[[list[Any], Any], bool] | None) -> None:
         """Replies to the client socket `ident` go through `send` (its lane) when it takes them
         (True); else, or with None, over the ROUTER socket."""
         if send is None:

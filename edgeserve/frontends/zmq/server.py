@@ -32,7 +32,7 @@ from edgeserve.frontends.peer import zmq_peer, zmq_peer_credentials_work
 from edgeserve.frontends.shm.binding import PeerIdentity, ShmClient
 from edgeserve.frontends.zmq import codec, replies, wire
 from edgeserve.frontends.zmq.endpoint import ipc_path, server_default
-from edgeserve.frontends.zmq.lane import OP_LANE, Lanes, lane_message
+from edgeserve.frontends.zmq.lane import ID_UNKNOWN, OP_LANE, Lane, Lanes, lane_message
 from edgeserve.frontends.zmq.metrics import ZmqCollector
 from edgeserve.frontends.zmq.router import Router
 from edgeserve.frontends.zmq.streams import Live, StreamPump
@@ -53,7 +53,7 @@ BUSY_INLINE_MAX_NS = 100_000  # the longest inline run while other requests wait
 
 
 class _Peer:
-    __slots__ = ("envelope", "ident", "inflight", "owner", "owns_regions", "streams")
+    __slots__ = ("envelope", "ident", "inflight", "owner", "owns_regions", "shm_client", "streams")
 
     def __init__(self, ident: bytes, envelope: list[bytes]) -> None:
         self.ident = ident
@@ -62,6 +62,7 @@ class _Peer:
         self.inflight = 0  # +1 on the loop thread, -1 on a worker thread (under _count_lock)
         self.owns_regions = False
         self.streams: dict[Any, Live] = {}  # live streamed requests by id (router thread)
+        self.shm_client: tuple[str, ShmClient] | None = None  # (Peer-Address, its ShmClient), router thread
 
 
 class ZmqFrontend:
@@ -120,7 +121,7 @@ class ZmqFrontend:
         lane_at = [(e, path) for e in self.bound if (path := ipc_path(e)) is not None]
         if self._peer_credentials and lane_at:  # a lane is bound to its user: needs ipc credentials
             lanes = Lanes(*lane_at[0], router.watch, router.route,
-                          lambda lane, frames: self._handle(lane_message(lane, frames)))  # fmt: skip
+                          lambda lane, frames: self._handle(lane_message(lane, frames), lane))  # fmt: skip
             self._lanes = lanes
             router.call_soon(lanes.start)
         router.call_later(SWEEP_S, self._sweep)
@@ -149,7 +150,8 @@ class ZmqFrontend:
         log.info("zmq frontend stopped (%d request(s) still in flight)", self._inflight)
 
     # -- receive --------------------------------------------------------------------------------
-    def _handle(self, msg: list[Any]) -> None:
+    def _handle(self, msg: list[Any], lane: Lane | None = None) -> None:
+        """One message from the socket, or from `lane` (its reply then goes back over the lane)."""
         ident = msg[0].bytes
         index = 1
         envelope = [ident]
@@ -176,6 +178,8 @@ class ZmqFrontend:
             self._reply(peer, replies.error_reply(None, invalid_arg("header frame is not valid JSON")))
             self._maybe_forget(peer)
             return
+        if lane is not None and index == 1:  # parsed once, here: the lane routes its reply by its id
+            lane.asked(header)
         req_id = header.get("id") if isinstance(header, dict) else None
         try:
             if not isinstance(header, dict):
@@ -206,8 +210,19 @@ class ZmqFrontend:
 
     def _shm_client(self, peer: _Peer, frame: Any) -> ShmClient:
         """Who names shm regions: this socket, as the user libzmq says sent `frame` (read per message:
-        a routing id reused by another connection lends it nothing), looked up only when it does."""
-        return ShmClient(lambda: self._peer_of(frame), owner=peer.owner)
+        a routing id reused by another connection lends it nothing). The identity follows from the
+        Peer-Address alone (`_peer_of`), so the socket keeps the client of its last address: a camera's
+        requests all come from one, and each would otherwise look it up again."""
+        try:
+            address = frame.get("Peer-Address")
+        except Exception:  # no metadata on this message: looked up (zmq_peer says what that means)
+            return ShmClient(lambda: self._peer_of(frame), owner=peer.owner)
+        cached = peer.shm_client
+        if cached is not None and cached[0] == address:
+            return cached[1]
+        client = ShmClient(self._peer_of(frame), owner=peer.owner)
+        peer.shm_client = (address, client)
+        return client
 
     def _peer_of(self, frame: Any) -> PeerIdentity:
         """`zmq_peer(frame)`, memoised by the Peer-Address libzmq reports for this very message: the
@@ -268,7 +283,7 @@ class ZmqFrontend:
                     reply = replies.error_reply(
                         decoded.req_id, internal(f"internal error building the reply: {exc}")
                     )
-                self._post(peer, reply)
+                self._post(peer, reply, decoded.req_id)
             finally:
                 decoded.release()  # after the send: the slot guards are checked, the reply goes first
 
@@ -403,18 +418,19 @@ class ZmqFrontend:
         self._reply(peer, replies.ok_reply(req_id, body))
 
     # -- send -----------------------------------------------------------------------------------
-    def _post(self, peer: _Peer, frames: list[Any]) -> None:
+    def _post(self, peer: _Peer, frames: list[Any], req_id: Any) -> None:
         """Send a finished request's reply (on a worker thread, or the loop for early errors)."""
         with self._count_lock:
             peer.inflight -= 1
             self._inflight -= 1
-        self._reply(peer, frames)
+        self._reply(peer, frames, req_id)
 
-    def _reply(self, peer: _Peer, frames: list[Any]) -> None:
+    def _reply(self, peer: _Peer, frames: list[Any], req_id: Any = ID_UNKNOWN) -> None:
+        """`req_id`: the id in the header of `frames`, when known (else read from it where needed)."""
         router = self._router
         if router is None:
             return
-        error = router.send(peer.envelope + frames)
+        error = router.send(peer.envelope + frames, req_id)
         if error is None:
             return
         if isinstance(error, zmq.Again):

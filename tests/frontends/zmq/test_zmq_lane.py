@@ -4,6 +4,7 @@ asked on the lane. Real frontend, real sockets, real shared memory (conftest's `
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from es_server import wait_until
 from zmq_harness import RunningFrontend, identity_model, running_frontend
 
 from edgeserve.client import ClientError, ZmqClient
-from edgeserve.frontends.zmq.lane import PACKET_MAX, Lanes, decode, encode
+from edgeserve.frontends.zmq.lane import PACKET_MAX, Lane, Lanes, decode, encode
 
 WAIT_S = 30.0  # generous: a busy 2-vCPU CI box
 
@@ -165,3 +166,26 @@ def _answers(client: ZmqClient) -> bool:
 def tcp_server() -> Any:
     with running_frontend([identity_model("id_fp32", "FP32")], "tcp://127.0.0.1:*") as running:
         yield running
+
+
+def test_a_lane_carries_only_replies_to_what_was_asked_on_it() -> None:
+    """The frontend hands the lane the header it parsed (no second parse) and, with a reply, the id
+    that reply answers: only an id asked on the lane (not a streamed one) goes back over it, once."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        lane = Lane(ours)
+        lane.asked({"v": 1, "op": "infer", "id": 7})
+        lane.asked({"v": 1, "op": "infer", "id": 8, "stream": True})  # its replies: ZeroMQ
+        lane.asked({"v": 1, "op": "infer", "id": True})  # not an id
+        lane.asked(["not", "a", "header"])
+        assert lane.ids == {7}
+        assert not lane.reply([b'{"v":1,"id":7}'], 8)
+        assert lane.reply([b"the header is not read when the id is given"], 7)
+        assert [bytes(f) for f in decode(memoryview(theirs.recv(PACKET_MAX)))] == [
+            b"the header is not read when the id is given"
+        ]
+        assert not lane.reply([b'{"v":1,"id":7}'], 7)  # answered already
+        lane.asked({"v": 1, "id": "abc"})
+        assert not lane.reply([b"not json"])  # no id given: read from the header
+        assert lane.reply([b'{"v":1,"id":"abc","status":"OK"}'])
+        assert bytes(decode(memoryview(theirs.recv(PACKET_MAX)))[0]) == b'{"v":1,"id":"abc","status":"OK"}'
