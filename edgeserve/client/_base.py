@@ -15,6 +15,7 @@ from edgeserve.client import _core
 from edgeserve.client._core import InputValue, Outputs, Pending
 from edgeserve.client.endpoint import check_ipc, find_endpoint, foreign_peer
 from edgeserve.client.errors import ClientError
+from edgeserve.client.lane import HeaderFrame
 from edgeserve.client.ring import FrameRing
 from edgeserve.client.stream import StreamState
 from edgeserve.frontends.zmq import wire
@@ -164,6 +165,8 @@ class ClientBase(Generic[Entry]):
     def _foreign(self, frame: Any) -> str | None:
         """Why the reply `frame` is not the server's (None: it is). One string compare per reply:
         the sender's Peer-Address is looked into only when it changes (a new connection)."""
+        if type(frame) is HeaderFrame:  # a lane's: its server was checked when it connected
+            return None
         try:
             address = frame.get("Peer-Address")
         except Exception:  # no metadata on this message: nothing to tell by

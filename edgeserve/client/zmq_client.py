@@ -355,20 +355,21 @@ class ZmqClient(ClientBase[tuple[ZmqFuture, Pending | None]]):
 
     def _pump_both(self, until: float, target: ZmqFuture | None) -> None:
         """`_pump` with a lane: replies come over it or (too big for a packet, control) over ZeroMQ."""
-        if not self._take_both(target) and self._link.lane is not None:
-            if self.spin_s > 0.0 and self._reply_s <= self.spin_s and self._core.ready():
+        caught = False
+        if self.spin_s > 0.0 and self._reply_s <= self.spin_s:
+            caught = self._take_both(target)
+            if not caught and self._link.lane is not None and self._core.ready():
                 start, cpu_start = time.monotonic(), self._core.cpu_clock()
                 end = min(until, start + self.spin_s)
-                caught = False
                 while not caught and time.monotonic() < end:
                     os.sched_yield()  # as in _pump: a woken thread gets this core now
                     caught = self._take_both(target)
                 self._core.record(time.monotonic() - start, cpu_start)
-            else:
-                caught = False
-            if not caught:
-                self._link.wait(max(0, int((until - time.monotonic()) * 1000 + 0.999)))
-                self._take_both(target)
+        # Not spinning: no look before the wait, which returns at once for a reply already there
+        # (a look that finds nothing costs a failed recv on the lane and a ZeroMQ EVENTS query).
+        if not caught and self._link.lane is not None:
+            self._link.wait(max(0, int((until - time.monotonic()) * 1000 + 0.999)))
+            self._take_both(target)
         heap = self._deadlines
         if heap and (heap[0][1] not in self._pending or heap[0][0] <= time.monotonic()):
             self._expire(time.monotonic())

@@ -189,3 +189,37 @@ def test_a_lane_carries_only_replies_to_what_was_asked_on_it() -> None:
         assert not lane.reply([b"not json"])  # no id given: read from the header
         assert lane.reply([b'{"v":1,"id":"abc","status":"OK"}'])
         assert bytes(decode(memoryview(theirs.recv(PACKET_MAX)))[0]) == b'{"v":1,"id":"abc","status":"OK"}'
+
+
+def test_a_client_that_does_not_spin_waits_before_it_looks(
+    sockdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without spinning, a wait for a reply polls first (it returns at once for a reply already
+    there) and reads the lane once, for that reply: no failed read before the wait. (A server of its
+    own: another client's disconnect would send this one a probe over ZeroMQ, which wakes it too.)"""
+    with (
+        running_frontend([identity_model("m", "FP32")], f"ipc://{sockdir}/lane-wait.zmq") as server,
+        ZmqClient(server.endpoint, timeout=WAIT_S, spin_us=0) as client,
+    ):
+        ring = client.create_ring(slots=2, slot_size=4096)
+        lane = client._link.lane
+        assert lane is not None
+        reads: list[bool] = []
+        recv = lane.recv
+
+        def counted() -> list[Any] | None:
+            msg = recv()
+            reads.append(msg is not None)
+            return msg
+
+        monkeypatch.setattr(lane, "recv", counted)
+        for i in range(5):
+            x = np.full((1, 32), i, np.float32)
+            result = client.infer("m", {"INPUT0": ring.acquire().write(x)})
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), x)
+        assert reads == [True] * 5
+        future = client.submit("m", {"INPUT0": ring.acquire().write(np.ones((1, 8), np.float32))})
+        assert wait_until(lambda: server.frontend.counters()["inflight"] == 0)  # the reply is there
+        reads.clear()
+        assert future.result().as_numpy("OUTPUT0").tolist() == [[1.0] * 8]
+        assert reads == [True]
