@@ -24,10 +24,10 @@ def test_bye_releases_the_regions_before_it_answers() -> None:
             sent: list[tuple[dict[str, Any], list[str]]] = []
             send = router.send
 
-            def recording_send(frames: list[Any]) -> BaseException | None:
+            def recording_send(frames: list[Any], *req_id: Any) -> BaseException | None:
                 header = json.loads(bytes(frames[-1] if len(frames) == 2 else frames[1]))
                 sent.append((header, registry.names()))  # the registry as the reply leaves
-                return send(frames)
+                return send(frames, *req_id)
 
             router.send = recording_send  # type: ignore[method-assign]
             client = ZmqClient(endpoint, timeout=10)
