@@ -342,10 +342,12 @@ class DataPlane:
                 return internal(f"internal error building the response: {exc}")
 
         def release_leases() -> None:
+            # Drop this request's references to the client's memory (a thread's stale local can keep
+            # a finished request alive), so an unregistered region's mapping goes now: a region
+            # leased here, or a ring slot a frontend read in place under a lease of its own (its
+            # tensors are the frontend's to clear).
+            inputs.clear()
             if leases:
-                # Drop this request's references to the client's memory (a thread's stale local
-                # can keep a finished request alive), so an unregistered region's mapping goes now.
-                inputs.clear()
                 for tensor in request.inputs:
                     tensor.data = None
             for lease in leases:

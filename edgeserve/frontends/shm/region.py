@@ -202,6 +202,22 @@ class ShmLease:
             return b""
         return self._region.pread(self._start, self._size)
 
+    def mapped(self, start: int, size: int) -> memoryview | None:
+        """Bytes `start`..`start + size` of the whole region (not only the referenced ones), kept open
+        by this lease: a view of a sealed region's mapping, checked against the region's size as a
+        lease of their own would be; None for a region that is not mapped (read it with a lease)."""
+        region = self._region
+        if self._view is None or region is None or region.map is None:
+            return None
+        limit = region.info.byte_size
+        if start < 0 or size < 0 or start + size > limit:
+            raise invalid_arg(
+                f"Invalid offset + byte size ({start} + {size}) for shared memory region "
+                f"'{region.info.name}' of {limit} bytes"
+            )
+        at = region.info.offset + start
+        return memoryview(region.map)[at : at + size]
+
     def write(self, payload: Any, what: str = "the output") -> None:
         """Store `payload` (at most `nbytes`) at the start of the referenced bytes."""
         size = memoryview(payload).nbytes

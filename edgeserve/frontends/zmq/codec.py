@@ -72,15 +72,19 @@ class OutputSlot:
 class Decoded:
     """A decoded request and the ring resources it holds until its reply is built."""
 
-    __slots__ = ("guards", "out_slots", "req_id", "request")
+    __slots__ = ("guards", "in_slots", "out_slots", "req_id", "request")
 
     def __init__(self, req_id: Any, request: InferRequest) -> None:
         self.req_id = req_id
         self.request = request
         self.guards: list[SlotGuard] = []
+        self.in_slots: list[InputTensor] = []  # inputs read in place from a slot, under its guard's lease
         self.out_slots: dict[str, OutputSlot] = {}
 
     def release(self) -> None:
+        for tensor in self.in_slots:  # no reference to the client's memory outlives the leases
+            tensor.data = None
+        self.in_slots = []
         for guard in self.guards:
             guard.release()
         for out in self.out_slots.values():
@@ -146,9 +150,11 @@ def _layout(view: Any, region: str) -> RingLayout:
 
 
 def _resolve_ref(
-    registry: SharedMemoryRegistry, ref: Any, what: str, client: RegionNamer | None
-) -> tuple[ShmRef, SlotGuard | None]:
-    """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once)."""
+    registry: SharedMemoryRegistry, ref: Any, what: str, client: RegionNamer | None, read: bool = False
+) -> tuple[ShmRef, SlotGuard | None, memoryview | None]:
+    """A wire reference -> the data plane's ShmRef (+ a guard for ring slots, checked here once).
+    `read`: an input's; a slot of a mapped ring comes with a view of its bytes, kept open by the
+    guard's lease (the data plane then needs no lease of its own for them)."""
     if not isinstance(ref, dict):
         raise invalid_arg(f"{what}: 'shm' must be an object with region, byte_size and offset")
     region, byte_size, offset = ref.get("region"), ref.get("byte_size"), ref.get("offset", 0)
@@ -159,7 +165,7 @@ def _resolve_ref(
     if byte_size < 0 or offset < 0:
         raise invalid_arg(f"{what}: shared memory offset and byte_size must not be negative")
     if "slot" not in ref:
-        return ShmRef(region, byte_size, offset), None
+        return ShmRef(region, byte_size, offset), None, None
     slot, gen = ref.get("slot"), ref.get("gen")
     if type(slot) is not int or type(gen) is not int:
         slot = _field(ref, "slot", int, what)
@@ -187,10 +193,11 @@ def _resolve_ref(
     guard = SlotGuard(lease, at, region, slot, gen, what)
     try:
         guard.check("before the request was read", "the reference is stale")
+        view = lease.mapped(start, byte_size) if read else None
     except InferenceError:
         guard.release()
         raise
-    return ShmRef(region, byte_size, start), guard
+    return ShmRef(region, byte_size, start), guard, view
 
 
 _SEQUENCE_FIELDS: dict[str, Any] = {"sequence_id": (int, str), "sequence_start": bool, "sequence_end": bool}
@@ -263,9 +270,14 @@ def _decode_tensors(
             name, datatype, shape, parameters=_params(desc, what) if "parameters" in desc else {}
         )
         if "shm" in desc:
-            tensor.shm, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
+            ref, guard, view = _resolve_ref(registry, desc["shm"], what, request.shm_client, read=True)
             if guard is not None:
                 decoded.guards.append(guard)
+            if view is None:
+                tensor.shm = ref  # the data plane leases and reads it
+            else:
+                tensor.data = datatypes.from_buffer(view, datatype, shape, what)
+                decoded.in_slots.append(tensor)
         else:
             if frame_index >= len(frames):
                 raise invalid_arg(
@@ -294,7 +306,7 @@ def _decode_tensors(
             name, classification=_field(desc, "classification", int, what, 0), parameters=_params(desc, what)
         )
         if "shm" in desc:
-            ref, guard = _resolve_ref(registry, desc["shm"], what, request.shm_client)
+            ref, guard, _ = _resolve_ref(registry, desc["shm"], what, request.shm_client)
             if guard is None:
                 wanted.shm = ref  # a plain region: the data plane writes it
             else:

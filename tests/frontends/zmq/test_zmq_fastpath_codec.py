@@ -108,9 +108,9 @@ def test_a_rewritten_ring_header_is_read_again(registry: SharedMemoryRegistry) -
     with FrameRing(2, 64) as ring:
         registry.register(ring.name, ring.key, 0, ring.byte_size)  # an in-process caller
         slot = ring.acquire()
+        slot.ndarray((1, 4), np.float32)[:] = [[1, 2, 3, 4]]
         decoded = codec.decode_infer(ring_request(ring, slot.index, slot.gen), [], registry)
-        assert decoded.request.inputs[0].shm is not None
-        assert decoded.request.inputs[0].shm.offset == ring.layout.slot_offset(slot.index)
+        assert read_in_place(decoded) == [[1, 2, 3, 4]]
         decoded.release()
         layout = ring.layout
         ring.buf[: HEADER.size] = HEADER.pack(MAGIC, 1, 2, 64, layout.data_offset, 64, 1)  # bad total
@@ -125,13 +125,38 @@ def test_two_rings_with_different_layouts(registry: SharedMemoryRegistry) -> Non
     with FrameRing(2, 64) as small, FrameRing(3, 4096) as large:
         for ring in (small, large):
             registry.register(ring.name, ring.key, 0, ring.byte_size)  # an in-process caller
-        for ring in (small, large, small, large):
+        for i, ring in enumerate((small, large, small, large)):
             slot = ring.acquire()
+            slot.ndarray((1, 4), np.float32)[:] = i
             decoded = codec.decode_infer(ring_request(ring, slot.index, slot.gen), [], registry)
-            shm = decoded.request.inputs[0].shm
-            assert shm is not None and shm.offset == ring.layout.slot_offset(slot.index)
+            assert read_in_place(decoded) == [[i] * 4]
             decoded.release()
             slot.release()
+
+
+def read_in_place(decoded: codec.Decoded) -> list[list[float]]:
+    """A mapped ring's input: a view of its slot, held by the slot's guard (no lease of the data
+    plane's), let go with the request."""
+    tensor = decoded.request.inputs[0]
+    assert tensor.shm is None and tensor.data is not None and decoded.in_slots == [tensor]
+    values: list[list[float]] = tensor.data.tolist()
+    return values
+
+
+def test_a_slot_past_the_end_of_its_region_is_refused(registry: SharedMemoryRegistry) -> None:
+    """The layout comes from the client's header; the bytes read in place are checked against the
+    size the region was registered with, as a lease of their own would be."""
+    with FrameRing(2, 64) as ring:
+        registry.register(ring.name, ring.key, 0, ring.byte_size - 64)  # the last slot is not in it
+        first, last = ring.acquire(), ring.acquire()
+        assert {first.index, last.index} == {0, 1}
+        inside = first if first.index == 0 else last
+        codec.decode_infer(ring_request(ring, inside.index, inside.gen), [], registry).release()
+        outside = last if inside is first else first
+        with pytest.raises(InferenceError) as info:
+            codec.decode_infer(ring_request(ring, outside.index, outside.gen), [], registry)
+        assert info.value.status == Status.INVALID_ARG and "Invalid offset + byte size" in info.value.message
+        assert not registry._regions[ring.name]["in-process"].refs  # the guard's lease went back
 
 
 def test_header_fields_outside_the_common_case(registry: SharedMemoryRegistry) -> None:
