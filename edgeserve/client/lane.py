@@ -112,7 +112,8 @@ class ClientLane:
             self.close()
             raise ConnectionError("the server closed the lane")
         try:
-            frames: list[Any] = decode(memoryview(bytes(self._buffer[:size])))  # outputs view it
+            # its own bytes (one copy): the outputs are views of it
+            frames: list[Any] = decode(memoryview(memoryview(self._buffer)[:size].tobytes()))
         except ValueError as exc:
             self.close()
             raise ConnectionError(f"malformed packet on the lane: {exc}") from None

@@ -63,16 +63,22 @@ _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 ID_UNKNOWN: Any = object()  # a reply whose request id the sender did not say: read from its header
 
 
+# The whole head of a packet of n frames (count, n lengths) packed or read in one call, per n.
+_HEADS = [struct.Struct(f"<H{n}I") for n in range(FRAMES_MAX + 1)]
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(FRAMES_MAX + 1)]
+
+
 def encode(frames: Sequence[Any]) -> list[Any] | None:
     """The buffers of one packet (for sendmsg: gathered by the kernel, no copy here); None when it
     would not fit PACKET_MAX or has too many frames."""
-    if len(frames) > FRAMES_MAX:
+    count = len(frames)
+    if count > FRAMES_MAX:
         return None
     sizes = [memoryview(frame).nbytes for frame in frames]
-    if COUNT.size + LENGTH.size * len(sizes) + sum(sizes) > PACKET_MAX:
+    head = _HEADS[count]
+    if head.size + sum(sizes) > PACKET_MAX:
         return None
-    head = COUNT.pack(len(sizes)) + b"".join(LENGTH.pack(size) for size in sizes)
-    return [head, *frames]
+    return [head.pack(count, *sizes), *frames]
 
 
 def decode(packet: memoryview) -> list[memoryview]:
@@ -82,12 +88,12 @@ def decode(packet: memoryview) -> list[memoryview]:
     (count,) = COUNT.unpack_from(packet, 0)
     if not 0 < count <= FRAMES_MAX:
         raise ValueError(f"{count} frames")
-    at = COUNT.size + LENGTH.size * count
+    lengths = _LENGTHS[count]
+    at = COUNT.size + lengths.size
     if at > len(packet):
         raise ValueError("short packet")
     frames = []
-    for i in range(count):
-        (size,) = LENGTH.unpack_from(packet, COUNT.size + LENGTH.size * i)
+    for size in lengths.unpack_from(packet, COUNT.size):
         frames.append(packet[at : at + size])
         at += size
     if at != len(packet):
@@ -139,14 +145,16 @@ class LaneFrame:
 
 def lane_message(lane: Lane, frames: list[memoryview]) -> list[LaneFrame]:
     """A bound lane's packet as the ROUTER socket would have received it: routing id first."""
-    assert lane.ident is not None
-    return [LaneFrame(lane.ident, lane.address), *(LaneFrame(f, lane.address) for f in frames)]
+    head = lane.ident_frame
+    assert head is not None
+    address = lane.address
+    return [head, *[LaneFrame(f, address) for f in frames]]
 
 
 class Lane:
     """One accepted connection: unbound until it shows a token, then a ZeroMQ socket's (`ident`)."""
 
-    __slots__ = ("address", "closed", "fd", "ident", "identity", "ids", "opened", "sock")
+    __slots__ = ("address", "closed", "fd", "ident", "ident_frame", "identity", "ids", "opened", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -155,6 +163,7 @@ class Lane:
         who = self.identity
         self.address = f"localhost:{who.uid}:{who.gid}:{who.pid or 0}"  # as libzmq's for ipc peers
         self.ident: bytes | None = None  # the ZeroMQ routing id it acts for, once bound
+        self.ident_frame: LaneFrame | None = None  # that id as the first frame of each of its messages
         self.opened = time.monotonic()
         self.closed = False
         self.ids: set[int | str] = set()  # requests that came over it, not answered yet
@@ -286,8 +295,8 @@ class Lanes:
                 self.close_lane(lane)
                 break
             try:
-                # its own bytes: a request's views outlive the buffer
-                frames = decode(memoryview(bytes(buffer[:size])))
+                # its own bytes (one copy): a request's views outlive the buffer
+                frames = decode(memoryview(memoryview(buffer)[:size].tobytes()))
             except ValueError:
                 self.close_lane(lane)
                 break
@@ -320,6 +329,7 @@ class Lanes:
             self.close_lane(lane)
             return
         lane.ident = entry[0]
+        lane.ident_frame = LaneFrame(lane.ident, lane.address)
         if not lane.send([b"ok"]):
             self.close_lane(lane)
             return

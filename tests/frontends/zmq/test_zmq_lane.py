@@ -5,6 +5,7 @@ asked on the lane. Real frontend, real sockets, real shared memory (conftest's `
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from es_server import wait_until
 from zmq_harness import RunningFrontend, identity_model, running_frontend
 
 from edgeserve.client import ClientError, ZmqClient
-from edgeserve.frontends.zmq.lane import PACKET_MAX, Lane, Lanes, decode, encode
+from edgeserve.frontends.zmq.lane import FRAMES_MAX, PACKET_MAX, Lane, Lanes, decode, encode
 
 WAIT_S = 30.0  # generous: a busy 2-vCPU CI box
 
@@ -50,6 +51,13 @@ def test_packets_round_trip_and_refuse_what_does_not_fit() -> None:
     packet = memoryview(b"".join(bytes(memoryview(b)) for b in buffers))
     assert [bytes(f) for f in decode(packet)] == [bytes(memoryview(f)) for f in frames]
     assert encode([bytes(PACKET_MAX)]) is None  # over ZeroMQ instead
+    most = [bytes([i]) * i for i in range(FRAMES_MAX)]  # the head of each frame count is packed at once
+    buffers = encode(most)
+    assert buffers is not None and encode([*most, b""]) is None
+    packet = memoryview(b"".join(bytes(memoryview(b)) for b in buffers))
+    assert [bytes(f) for f in decode(packet)] == most
+    with pytest.raises(ValueError):
+        decode(memoryview(struct.pack("<H", FRAMES_MAX + 1) + bytes(4 * (FRAMES_MAX + 1))))
     for bad in (b"", b"\x00\x00", b"\x01\x00\x05\x00\x00\x00ab", packet.tobytes() + b"x"):
         with pytest.raises(ValueError):
             decode(memoryview(bad))
