@@ -220,3 +220,23 @@ def test_peer_identities_are_read_per_message_and_memoised_by_address() -> None:
     for n in range(2000):  # bounded
         frontend._peer_of(_Frame(f"localhost:{n}:{n}:1"))
     assert len(frontend._identities) <= 1024
+
+
+def test_a_slot_read_in_place_must_hold_its_shape_exactly(registry: SharedMemoryRegistry) -> None:
+    """The view of a slot is made from a memo of (datatype, shape) once one was read: a reference
+    whose byte size does not match its shape is still refused, as the first time."""
+    with FrameRing(2, 64) as ring:
+        registry.register(ring.name, ring.key, 0, ring.byte_size)  # an in-process caller
+        slot = ring.acquire()
+        for byte_size in (16, 12, 16, 20):
+            request = ring_request(ring, slot.index, slot.gen)
+            request["inputs"][0]["shm"]["byte_size"] = byte_size  # type: ignore[index]
+            if byte_size == 16:
+                decoded = codec.decode_infer(request, [], registry)
+                assert read_in_place(decoded) == [[0, 0, 0, 0]]
+                decoded.release()
+                continue
+            with pytest.raises(InferenceError) as info:
+                codec.decode_infer(request, [], registry)
+            assert info.value.status == Status.INVALID_ARG
+            assert f"got {byte_size} bytes for shape [1, 4] of FP32, expected 16" in info.value.message
