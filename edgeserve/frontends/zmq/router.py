@@ -96,6 +96,7 @@ class Router:
         self._thread: threading.Thread | None = None
         self._thread_id = 0
         self._queued = False  # on the router thread: more input was waiting when a message was taken
+        self._spun: list[tuple[int, int]] = []  # router thread: the fds a spin found readable
         self._spin = spin if spin is not None else SpinPolicy(spin_us)
         self.handled = 0  # messages received
         self.spin_hits = 0  # idle waits that ended in a request while spinning
@@ -238,22 +239,26 @@ class Router:
         while not self._stop:
             try:
                 idle_since = 0.0
+                self._spun = []
                 if timeout_ms != 0:  # nothing pending: spin a little first while requests come close
                     idle_since = spin.clock()
                     ready = self._any_input if self._watched else self._input_queued
                     if spin.active() and spin.wait(idle_since, ready, self._woken):
                         timeout_ms = 0
                         self.spin_hits += 1
-                events = poller.poll(timeout_ms)
+                # A spin that caught a lane's request polled for it just now: no second poll.
+                events = self._spun or poller.poll(timeout_ms)
                 woke = spin.clock()
                 if self._wake_pending:  # read, then clear: a wake in between is handled below
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(self._wake_fd)
                     self._wake_pending = False
                 handled = self.handled
-                more = self._drain()
+                # Lanes first: a lane's request is answered before the look at the socket (its
+                # messages were queued as long either way; the drain takes them next).
                 if self._watched:
                     self._serve_watched(events)
+                more = self._drain()
                 if idle_since and self.handled != handled:
                     spin.record_gap(woke - idle_since)
                 self._drain_monitor()
@@ -270,7 +275,10 @@ class Router:
             return sock is None or bool(cast(int, wire.sock_get(sock, _EVENTS)) & _POLLIN)
 
     def _any_input(self) -> bool:
-        return self._input_queued() or bool(self._poller.poll(0))
+        if self._input_queued():
+            return True
+        self._spun = self._poller.poll(0)  # what the loop serves when this ends the spin
+        return bool(self._spun)
 
     def _serve_watched(self, events: list[tuple[int, int]]) -> None:
         for fd, _ in events:

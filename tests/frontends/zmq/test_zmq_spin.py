@@ -7,6 +7,8 @@ No assertion depends on how fast this box is (the measurement is benchmarks/benc
 from __future__ import annotations
 
 import contextlib
+import select
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,3 +209,58 @@ def test_the_router_never_spins_with_zero(endpoint: str) -> None:
             dealer.send(b"%d" % n)
         assert wait_until(lambda: len(got) == 20, 30)
         assert router.spin_hits == 0 and clock.pauses == 0
+
+
+class _Polls:
+    """select.poll, logging whether each poll found `target` readable."""
+
+    def __init__(self) -> None:
+        self.inner = select.poll()
+        self.target = -1
+        self.log: list[str] = []
+
+    def register(self, fd: int, mask: int) -> None:
+        self.inner.register(fd, mask)
+
+    def unregister(self, fd: int) -> None:
+        self.inner.unregister(fd)
+
+    def poll(self, timeout: int = -1) -> list[tuple[int, int]]:
+        events = self.inner.poll(timeout)
+        if any(fd == self.target for fd, _ in events):
+            self.log.append("readable")
+        return events
+
+
+def test_a_lane_request_caught_while_spinning_is_served_without_another_poll(endpoint: str) -> None:
+    """The spin's own poll found the lane readable: the loop serves it from that poll's answer."""
+    clock = FakeClock(step=0.0)  # frozen: the spin lasts until the request is there
+    router = Router(
+        lambda msg: None, lambda: None, sndhwm=100, spin=SpinPolicy(WINDOW_US, clock, clock.pause, clock)
+    )
+    polls = _Polls()
+    router._poller = polls  # type: ignore[assignment]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    polls.target = ours.fileno()
+    watching = threading.Event()
+
+    def on_readable() -> int:
+        polls.log.append(f"read {ours.recv(64)!r}")
+        return 1
+
+    def send_once(pauses: int) -> None:
+        if watching.is_set() and not polls.log:
+            theirs.send(b"request")
+
+    clock.on_pause = send_once
+    router.bind([endpoint])
+    router.start()
+    try:
+        router.call_soon(lambda: (router.watch(ours.fileno(), on_readable), watching.set()))
+        assert wait_until(lambda: "read b'request'" in polls.log, 30)
+        assert polls.log[:2] == ["readable", "read b'request'"]
+        assert router.spin_hits >= 1 and router.handled == 1
+    finally:
+        router.close()
+        ours.close()
+        theirs.close()
