@@ -172,7 +172,11 @@ def start_sides(
     # the plan's background race on, as on a device, and waited for: each side gets its final layout
     env = {"EDGESERVE_RUNTIME_RACE_BACKGROUND": "true"}
     server: RunningServer = start_server(repository, tmp, args=extra, timeout=240, env=env)
-    InProcess.wait_final(server.base, [w.model for w in works])
+    try:
+        InProcess.wait_final(server.base, [w.model for w in works])
+    except BaseException:  # not a side yet: nobody else stops it
+        server.stop()
+        raise
     grpc, http = server.grpc_url, server.http_url
     es_addresses = {
         "gRPC unary": grpc,
