@@ -298,9 +298,12 @@ def _(env: Env) -> Attack:
 
 @attack("pax-size-override")
 def _(env: Env) -> Attack:
-    """A pax record claims another size than the ustar header and the manifest."""
+    """A pax record claims another size than the ustar header and the manifest. tarfile releases with
+    the 2025 pax-header fixes (CPython 3.11.13+, Debian's 3.11.2-6+deb12u8) end the archive at such a
+    header without an error, so there the manifest's files are missing: refused all the same."""
     members = [regular(FILES[0][0], MODEL, pax={"size": "-1"}), *good_members()[1:]]
-    return Attack(env.manifest(), members, ("size", "truncated", "format"), r"bytes|end|read")
+    reasons = ("size", "truncated", "format", "missing")
+    return Attack(env.manifest(), members, reasons, r"bytes|end|read|not in the archive")
 
 
 @attack("gnu-longname-dotdot")
