@@ -52,7 +52,6 @@ from edgeserve.scheduling.queue import (
 )
 from edgeserve.scheduling.stats import JobTiming, ModelStats
 from edgeserve.scheduling.versioned import ModelVersionScheduler
-from edgeserve.scheduling.wakeups import NewestFirst
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -97,7 +96,7 @@ class Scheduler(ModelVersionScheduler, DecoupledRuns, InlineRuns, HangWatch):
             if preferred:
                 self._target_rows = max(preferred)
         self._lock = threading.Lock()
-        self._work = NewestFirst(self._lock)  # workers wait here for jobs, the last one to sleep woken first
+        self._work = threading.Condition(self._lock)  # workers wait here for jobs
         self._idle = threading.Condition(self._lock)  # wait_idle waits here
         self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []  # drain()
         self._threads: list[threading.Thread] = []
