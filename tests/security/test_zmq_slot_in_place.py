@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from zmq_rings import ring_request
 
 from edgeserve.client.ring import FrameRing
 from edgeserve.frontends.shm.registry import SharedMemoryRegistry
-from edgeserve.frontends.zmq import codec, wire
+from edgeserve.frontends.zmq import codec
 from edgeserve.protocol.errors import InferenceError, Status
 
 
@@ -19,11 +20,6 @@ def registry() -> Iterator[SharedMemoryRegistry]:
     reg = SharedMemoryRegistry()
     yield reg
     reg.close()
-
-
-def ring_request(ring: FrameRing, slot: int, gen: int) -> dict[str, object]:
-    ref = wire.shm_ref(ring.name, 16, slot=slot, gen=gen)
-    return {"v": 1, "model": "m", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "shm": ref}]}
 
 
 def read_in_place(decoded: codec.Decoded) -> list[list[float]]:

@@ -12,6 +12,7 @@ import pytest
 import zmq
 from fake_plane import FakeRepository, fake_plane
 from zmq_harness import NO_DIR
+from zmq_rings import ring_request
 
 from edgeserve.client.ring import FrameRing
 from edgeserve.config import Settings
@@ -95,11 +96,6 @@ def registry() -> Iterator[SharedMemoryRegistry]:
     reg = SharedMemoryRegistry()
     yield reg
     reg.close()
-
-
-def ring_request(ring: FrameRing, slot: int, gen: int) -> dict[str, object]:
-    ref = wire.shm_ref(ring.name, 16, slot=slot, gen=gen)
-    return {"v": 1, "model": "m", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "shm": ref}]}
 
 
 def test_a_rewritten_ring_header_is_read_again(registry: SharedMemoryRegistry) -> None:
