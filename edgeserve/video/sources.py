@@ -206,10 +206,14 @@ class SourceThread(threading.Thread):
                     continue
                 problem = "the stream ended"
             except Exception as exc:  # av.FFmpegError, OSError, a stall (TimeoutError) ...
+                if self.stopping.is_set():
+                    return None  # a read that stop() cut short: no loss to count
                 # FFmpeg's errors quote the URL: never with its password (logs, metrics, stderr)
                 problem = f"{type(exc).__name__}: {exc}".strip().replace(self.spec.url, self.spec.display)
                 if not self.spec.live:
                     return f"{self.spec.display}: {problem}"
+            if self.stopping.is_set():
+                return None  # the frames ended because stop() asked: not the camera's doing
             self.counters.up = False
             self.counters.last_error = problem
             self.counters.reconnects += 1

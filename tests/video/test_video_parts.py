@@ -3,6 +3,7 @@ conversion into ring slots, the detector decoding and the result schema, --publi
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -15,7 +16,7 @@ from edgeserve.video import SCHEMA, Result, SourceError, open_sink, parse_source
 from edgeserve.video.convert import InputError, InputSpec, write_input
 from edgeserve.video.flow import Mailbox
 from edgeserve.video.results import centerface_boxes, interpret, nms
-from edgeserve.video.sources import Decoded, SourceSpec
+from edgeserve.video.sources import Decoded, SourceOptions, SourceSpec, SourceThread
 
 
 def test_sources_are_parsed_and_bad_ones_refused(tmp_path) -> None:
@@ -205,3 +206,23 @@ def test_gstreamer_source_where_gstreamer_is_importable() -> None:
     )
     shapes = [rgb.shape for rgb, _ in frames]
     assert shapes == [(48, 64, 3)] * 3
+
+
+def test_a_stop_during_a_stalled_read_is_not_counted_as_a_lost_stream(caplog) -> None:
+    """stop() lands while FFmpeg waits on a camera that accepted the connection and says nothing: the
+    read that ends with the timeout is the stop's doing, not a lost stream (no reconnect counted, no
+    warning). Under load a stop landed mid-read often enough to fail the RTSP test."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(60)  # generous: FFmpeg's start may wait for a core on a busy box
+        spec = parse_source(f"cam=rtsp://127.0.0.1:{listener.getsockname()[1]}/cam")
+        ended: list[str | None] = []
+        options = SourceOptions(open_timeout=1.0, read_timeout=1.0)
+        thread = SourceThread(spec, options, lambda _: None, ended.append)
+        thread.start()
+        connection, _ = listener.accept()  # FFmpeg's RTSP request waits for an answer that never comes
+        with connection:
+            thread.stop()
+            thread.join(60)
+    assert not thread.is_alive()
+    assert (thread.counters.reconnects, thread.counters.last_error, ended) == (0, "", [None])
+    assert "reconnecting" not in caplog.text
