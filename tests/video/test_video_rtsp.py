@@ -13,17 +13,28 @@ from typing import Any
 from video_clips import expected_boxes, face_inside, quick_sources
 
 
+def _clip_frames(results: list[Any], fps: int) -> list[int]:
+    """Each result's frame of the clip. The server streams the clip in real time from when it prepared
+    it, so the first frame a client gets is not the clip's first; the RTP clock (pts, at the clip's
+    `fps`) tells which one it is. FFmpeg gives the first frame of each connection no pts: it is placed
+    by the next frame that has one (`frame` counts the frames decoded, so the gap is their distance)."""
+    placed: list[int] = []
+    anchor: tuple[int, int] | None = None  # (frame, clip frame) of the next result with a pts
+    for r in reversed(results):
+        if r.pts is not None:
+            anchor = (r.frame, round(r.pts * fps))
+            placed.append(anchor[1])
+        else:
+            placed.append(anchor[1] - (anchor[0] - r.frame) if anchor is not None else r.frame)
+    return placed[::-1]
+
+
 def _faces_ok(results: list[Any], frames: int = 300, fps: int = 10) -> bool:
-    """Each answer right for its frame of the clip, give or take 3 frames. The server streams the
-    clip in real time from when it prepared it, so the first frame a client gets is not the clip's
-    first; the RTP clock (pts, at the clip's `fps`) tells which one it is."""
+    """Each answer right for its frame of the clip, give or take 3 frames."""
     boxes = expected_boxes(frames)
-
-    def right(r: Any) -> bool:
-        clip_frame = round(r.pts * fps) if r.pts is not None else r.frame
-        return any(face_inside(r, boxes[(clip_frame + d) % frames]) for d in range(-3, 4))
-
-    return all(right(r) for r in results)
+    placed = _clip_frames(results, fps)
+    pairs = zip(results, placed, strict=True)
+    return all(any(face_inside(r, boxes[(at + d) % frames]) for d in range(-3, 4)) for r, at in pairs)
 
 
 def test_rtsp_over_tcp_and_udp(clips, rtsp_server, watching) -> None:
