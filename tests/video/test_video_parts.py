@@ -209,20 +209,21 @@ def test_gstreamer_source_where_gstreamer_is_importable() -> None:
 
 
 def test_a_stop_during_a_stalled_read_is_not_counted_as_a_lost_stream(caplog) -> None:
-    """stop() lands while FFmpeg waits on a camera that accepted the connection and says nothing: the
-    read that ends with the timeout is the stop's doing, not a lost stream (no reconnect counted, no
-    warning). Under load a stop landed mid-read often enough to fail the RTSP test."""
+    """stop() lands while FFmpeg waits on a camera that accepted the connection and says nothing; the
+    camera then hangs up. The read that fails is the stop's doing, not a lost stream (no reconnect
+    counted, no warning). Under load a stop landed mid-read often enough to fail the RTSP test."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(60)  # generous: FFmpeg's start may wait for a core on a busy box
         spec = parse_source(f"cam=rtsp://127.0.0.1:{listener.getsockname()[1]}/cam")
         ended: list[str | None] = []
-        options = SourceOptions(open_timeout=1.0, read_timeout=1.0)
+        # timeouts far beyond the test's steps: the read fails when the camera hangs up, after stop()
+        options = SourceOptions(open_timeout=60.0, read_timeout=60.0)
         thread = SourceThread(spec, options, lambda _: None, ended.append)
         thread.start()
-        connection, _ = listener.accept()  # FFmpeg's RTSP request waits for an answer that never comes
-        with connection:
-            thread.stop()
-            thread.join(60)
+        connection, _ = listener.accept()  # FFmpeg's RTSP request waits for an answer
+        thread.stop()
+        connection.close()
+        thread.join(60)
     assert not thread.is_alive()
     assert (thread.counters.reconnects, thread.counters.last_error, ended) == (0, "", [None])
     assert "reconnecting" not in caplog.text
