@@ -240,12 +240,13 @@ class Router:
             try:
                 idle_since = 0.0
                 self._spun = []
+                caught = False
                 if timeout_ms != 0:  # nothing pending: spin a little first while requests come close
                     idle_since = spin.clock()
                     ready = self._any_input if self._watched else self._input_queued
                     if spin.active() and spin.wait(idle_since, ready, self._woken):
                         timeout_ms = 0
-                        self.spin_hits += 1
+                        caught = True
                 # A spin that caught a lane's request polled for it just now: no second poll.
                 events = self._spun or poller.poll(timeout_ms)
                 woke = spin.clock()
@@ -261,6 +262,8 @@ class Router:
                 more = self._drain()
                 if idle_since and self.handled != handled:
                     spin.record_gap(woke - idle_since)
+                    # a hit is a request the spin caught, not a wake or a readable socket without one
+                    self.spin_hits += caught
                 self._drain_monitor()
                 self._run_callbacks()
                 timeout_ms = 0 if more or self._callbacks else self._next_timeout_ms()
