@@ -37,8 +37,8 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "h264": video_clips.encode(folder / "face.mkv", iter(faces[:60])),
         "h265": video_clips.encode(folder / "face265.mkv", iter(faces[:40]), "libx265"),
         "long": video_clips.encode(folder / "long.mkv", iter(faces)),
-        # the 300 frames four times at 4 frames/s: 300 s, so a stream beside a slow test does not reach
-        # its end (75 s did not last: three suites and a CPU hog side by side took longer)
+        # the 300 frames four times at 4 frames/s: 300 s, far longer than any test watches it, so a
+        # steady stream never reaches its end
         "steady": video_clips.encode(folder / "steady.mkv", iter(faces * 4), fps=4),
         "text": video_clips.encode(folder / "text.mkv", video_clips.text_frames(6)),
     }
